@@ -1,0 +1,47 @@
+"""Defaults that the daemon and its clients must agree on."""
+
+from __future__ import annotations
+
+import os
+
+# Length of a block key: a 256-bit content hash.
+KEY_BYTES = 32
+
+# The wire protocol version that proto/kvdepot.proto defines.
+PROTOCOL_VERSION = 1
+
+SOCKET_ENV = "KVDEPOT_SOCKET"
+
+
+def default_socket_path() -> str:
+    """Where kvdepotd listens unless told otherwise, for any user without set-up.
+
+    $KVDEPOT_SOCKET wins; then the user's runtime directory ($XDG_RUNTIME_DIR,
+    set by systemd-logind for login sessions); root gets /run/kvdepot (what the
+    systemd unit's RuntimeDirectory creates); anyone else a private folder in
+    /tmp named after their uid.
+    """
+    explicit = os.environ.get(SOCKET_ENV)
+    if explicit:
+        return explicit
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime_dir and os.path.isdir(runtime_dir):
+        return os.path.join(runtime_dir, "kvdepot", "kvdepot.sock")
+    if os.geteuid() == 0:
+        return "/run/kvdepot/kvdepot.sock"
+    return f"/tmp/kvdepot-{os.geteuid()}/kvdepot.sock"
+
+
+def grpc_target(listen: str) -> str:
+    """The gRPC target for a --listen value: a socket path, unix:PATH or HOST:PORT."""
+    if listen.startswith("unix:"):
+        return listen
+    if listen.startswith("tcp:"):
+        return listen[len("tcp:"):]
+    if "/" in listen or listen.endswith(".sock"):
+        return "unix:" + os.path.abspath(listen)
+    return listen
+
+
+def is_unix(listen: str) -> bool:
+    return grpc_target(listen).startswith("unix:")

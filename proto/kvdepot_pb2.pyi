@@ -1,0 +1,358 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AttachRequest(_message.Message):
+    __slots__ = ("client_name", "pid", "protocol_version")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    pid: int
+    protocol_version: int
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class Notification(_message.Message):
+    __slots__ = ("started", "job_done")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    JOB_DONE_FIELD_NUMBER: _ClassVar[int]
+    started: SessionStarted
+    job_done: JobDone
+    def __init__(self, started: _Optional[_Union[SessionStarted, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ...) -> None: ...
+
+class SessionStarted(_message.Message):
+    __slots__ = ("session_id", "daemon_instance", "pool", "daemon_version")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    daemon_instance: str
+    pool: PoolInfo
+    daemon_version: str
+    def __init__(self, session_id: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+
+class PoolInfo(_message.Message):
+    __slots__ = ("shm_path", "slot_bytes", "num_slots", "pinned")
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    shm_path: str
+    slot_bytes: int
+    num_slots: int
+    pinned: bool
+    def __init__(self, shm_path: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class JobDone(_message.Message):
+    __slots__ = ("job_id", "ok", "error")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    ok: bool
+    error: str
+    def __init__(self, job_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class NamespaceSpec(_message.Message):
+    __slots__ = ("model", "revision", "kv_dtype", "block_size", "layout", "tp_size", "kv_group", "extra")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    kv_dtype: str
+    block_size: int
+    layout: str
+    tp_size: int
+    kv_group: int
+    extra: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layout: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_group: _Optional[int] = ..., extra: _Optional[str] = ...) -> None: ...
+
+class RegisterEngineRequest(_message.Message):
+    __slots__ = ("session_id", "namespace")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace: NamespaceSpec
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
+
+class RegisterEngineResponse(_message.Message):
+    __slots__ = ("engine_id", "namespace_name")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_NAME_FIELD_NUMBER: _ClassVar[int]
+    engine_id: int
+    namespace_name: str
+    def __init__(self, engine_id: _Optional[int] = ..., namespace_name: _Optional[str] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "strides", "byte_offset", "storage_bytes", "block_dim", "page_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
+    BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIM_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    strides: _containers.RepeatedScalarFieldContainer[int]
+    byte_offset: int
+    storage_bytes: int
+    block_dim: int
+    page_bytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., byte_offset: _Optional[int] = ..., storage_bytes: _Optional[int] = ..., block_dim: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("mem_handle", "device_uuid")
+    MEM_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    mem_handle: bytes
+    device_uuid: str
+    def __init__(self, mem_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
+class TensorHandle(_message.Message):
+    __slots__ = ("shared_memory", "cuda_ipc")
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    shared_memory: SharedMemoryWorker
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, shared_memory: _Optional[_Union[SharedMemoryWorker, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryWorker(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("session_id", "namespace", "rank", "device", "tensors", "handles")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace: NamespaceSpec
+    rank: int
+    device: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    handles: _containers.RepeatedCompositeFieldContainer[TensorHandle]
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., handles: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("worker_id", "namespace_name", "block_bytes", "slot_offsets")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    namespace_name: str
+    block_bytes: int
+    slot_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[int] = ..., namespace_name: _Optional[str] = ..., block_bytes: _Optional[int] = ..., slot_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("session_id", "engine_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    engine_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("status", "ready_blocks", "loading_blocks", "storing_blocks")
+    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS_UNSPECIFIED: _ClassVar[LookupResponse.Status]
+        READY: _ClassVar[LookupResponse.Status]
+        NOT_YET: _ClassVar[LookupResponse.Status]
+    STATUS_UNSPECIFIED: LookupResponse.Status
+    READY: LookupResponse.Status
+    NOT_YET: LookupResponse.Status
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    status: LookupResponse.Status
+    ready_blocks: int
+    loading_blocks: int
+    storing_blocks: int
+    def __init__(self, status: _Optional[_Union[LookupResponse.Status, str]] = ..., ready_blocks: _Optional[int] = ..., loading_blocks: _Optional[int] = ..., storing_blocks: _Optional[int] = ...) -> None: ...
+
+class SubmitStoreRequest(_message.Message):
+    __slots__ = ("session_id", "worker_id", "job_id", "keys", "block_ids", "cuda_event_handle")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    worker_id: int
+    job_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    cuda_event_handle: bytes
+    def __init__(self, session_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., job_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., cuda_event_handle: _Optional[bytes] = ...) -> None: ...
+
+class SubmitStoreResponse(_message.Message):
+    __slots__ = ("copy_indices", "slots", "already_stored", "not_stored")
+    COPY_INDICES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
+    NOT_STORED_FIELD_NUMBER: _ClassVar[int]
+    copy_indices: _containers.RepeatedScalarFieldContainer[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    already_stored: int
+    not_stored: int
+    def __init__(self, copy_indices: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., already_stored: _Optional[int] = ..., not_stored: _Optional[int] = ...) -> None: ...
+
+class SubmitLoadRequest(_message.Message):
+    __slots__ = ("session_id", "worker_id", "job_id", "keys", "block_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    worker_id: int
+    job_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., job_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SubmitLoadResponse(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CompleteJobRequest(_message.Message):
+    __slots__ = ("session_id", "job_id", "ok", "error")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    job_id: int
+    ok: bool
+    error: str
+    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class CompleteJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Counters(_message.Message):
+    __slots__ = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "stored_bytes", "loaded_blocks", "loaded_bytes", "evicted_blocks", "failed_jobs", "store_gbps", "load_gbps")
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_JOBS_FIELD_NUMBER: _ClassVar[int]
+    STORE_GBPS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_GBPS_FIELD_NUMBER: _ClassVar[int]
+    lookups: int
+    hit_blocks: int
+    miss_blocks: int
+    stored_blocks: int
+    stored_bytes: int
+    loaded_blocks: int
+    loaded_bytes: int
+    evicted_blocks: int
+    failed_jobs: int
+    store_gbps: float
+    load_gbps: float
+    def __init__(self, lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., failed_jobs: _Optional[int] = ..., store_gbps: _Optional[float] = ..., load_gbps: _Optional[float] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("name", "counters", "ready_blocks", "used_slots")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    counters: Counters
+    ready_blocks: int
+    used_slots: int
+    def __init__(self, name: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., ready_blocks: _Optional[int] = ..., used_slots: _Optional[int] = ...) -> None: ...
+
+class ClientStats(_message.Message):
+    __slots__ = ("session_id", "client_name", "pid", "counters", "jobs_in_flight", "workers")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    JOBS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    client_name: str
+    pid: int
+    counters: Counters
+    jobs_in_flight: int
+    workers: int
+    def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., pid: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., jobs_in_flight: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended")
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    OCCUPANCY_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_ENDED_FIELD_NUMBER: _ClassVar[int]
+    daemon_version: str
+    daemon_instance: str
+    uptime_seconds: float
+    pool: PoolInfo
+    used_slots: int
+    pinned_slots: int
+    occupancy: float
+    eviction_policy: str
+    totals: Counters
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    clients: _containers.RepeatedCompositeFieldContainer[ClientStats]
+    sessions_ended: int
+    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ...) -> None: ...
+
+class ClearRequest(_message.Message):
+    __slots__ = ("namespace_name",)
+    NAMESPACE_NAME_FIELD_NUMBER: _ClassVar[int]
+    namespace_name: str
+    def __init__(self, namespace_name: _Optional[str] = ...) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ("cleared_blocks", "pinned_blocks")
+    CLEARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    cleared_blocks: int
+    pinned_blocks: int
+    def __init__(self, cleared_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
