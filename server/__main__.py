@@ -1,0 +1,5 @@
+import sys
+
+from kvdepot.server.main import main
+
+sys.exit(main())

@@ -1,0 +1,260 @@
+"""kvdepotd's configuration: flags over environment over a TOML file over defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from dataclasses import dataclass, fields
+
+from kvdepot.defaults import default_socket_path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message says which and why."""
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """'64GiB', '512MiB', '1.5G', '4096' -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"{text!r} is not a size; write e.g. 64GiB, 512MiB or 4096")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+@dataclass
+class Option:
+    name: str
+    default: object
+    help: str
+    kind: type = str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def env(self) -> str:
+        return "KVDEPOT_" + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+OPTIONS = [
+    Option(
+        "listen",
+        None,
+        "Where to serve: a unix socket path (default: $XDG_RUNTIME_DIR/kvdepot/kvdepot.sock, "
+        "/run/kvdepot/kvdepot.sock for root, else /tmp/kvdepot-$UID/kvdepot.sock), "
+        "unix:PATH, or HOST:PORT for TCP, which needs --auth-token-file.",
+    ),
+    Option(
+        "pool_size",
+        "1GiB",
+        "Host memory for cached blocks, e.g. 64GiB. Allocated and (with CUDA) pinned at start.",
+    ),
+    Option(
+        "slot_size",
+        "2MiB",
+        "Bytes of one pool slot. A slot holds one block of one TP rank (all its layers): "
+        "2MiB fits Llama-3.1-8B at 16 tokens per block. A worker whose block is larger is refused.",
+    ),
+    Option(
+        "pool_dir",
+        "auto",
+        "Folder for the pool's shared-memory file. 'auto' takes /dev/shm if it has room, else "
+        "the socket's folder. Containers often mount a small /dev/shm: raise it (--shm-size) "
+        "or point this at a tmpfs or hugetlbfs mount with room.",
+    ),
+    Option(
+        "eviction",
+        "lru",
+        "What to drop when the pool is full: lru (least recently used) or arc (adaptive "
+        "replacement: blocks used twice outlive scans of blocks used once).",
+        choices=("lru", "arc"),
+    ),
+    Option(
+        "pin",
+        "auto",
+        "Register the pool with CUDA as pinned memory: auto (when CUDA is available), on "
+        "(fail without CUDA) or off.",
+        choices=("auto", "on", "off"),
+    ),
+    Option(
+        "pin_threads",
+        0,
+        "Threads that fault in and pin the pool at start; 0 means one per core, at most 16.",
+        kind=int,
+    ),
+    Option(
+        "auth_token_file",
+        None,
+        "File holding the token that TCP clients must send (authorization: Bearer TOKEN). "
+        "Required for TCP; ignored on unix sockets, whose file permissions decide who connects.",
+    ),
+    Option(
+        "drain_timeout",
+        30.0,
+        "Seconds SIGTERM waits for jobs in flight before the daemon exits anyway.",
+        kind=float,
+    ),
+    Option(
+        "log_level",
+        "info",
+        "debug, info, warning or error.",
+        choices=("debug", "info", "warning", "error"),
+    ),
+    Option(
+        "log_format",
+        "text",
+        "text (for people) or json (one object a line, for log collectors).",
+        choices=("text", "json"),
+    ),
+]
+
+
+@dataclass
+class DaemonConfig:
+    listen: str
+    pool_size: int
+    slot_size: int
+    pool_dir: str
+    eviction: str
+    pin: str
+    pin_threads: int
+    auth_token_file: str | None
+    drain_timeout: float
+    log_level: str
+    log_format: str
+
+    @property
+    def auth_token(self) -> str | None:
+        if not self.auth_token_file:
+            return None
+        with open(self.auth_token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+        if not token:
+            raise ConfigError(f"auth token file {self.auth_token_file} is empty")
+        return token
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvdepotd",
+        description=(
+            "kvdepot daemon: keeps LLM KV-cache blocks in host memory for the inference "
+            "engines of this node. Every option can also be set in the environment "
+            "(KVDEPOT_<OPTION>, e.g. KVDEPOT_POOL_SIZE) or in a TOML file (--config); "
+            "flags win over the environment, which wins over the file."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--config",
+        default=os.environ.get("KVDEPOT_CONFIG"),
+        help="TOML file with options by their long names, e.g. pool_size = \"64GiB\" "
+        "(also $KVDEPOT_CONFIG).",
+    )
+    for opt in OPTIONS:
+        parser.add_argument(
+            opt.flag,
+            dest=opt.name,
+            default=None,
+            choices=opt.choices,
+            type=opt.kind if opt.kind is not str else None,
+            help=f"{opt.help} [env {opt.env}; default {opt.default}]",
+        )
+    return parser
+
+
+def load_config(argv: list[str] | None = None, environ: dict | None = None) -> DaemonConfig:
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    from_file: dict = {}
+    if args.config:
+        try:
+            with open(args.config, "rb") as f:
+                from_file = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {args.config}: {e.strerror}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {args.config} is not valid TOML: {e}") from e
+        known = {opt.name for opt in OPTIONS}
+        unknown = sorted(set(from_file) - known)
+        if unknown:
+            raise ConfigError(
+                f"config file {args.config}: unknown option(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+    values: dict = {}
+    for opt in OPTIONS:
+        value = getattr(args, opt.name)
+        source = opt.flag
+        if value is None and opt.env in environ:
+            value, source = environ[opt.env], opt.env
+        if value is None and opt.name in from_file:
+            value, source = from_file[opt.name], f"{args.config}: {opt.name}"
+        if value is None:
+            value, source = opt.default, "default"
+        values[opt.name] = _convert(opt, value, source)
+    if values["listen"] is None:
+        values["listen"] = default_socket_path()
+    config = DaemonConfig(**values)
+    _check(config)
+    return config
+
+
+def _convert(opt: Option, value, source: str):
+    if value is None:
+        return None
+    try:
+        if opt.name in ("pool_size", "slot_size"):
+            return parse_size(value)
+        value = opt.kind(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{source}: {value!r} is not a valid {opt.name}: {e}") from e
+    if opt.choices and value not in opt.choices:
+        raise ConfigError(f"{source}: {opt.name} must be one of {', '.join(opt.choices)}")
+    return value
+
+
+def _check(config: DaemonConfig) -> None:
+    if config.slot_size < 64:
+        raise ConfigError(f"slot_size {config.slot_size} is too small (at least 64 bytes)")
+    if config.pool_size < config.slot_size:
+        raise ConfigError(
+            f"pool_size {config.pool_size} is smaller than one slot ({config.slot_size} bytes)"
+        )
+    if config.pin_threads < 0:
+        raise ConfigError("pin_threads must be 0 (automatic) or more")
+    if config.drain_timeout < 0:
+        raise ConfigError("drain_timeout must not be negative")
+
+
+def describe(config: DaemonConfig) -> dict:
+    return {f.name: getattr(config, f.name) for f in fields(config)}

@@ -1,0 +1,484 @@
+"""The daemon's state machine: sessions, namespaces, workers and jobs.
+
+It knows nothing of gRPC: the service turns requests into calls here and the
+typed errors raised here into status codes. Every method runs on the event
+loop's thread, so the state needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvdepot.defaults import KEY_BYTES, PROTOCOL_VERSION
+from kvdepot.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvdepot.layout import WorkerLayout, describe
+from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.eviction import make_policy
+from kvdepot.server.index import Block, BlockIndex, Namespace
+from kvdepot.server.pool import HostPool
+from kvdepot.server.stats import BusyClock, Counters
+from kvdepot.server.transport import SharedMemoryTransport, Transport
+
+log = logging.getLogger("kvdepot.depot")
+
+# Job ids a session finished recently, still refused as duplicates: a client
+# that reuses one that fast has lost track of its jobs.
+RECENT_JOB_IDS = 4096
+
+
+@dataclass(eq=False)
+class Worker:
+    id: int
+    session: "Session"
+    ns: Namespace
+    rank: int
+    device: str
+    layout: WorkerLayout
+    transport: Transport
+
+
+@dataclass(eq=False)
+class Job:
+    id: int
+    kind: str  # "store" or "load"
+    session: "Session"
+    worker: Worker
+    # The blocks the job writes (store) or reads (load), and their block ids.
+    blocks: list[Block]
+    block_ids: list[int]
+    slots: list[int]
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    client_name: str
+    pid: int
+    notifications: asyncio.Queue = field(default_factory=asyncio.Queue)
+    engines: dict[int, Namespace] = field(default_factory=dict)
+    workers: dict[int, Worker] = field(default_factory=dict)
+    jobs: dict[int, Job] = field(default_factory=dict)
+    recent_job_ids: deque = field(default_factory=lambda: deque(maxlen=RECENT_JOB_IDS))
+    counters: Counters = field(default_factory=Counters)
+    ended: bool = False
+
+
+def namespace_identity(spec: pb.NamespaceSpec) -> tuple:
+    return (
+        spec.model,
+        spec.revision,
+        spec.kv_dtype,
+        spec.block_size,
+        spec.layout,
+        spec.tp_size,
+        spec.kv_group,
+        spec.extra,
+    )
+
+
+def namespace_name(spec: pb.NamespaceSpec) -> str:
+    name = spec.model + (f"@{spec.revision}" if spec.revision else "")
+    name += f":{spec.kv_dtype or '-'}:bs{spec.block_size}:{spec.layout or '-'}"
+    name += f":tp{spec.tp_size}:g{spec.kv_group}"
+    return name + (f":{spec.extra}" if spec.extra else "")
+
+
+class Depot:
+    def __init__(self, pool: HostPool, eviction: str, instance: str, version: str):
+        self.pool = pool
+        self.instance = instance
+        self.version = version
+        self.started = time.monotonic()
+        self.totals = Counters()
+        self.store_clock = BusyClock()
+        self.load_clock = BusyClock()
+        self.policy = make_policy(eviction, pool.num_slots)
+        self.index = BlockIndex(pool, self.policy, self._count_eviction)
+        self.transports: dict[str, Transport] = {"shared_memory": SharedMemoryTransport(self)}
+        self.sessions: dict[str, Session] = {}
+        self.sessions_ended = 0
+        self.namespaces: dict[tuple, Namespace] = {}
+        self.draining = False
+        self._jobs_in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._next_id = 1
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    # ------------------------------------------------------------ sessions
+
+    def pool_info(self) -> pb.PoolInfo:
+        return pb.PoolInfo(
+            shm_path=self.pool.path,
+            slot_bytes=self.pool.slot_bytes,
+            num_slots=self.pool.num_slots,
+            pinned=self.pool.pinned,
+        )
+
+    def attach(self, client_name: str, pid: int, protocol_version: int) -> Session:
+        if protocol_version != PROTOCOL_VERSION:
+            raise FailedPrecondition(
+                f"this daemon speaks protocol version {PROTOCOL_VERSION}, the client "
+                f"{protocol_version}: upgrade the older of the two"
+            )
+        if self.draining:
+            raise Unavailable("the daemon is shutting down")
+        session = Session(secrets.token_hex(8), client_name, pid)
+        self.sessions[session.id] = session
+        log.info("session %s attached: %s (pid %d)", session.id, client_name, pid)
+        return session
+
+    def end_session(self, session: Session) -> None:
+        """The client is gone: its jobs end, its pins and mappings are released."""
+        if session.ended:
+            return
+        session.ended = True
+        jobs = list(session.jobs.values())
+        for job in jobs:
+            job.worker.transport.abandon(job)
+        for worker in session.workers.values():
+            worker.transport.close_worker(worker)
+        del self.sessions[session.id]
+        self.sessions_ended += 1
+        log.info(
+            "session %s ended: %s (pid %d), %d job(s) were in flight",
+            session.id,
+            session.client_name,
+            session.pid,
+            len(jobs),
+        )
+
+    def _session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFound(
+                f"unknown session {session_id!r}: attach first (after a daemon restart, "
+                "attach and register again)"
+            )
+        return session
+
+    # ------------------------------------------------------------ registration
+
+    def _namespace(self, spec: pb.NamespaceSpec) -> Namespace:
+        if not spec.model:
+            raise InvalidArgument("namespace.model is required")
+        if spec.block_size < 1:
+            raise InvalidArgument("namespace.block_size must be at least 1")
+        if spec.tp_size < 1:
+            raise InvalidArgument("namespace.tp_size must be at least 1")
+        identity = namespace_identity(spec)
+        ns = self.namespaces.get(identity)
+        if ns is None:
+            ns = Namespace(id=self._new_id(), name=namespace_name(spec), tp_size=spec.tp_size)
+            self.namespaces[identity] = ns
+            log.info("namespace %s created", ns.name)
+        return ns
+
+    def register_engine(self, session_id: str, spec: pb.NamespaceSpec) -> tuple[int, Namespace]:
+        session = self._session(session_id)
+        ns = self._namespace(spec)
+        engine_id = self._new_id()
+        session.engines[engine_id] = ns
+        return engine_id, ns
+
+    def register_worker(self, request: pb.RegisterWorkerRequest) -> Worker:
+        session = self._session(request.session_id)
+        ns = self._namespace(request.namespace)
+        if request.rank >= ns.tp_size:
+            raise InvalidArgument(f"rank {request.rank} is outside tp_size {ns.tp_size}")
+        if len(request.handles) != len(request.tensors):
+            raise InvalidArgument(
+                f"{len(request.tensors)} tensors but {len(request.handles)} handles: "
+                "give one handle for each tensor"
+            )
+        layout = WorkerLayout.of(
+            [
+                describe(
+                    name=t.name or f"tensor{i}",
+                    dtype=t.dtype,
+                    shape=t.shape,
+                    strides=t.strides,
+                    byte_offset=t.byte_offset,
+                    storage_bytes=t.storage_bytes,
+                    block_dim=t.block_dim,
+                    page_bytes=t.page_bytes,
+                )
+                for i, t in enumerate(request.tensors)
+            ]
+        )
+        if layout.block_bytes > self.pool.slot_bytes:
+            raise InvalidArgument(
+                f"one block of this worker is {layout.block_bytes} bytes, more than a pool "
+                f"slot ({self.pool.slot_bytes} bytes): start kvdepotd with --slot-size "
+                f"{layout.block_bytes} or more"
+            )
+        known = ns.rank_signatures.get(request.rank)
+        if known is not None and known != layout.signature():
+            raise InvalidArgument(
+                f"rank {request.rank} of namespace {ns.name} was registered with another "
+                "layout (dtype, page sizes or pages per block differ): engines that share a "
+                "namespace must share the KV layout"
+            )
+        kind = request.handles[0].WhichOneof("transport")
+        transport = self.transports.get(kind)
+        if transport is None:
+            raise FailedPrecondition(
+                f"this daemon has no {kind} transport (available: "
+                f"{', '.join(self.transports)})"
+            )
+        worker = Worker(self._new_id(), session, ns, request.rank, request.device, layout, transport)
+        transport.open_worker(worker, layout, request.handles)
+        ns.rank_signatures[request.rank] = layout.signature()
+        ns.rank_block_bytes[request.rank] = layout.block_bytes
+        session.workers[worker.id] = worker
+        log.info(
+            "worker %d registered: %s rank %d on %s, %d tensors, %d blocks of %d bytes, %s",
+            worker.id,
+            ns.name,
+            worker.rank,
+            worker.device,
+            len(layout.tensors),
+            layout.num_blocks,
+            layout.block_bytes,
+            transport.name,
+        )
+        return worker
+
+    # ------------------------------------------------------------ lookup
+
+    @staticmethod
+    def _check_keys(keys) -> list[bytes]:
+        for position, key in enumerate(keys):
+            if len(key) != KEY_BYTES:
+                raise InvalidArgument(
+                    f"key {position} has {len(key)} bytes; keys are {KEY_BYTES}-byte hashes"
+                )
+        return list(keys)
+
+    def lookup(self, session_id: str, engine_id: int, keys) -> pb.LookupResponse:
+        session = self._session(session_id)
+        ns = session.engines.get(engine_id)
+        if ns is None:
+            raise NotFound(f"unknown engine {engine_id} in this session: register it first")
+        keys = self._check_keys(keys)
+        result = self.index.lookup(ns, keys)
+        if result.status == pb.LookupResponse.READY:
+            self._count(
+                session,
+                ns,
+                lookups=1,
+                hit_blocks=result.ready,
+                miss_blocks=len(keys) - result.ready,
+            )
+        return pb.LookupResponse(
+            status=result.status,
+            ready_blocks=result.ready,
+            loading_blocks=result.loading,
+            storing_blocks=result.storing,
+        )
+
+    # ------------------------------------------------------------ jobs
+
+    def _job_request(self, request) -> tuple[Session, Worker, list[bytes], list[int]]:
+        if self.draining:
+            raise Unavailable("the daemon is shutting down and takes no new jobs")
+        session = self._session(request.session_id)
+        worker = session.workers.get(request.worker_id)
+        if worker is None:
+            raise NotFound(f"unknown worker {request.worker_id} in this session: register it first")
+        if request.job_id in session.jobs or request.job_id in session.recent_job_ids:
+            raise AlreadyExists(f"job id {request.job_id} is already used by this session")
+        if len(request.keys) != len(request.block_ids):
+            raise InvalidArgument(
+                f"{len(request.keys)} keys but {len(request.block_ids)} block ids: "
+                "give one block id for each key"
+            )
+        if not request.keys:
+            raise InvalidArgument("a job needs at least one block")
+        if len(request.keys) > self.pool.num_slots:
+            raise ResourceExhausted(
+                f"the job has {len(request.keys)} blocks but the whole pool holds "
+                f"{self.pool.num_slots}: split it or start kvdepotd with a larger --pool-size"
+            )
+        keys = self._check_keys(request.keys)
+        num_blocks = worker.layout.num_blocks
+        for position, block_id in enumerate(request.block_ids):
+            if block_id >= num_blocks:
+                raise InvalidArgument(
+                    f"block id {block_id} at position {position} is outside the worker's "
+                    f"registered tensors ({num_blocks} blocks)"
+                )
+        return session, worker, keys, list(request.block_ids)
+
+    def _begin(self, job: Job) -> None:
+        job.session.jobs[job.id] = job
+        (self.store_clock if job.kind == "store" else self.load_clock).start()
+        self._jobs_in_flight += 1
+        self._idle.clear()
+        job.worker.transport.start(job)
+
+    def submit_store(self, request: pb.SubmitStoreRequest) -> pb.SubmitStoreResponse:
+        session, worker, keys, block_ids = self._job_request(request)
+        reservation = self.index.reserve_store(worker.ns, worker.rank, keys, request.job_id)
+        writes = reservation.writes
+        job = Job(
+            id=request.job_id,
+            kind="store",
+            session=session,
+            worker=worker,
+            blocks=[block for _, block in writes],
+            block_ids=[block_ids[position] for position, _ in writes],
+            slots=[block.slots[worker.rank] for _, block in writes],
+        )
+        self._begin(job)
+        if reservation.not_stored:
+            log.warning(
+                "store job %d of session %s: %d block(s) not stored, every slot is pinned",
+                job.id,
+                session.id,
+                reservation.not_stored,
+            )
+        return pb.SubmitStoreResponse(
+            copy_indices=[position for position, _ in writes],
+            slots=job.slots,
+            already_stored=reservation.already_stored,
+            not_stored=reservation.not_stored,
+        )
+
+    def submit_load(self, request: pb.SubmitLoadRequest) -> pb.SubmitLoadResponse:
+        session, worker, keys, block_ids = self._job_request(request)
+        if len(set(block_ids)) != len(block_ids):
+            raise InvalidArgument("a load writes each block id once; the request repeats some")
+        blocks = self.index.reserve_load(worker.ns, keys)
+        slots = [block.slots[worker.rank] for block in blocks]
+        job = Job(request.job_id, "load", session, worker, blocks, block_ids, slots)
+        self._begin(job)
+        return pb.SubmitLoadResponse(slots=slots)
+
+    def complete_job(self, request: pb.CompleteJobRequest) -> None:
+        session = self._session(request.session_id)
+        job = session.jobs.get(request.job_id)
+        if job is None:
+            raise NotFound(f"no job {request.job_id} in flight in this session")
+        if not job.worker.transport.worker_copies:
+            raise FailedPrecondition(
+                f"job {job.id} is copied by the daemon ({job.worker.transport.name}); "
+                "only shared-memory jobs are completed by the client"
+            )
+        self.finish_job(job, ok=request.ok, error=request.error)
+
+    def finish_job(self, job: Job, ok: bool, error: str = "") -> None:
+        """Commits or rolls back a job whose copies have ended, and notifies its client."""
+        session, worker = job.session, job.worker
+        if session.jobs.pop(job.id, None) is None:
+            return
+        session.recent_job_ids.append(job.id)
+        nbytes = worker.layout.block_bytes
+        if job.kind == "store":
+            for block in job.blocks:
+                self.index.finish_store(block, worker.rank, ok)
+            if ok:
+                n = len(job.blocks)
+                self._count(session, worker.ns, stored_blocks=n, stored_bytes=n * nbytes)
+            self.store_clock.stop()
+        else:
+            for block in job.blocks:
+                self.index.finish_load(block)
+            if ok:
+                n = len(job.blocks)
+                self._count(session, worker.ns, loaded_blocks=n, loaded_bytes=n * nbytes)
+            self.load_clock.stop()
+        if not ok:
+            self._count(session, worker.ns, failed_jobs=1)
+            log.warning("%s job %d of session %s failed: %s", job.kind, job.id, session.id, error)
+        self._jobs_in_flight -= 1
+        if self._jobs_in_flight == 0:
+            self._idle.set()
+        if not session.ended:
+            session.notifications.put_nowait(
+                pb.Notification(job_done=pb.JobDone(job_id=job.id, ok=ok, error=error))
+            )
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuses new jobs and waits for those in flight; False if time ran out."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return self._jobs_in_flight
+
+    # ------------------------------------------------------------ accounting
+
+    def _count(self, session: Session | None, ns: Namespace, **deltas: int) -> None:
+        targets = [self.totals, ns.counters] + ([session.counters] if session else [])
+        for counters in targets:
+            for name, delta in deltas.items():
+                setattr(counters, name, getattr(counters, name) + delta)
+
+    def _count_eviction(self, block: Block) -> None:
+        self._count(None, block.ns, evicted_blocks=1)
+
+    def stats(self) -> pb.GetStatsResponse:
+        used = self.pool.used_slots
+        response = pb.GetStatsResponse(
+            daemon_version=self.version,
+            daemon_instance=self.instance,
+            uptime_seconds=time.monotonic() - self.started,
+            pool=self.pool_info(),
+            used_slots=used,
+            pinned_slots=self.index.pinned_slots,
+            occupancy=used / self.pool.num_slots,
+            eviction_policy=self.policy.name,
+            totals=self.totals.to_proto(self.store_clock.seconds, self.load_clock.seconds),
+            sessions_ended=self.sessions_ended,
+        )
+        for ns in self.namespaces.values():
+            response.namespaces.add(
+                name=ns.name,
+                counters=ns.counters.to_proto(),
+                ready_blocks=ns.ready_blocks,
+                used_slots=ns.used_slots,
+            )
+        for session in self.sessions.values():
+            response.clients.add(
+                session_id=session.id,
+                client_name=session.client_name,
+                pid=session.pid,
+                counters=session.counters.to_proto(),
+                jobs_in_flight=len(session.jobs),
+                workers=len(session.workers),
+            )
+        return response
+
+    def clear(self, namespace_name: str) -> pb.ClearResponse:
+        target = None
+        if namespace_name:
+            matches = [ns for ns in self.namespaces.values() if ns.name == namespace_name]
+            if not matches:
+                known = ", ".join(sorted(ns.name for ns in self.namespaces.values())) or "none"
+                raise NotFound(f"no namespace {namespace_name!r}; known: {known}")
+            target = matches[0]
+        cleared, pinned = self.index.clear(target)
+        log.info("cleared %d block(s) of %s; %d pinned kept", cleared, namespace_name or "every namespace", pinned)
+        return pb.ClearResponse(cleared_blocks=cleared, pinned_blocks=pinned)

@@ -1,0 +1,244 @@
+"""The block index: which keys are stored where, who pins them, what to evict.
+
+A block is one key of one namespace; each TP rank stores its own shard of it in
+a slot of its own. A block becomes *ready* (visible to lookups and loads) only
+when every rank's shard is committed; until then it is *incomplete*, and a
+failed shard store frees that shard without ever exposing the block. A block
+that a job pins (a store writing it, a load reading it) is never evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvdepot.errors import FailedPrecondition
+from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.pool import HostPool
+from kvdepot.server.stats import Counters
+
+
+@dataclass(eq=False)
+class Namespace:
+    id: int
+    name: str
+    tp_size: int
+    counters: Counters = field(default_factory=Counters)
+    # Layout of each rank's shard, fixed by the first worker of that rank.
+    rank_signatures: dict = field(default_factory=dict)
+    rank_block_bytes: dict = field(default_factory=dict)
+    ready_blocks: int = 0
+    used_slots: int = 0
+
+
+class Block:
+    __slots__ = ("ns", "key", "slots", "committed", "writers", "pins", "loading", "ready")
+
+    def __init__(self, ns: Namespace, key: bytes):
+        self.ns = ns
+        self.key = key
+        self.slots: list[int | None] = [None] * ns.tp_size
+        self.committed: set[int] = set()
+        self.writers: dict[int, int] = {}  # rank -> job id writing that shard
+        self.pins = 0
+        self.loading = 0
+        self.ready = False
+
+    @property
+    def index_key(self) -> tuple[int, bytes]:
+        return (self.ns.id, self.key)
+
+    def held_slots(self) -> list[int]:
+        return [s for s in self.slots if s is not None]
+
+
+@dataclass
+class LookupResult:
+    status: int
+    ready: int
+    loading: int
+    storing: int
+
+
+@dataclass
+class StoreReservation:
+    # (position in the request, block) for each shard the job must write.
+    writes: list[tuple[int, Block]]
+    already_stored: int
+    not_stored: int
+
+
+class BlockIndex:
+    def __init__(self, pool: HostPool, policy, on_evict: Callable[[Block], None]):
+        self.pool = pool
+        self.policy = policy
+        self._on_evict = on_evict
+        self._blocks: dict[tuple[int, bytes], Block] = {}
+        # Not ready, oldest first: evicted before any ready block when unpinned.
+        self._incomplete: OrderedDict[tuple[int, bytes], None] = OrderedDict()
+        self._pinned: set[Block] = set()
+
+    # ------------------------------------------------------------ queries
+
+    def lookup(self, ns: Namespace, keys: list[bytes]) -> LookupResult:
+        ready = loading = storing = 0
+        position = 0
+        for position, key in enumerate(keys):
+            block = self._blocks.get((ns.id, key))
+            if block is None or not block.ready:
+                break
+            ready += 1
+            loading += block.loading > 0
+        else:
+            position = len(keys)
+        for key in keys[position:]:
+            block = self._blocks.get((ns.id, key))
+            if block is None or block.ready or not block.writers:
+                break
+            storing += 1
+        status = pb.LookupResponse.NOT_YET if storing else pb.LookupResponse.READY
+        return LookupResult(status, ready, loading, storing)
+
+    @property
+    def pinned_slots(self) -> int:
+        return sum(len(b.held_slots()) for b in self._pinned)
+
+    def blocks_of(self, ns: Namespace | None) -> list[Block]:
+        return [b for b in self._blocks.values() if ns is None or b.ns is ns]
+
+    # ------------------------------------------------------------ pins
+
+    def _pin(self, block: Block) -> None:
+        block.pins += 1
+        self._pinned.add(block)
+
+    def _unpin(self, block: Block) -> None:
+        block.pins -= 1
+        if block.pins == 0:
+            self._pinned.discard(block)
+
+    # ------------------------------------------------------------ stores
+
+    def reserve_store(self, ns: Namespace, rank: int, keys: list[bytes], job_id: int) -> StoreReservation:
+        writes: list[tuple[int, Block]] = []
+        already = 0
+        for position, key in enumerate(keys):
+            index_key = (ns.id, key)
+            block = self._blocks.get(index_key)
+            if block is not None and (block.ready or rank in block.committed or rank in block.writers):
+                already += 1
+                if block.ready:
+                    self.policy.touch(index_key)
+                continue
+            created = block is None
+            if created:
+                block = Block(ns, key)
+            # Pinned before making room, so that eviction cannot take it.
+            self._pin(block)
+            slot = self._allocate_slot(index_key)
+            if slot is None:
+                self._unpin(block)
+                return StoreReservation(writes, already, len(keys) - position)
+            if created:
+                self._blocks[index_key] = block
+                self._incomplete[index_key] = None
+            block.slots[rank] = slot
+            block.writers[rank] = job_id
+            ns.used_slots += 1
+            writes.append((position, block))
+        return StoreReservation(writes, already, 0)
+
+    def finish_store(self, block: Block, rank: int, ok: bool) -> bool:
+        """Ends one shard's store; True when it made the block ready."""
+        del block.writers[rank]
+        self._unpin(block)
+        if not ok:
+            self._free_shard(block, rank)
+            return False
+        block.committed.add(rank)
+        if len(block.committed) < block.ns.tp_size:
+            return False
+        block.ready = True
+        block.ns.ready_blocks += 1
+        self._incomplete.pop(block.index_key, None)
+        self.policy.insert(block.index_key)
+        return True
+
+    def _free_shard(self, block: Block, rank: int) -> None:
+        slot = block.slots[rank]
+        if slot is not None:
+            self.pool.release(slot)
+            block.ns.used_slots -= 1
+            block.slots[rank] = None
+        if not block.held_slots() and not block.writers and block.pins == 0:
+            del self._blocks[block.index_key]
+            self._incomplete.pop(block.index_key, None)
+
+    # ------------------------------------------------------------ loads
+
+    def reserve_load(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
+        blocks = []
+        for position, key in enumerate(keys):
+            block = self._blocks.get((ns.id, key))
+            if block is None or not block.ready:
+                raise FailedPrecondition(
+                    f"key {position} of {len(keys)} ({key.hex()[:16]}...) is not stored in "
+                    f"namespace {ns.name} (never stored, still being stored, or evicted); "
+                    "look it up again"
+                )
+            blocks.append(block)
+        for block in blocks:
+            self._pin(block)
+            block.loading += 1
+        return blocks
+
+    def finish_load(self, block: Block) -> None:
+        block.loading -= 1
+        self._unpin(block)
+        self.policy.touch(block.index_key)
+
+    # ------------------------------------------------------------ room
+
+    def _allocate_slot(self, incoming: tuple[int, bytes]) -> int | None:
+        slot = self.pool.allocate()
+        while slot is None:
+            victim = self._victim(incoming)
+            if victim is None:
+                return None
+            self._drop(victim)
+            if victim.ready:
+                self._on_evict(victim)
+            slot = self.pool.allocate()
+        return slot
+
+    def _victim(self, incoming) -> Block | None:
+        for index_key in self._incomplete:
+            block = self._blocks[index_key]
+            if block.pins == 0:
+                return block
+        index_key = self.policy.victim(lambda k: self._blocks[k].pins == 0, incoming)
+        return None if index_key is None else self._blocks[index_key]
+
+    def _drop(self, block: Block) -> None:
+        for rank, slot in enumerate(block.slots):
+            if slot is not None:
+                self.pool.release(slot)
+                block.ns.used_slots -= 1
+                block.slots[rank] = None
+        if block.ready:
+            block.ns.ready_blocks -= 1
+        del self._blocks[block.index_key]
+        self._incomplete.pop(block.index_key, None)
+
+    def clear(self, ns: Namespace | None) -> tuple[int, int]:
+        """Drops every unpinned block of `ns` (all when None): (dropped, kept pinned)."""
+        cleared = pinned = 0
+        for block in self.blocks_of(ns):
+            if block.pins:
+                pinned += 1
+                continue
+            self.policy.remove(block.index_key)
+            self._drop(block)
+            cleared += 1
+        return cleared, pinned

@@ -1,0 +1,255 @@
+"""kvdepotd: start-up, the listening socket, signals and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import kvdepot
+from kvdepot.defaults import grpc_target
+from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
+from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_config
+from kvdepot.server.depot import Depot
+from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
+from kvdepot.server.service import KVDepotService, TokenAuthInterceptor
+
+log = logging.getLogger("kvdepot")
+
+SERVICE_NAME = "kvdepot.v1.KVDepot"
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(config: DaemonConfig) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if config.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(config.log_level.upper())
+
+
+def notify_systemd(state: str) -> None:
+    """sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.sendto(state.encode(), address)
+        except OSError as e:
+            log.warning("could not notify systemd: %s", e)
+
+
+class SocketGuard:
+    """Owns a unix socket path: refuses a second daemon, clears a stale socket.
+
+    The lock beside the socket is held for the daemon's life and released by
+    the kernel when it dies, so a socket file left by a crash is recognisably
+    stale while a live daemon's is not.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.lock_path = path + ".lock"
+        self._lock_fd: int | None = None
+
+    def acquire(self) -> None:
+        directory = os.path.dirname(self.path) or "."
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise StartupError(f"cannot create the socket folder {directory}: {e.strerror}") from e
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StartupError(
+                f"another kvdepotd (pid {holder}) is already serving unix:{self.path}; "
+                "stop it first, or give this one another --listen path"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        if os.path.exists(self.path):
+            log.info("removing the stale socket %s left by a daemon that is gone", self.path)
+            os.unlink(self.path)
+
+    def release(self) -> None:
+        for path in (self.path,):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+async def serve(config: DaemonConfig) -> int:
+    target = grpc_target(config.listen)
+    unix_path = target[len("unix:"):] if target.startswith("unix:") else None
+    token = config.auth_token
+    if unix_path is None and token is None:
+        raise StartupError(
+            f"refusing to serve TCP ({target}) without authentication: set --auth-token-file "
+            "(clients send it as 'authorization: Bearer TOKEN'), or listen on a unix socket"
+        )
+
+    guard = SocketGuard(unix_path) if unix_path else None
+    if guard:
+        guard.acquire()
+    instance = secrets.token_hex(6)
+    try:
+        pool_dir = choose_pool_dir(
+            config.pool_dir, os.path.dirname(unix_path) if unix_path else None, config.pool_size
+        )
+        started = time.monotonic()
+        pool = HostPool(
+            size=config.pool_size,
+            slot_bytes=config.slot_size,
+            directory=pool_dir,
+            name=f"kvdepot-{os.getpid()}-{instance}",
+            pin=config.pin,
+            threads=config.pin_threads,
+        )
+    except PoolError as e:
+        if guard:
+            guard.release()
+        raise StartupError(str(e)) from e
+    log.info(
+        "pool ready in %.2f s: %d slots of %d bytes (%.2f GiB) at %s, %s",
+        time.monotonic() - started,
+        pool.num_slots,
+        pool.slot_bytes,
+        pool.size / 2**30,
+        pool.path,
+        "pinned" if pool.pinned else "not pinned",
+    )
+
+    depot = Depot(pool, config.eviction, instance, kvdepot.__version__)
+    interceptors = [TokenAuthInterceptor(token)] if unix_path is None else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            # Without this a second daemon could bind the same TCP port.
+            ("grpc.so_reuseport", 0),
+            # Notice dead TCP peers; unix sockets report them at once anyway.
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ],
+    )
+    pb_grpc.add_KVDepotServicer_to_server(KVDepotService(depot), server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        bound = server.add_insecure_port(target)
+    except RuntimeError as e:
+        bound = 0
+        reason = str(e)
+    else:
+        reason = "the address is in use or not allowed"
+    if not bound:
+        pool.close()
+        if guard:
+            guard.release()
+        raise StartupError(f"cannot listen on {target}: {reason}")
+    await server.start()
+    if unix_path:
+        os.chmod(unix_path, 0o660)
+    for name in ("", SERVICE_NAME):
+        await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("kvdepotd %s ready on %s (instance %s)", kvdepot.__version__, target, instance)
+    notify_systemd("READY=1\nSTATUS=serving")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    log.info("shutting down: draining %d job(s) in flight", depot.jobs_in_flight)
+    notify_systemd("STOPPING=1")
+    for name in ("", SERVICE_NAME):
+        await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    drained = await depot.drain(config.drain_timeout)
+    if not drained:
+        log.warning(
+            "%d job(s) still in flight after %.0f s; exiting anyway", depot.jobs_in_flight, config.drain_timeout
+        )
+    await server.stop(grace=1.0)
+    pool.close()
+    if guard:
+        guard.release()
+    log.info("kvdepotd stopped")
+    return 0
+
+
+async def _set_health(servicer, name: str, status) -> None:
+    result = servicer.set(name, status)
+    if asyncio.iscoroutine(result):
+        await result
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = load_config(argv)
+    except ConfigError as e:
+        print(f"kvdepotd: {e}", file=sys.stderr)
+        return 2
+    setup_logging(config)
+    log.debug("configuration: %s", describe(config))
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        return runner(serve(config))
+    except StartupError as e:
+        log.error("%s", e)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""The host pool: one shared-memory file, carved into fixed-size slots.
+
+Workers of the shared-memory transport map the same file; with CUDA the pool
+is also registered as pinned memory so that the GPU copies to and from it by
+DMA. Faulting in (and pinning) hundreds of GB is slow, so it runs in chunks on
+several threads and reports progress.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import logging
+import mmap
+import os
+import time
+from typing import Callable
+
+log = logging.getLogger("kvdepot.pool")
+
+# Pool memory is faulted in and pinned this much at a time. A multiple of any
+# sane slot size, so no slot straddles two CUDA registrations.
+CHUNK_BYTES = 1 << 30
+
+
+class PoolError(RuntimeError):
+    """The pool cannot be created; the message says what to change."""
+
+
+def _free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def choose_pool_dir(setting: str, socket_dir: str | None, size: int) -> str:
+    """The folder for the pool file: the configured one, or the first with room."""
+    if setting != "auto":
+        if not os.path.isdir(setting):
+            raise PoolError(f"pool_dir {setting} is not a folder")
+        return setting
+    candidates = [d for d in ("/dev/shm", socket_dir, "/tmp") if d and os.path.isdir(d)]
+    for directory in candidates:
+        if _free_bytes(directory) >= size:
+            return directory
+    seen = ", ".join(f"{d} has {_free_bytes(d) / 2**30:.1f} GiB free" for d in candidates)
+    raise PoolError(
+        f"the pool ({size / 2**30:.1f} GiB) fits nowhere: {seen}. Lower --pool-size, "
+        "give the container a larger /dev/shm (docker --shm-size, or an emptyDir with "
+        "medium: Memory in Kubernetes), or set --pool-dir to a tmpfs or hugetlbfs with room."
+    )
+
+
+class HostPool:
+    def __init__(
+        self,
+        *,
+        size: int,
+        slot_bytes: int,
+        directory: str,
+        name: str,
+        pin: str = "auto",
+        threads: int = 0,
+        progress: Callable[[str], None] | None = None,
+    ):
+        self.slot_bytes = slot_bytes
+        self.num_slots = size // slot_bytes
+        self.size = self.num_slots * slot_bytes
+        self.path = os.path.join(directory, f"{name}.pool")
+        self.pinned = False
+        self.pin_seconds = 0.0
+        self._registered: list[int] = []
+        self._cudart = None
+        self._progress = progress or log.info
+        self._threads = threads or min(16, os.cpu_count() or 1)
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        if self.size > _free_bytes(directory):
+            raise PoolError(
+                f"the pool ({self.size / 2**30:.1f} GiB) does not fit in {directory} "
+                f"({_free_bytes(directory) / 2**30:.1f} GiB free)"
+            )
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        try:
+            os.ftruncate(fd, self.size)
+            self._fault_in(fd)
+            self.buffer = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        if pin != "off":
+            self._pin(required=(pin == "on"))
+
+    # ------------------------------------------------------------ start-up
+
+    def _chunks(self):
+        return [(off, min(CHUNK_BYTES, self.size - off)) for off in range(0, self.size, CHUNK_BYTES)]
+
+    def _run_chunks(self, what: str, work: Callable[[int, int], None]) -> float:
+        start = time.monotonic()
+        chunks = self._chunks()
+        done = 0
+        last_report = start
+        with concurrent.futures.ThreadPoolExecutor(self._threads) as executor:
+            for length in executor.map(lambda c: (work(*c), c[1])[1], chunks):
+                done += length
+                now = time.monotonic()
+                if now - last_report >= 1.0 or done == self.size:
+                    self._progress(
+                        f"{what}: {done / 2**30:.1f} of {self.size / 2**30:.1f} GiB "
+                        f"({100 * done / self.size:.0f}%)"
+                    )
+                    last_report = now
+        return time.monotonic() - start
+
+    def _fault_in(self, fd: int) -> None:
+        # posix_fallocate makes tmpfs reserve the pages now: a pool that does not
+        # fit fails here with a clear error instead of SIGBUS on a later copy.
+        def allocate(offset: int, length: int) -> None:
+            try:
+                os.posix_fallocate(fd, offset, length)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise PoolError(
+                        f"no room for the pool in {os.path.dirname(self.path)}: lower "
+                        "--pool-size or set --pool-dir to a larger tmpfs"
+                    ) from e
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+
+        seconds = self._run_chunks("allocating the pool", allocate)
+        log.info("pool of %.2f GiB allocated in %.2f s at %s", self.size / 2**30, seconds, self.path)
+
+    def _pin(self, required: bool) -> None:
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is None or not torch.cuda.is_available():
+            if required:
+                raise PoolError("--pin on needs CUDA, and this machine has none")
+            log.info("CUDA not available: the pool is not pinned")
+            return
+        import ctypes
+
+        cudart = torch.cuda.cudart()
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
+        registered: list[int] = []
+
+        def register(offset: int, length: int) -> None:
+            rc = cudart.cudaHostRegister(base + offset, length, 0)
+            if int(rc) != 0:
+                raise PoolError(f"cudaHostRegister failed with CUDA error {int(rc)}")
+            registered.append(base + offset)
+
+        try:
+            self.pin_seconds = self._run_chunks("pinning the pool", register)
+        except PoolError:
+            for ptr in registered:
+                cudart.cudaHostUnregister(ptr)
+            if required:
+                raise
+            log.warning("pinning the pool failed; continuing unpinned", exc_info=True)
+            return
+        self._registered = registered
+        self._cudart = cudart
+        self.pinned = True
+        log.info(
+            "pool pinned in %.2f s (%.2f s/GiB)",
+            self.pin_seconds,
+            self.pin_seconds / max(self.size / 2**30, 1e-9),
+        )
+
+    # ------------------------------------------------------------ slots
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def close(self) -> None:
+        for ptr in self._registered:
+            self._cudart.cudaHostUnregister(ptr)
+        self._registered = []
+        try:
+            self.buffer.close()
+        except BufferError:
+            # A view of the buffer is still alive (CUDA registration); the
+            # mapping goes with the process.
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
