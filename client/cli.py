@@ -1,0 +1,172 @@
+"""kvdepot: the operator's command line (stats, health, clear).
+
+Operator calls need no session, so they open a plain channel: `kvdepot stats`
+does not show up among the clients it lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import grpc
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvdepot.defaults import default_socket_path, grpc_target
+from kvdepot.errors import KVDepotError, from_rpc_error
+from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
+
+SERVICE_NAME = "kvdepot.v1.KVDepot"
+
+
+def message_to_dict(message: Message) -> dict:
+    """Every field, defaults included, with integers kept as JSON numbers.
+
+    (protobuf's own JSON mapping writes 64-bit integers as strings.)
+    """
+    result = {}
+    for fd in message.DESCRIPTOR.fields:
+        value = getattr(message, fd.name)
+        if fd.message_type is not None:
+            if fd.is_repeated:
+                result[fd.name] = [message_to_dict(v) for v in value]
+            else:
+                result[fd.name] = message_to_dict(value)
+        elif fd.enum_type is not None:
+            result[fd.name] = fd.enum_type.values_by_number[value].name
+        elif fd.is_repeated:
+            result[fd.name] = list(value)
+        else:
+            result[fd.name] = value
+    return result
+
+
+class OperatorClient:
+    def __init__(self, target: str, auth_token: str | None = None, timeout: float = 5.0):
+        self.target = grpc_target(target)
+        self._channel = grpc.insecure_channel(self.target)
+        self._stub = pb_grpc.KVDepotStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._timeout = timeout
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def stats(self) -> pb.GetStatsResponse:
+        return self._call(self._stub.GetStats, pb.GetStatsRequest())
+
+    def clear(self, namespace_name: str = "") -> pb.ClearResponse:
+        return self._call(self._stub.Clear, pb.ClearRequest(namespace_name=namespace_name))
+
+    def health(self) -> str:
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        response = self._call(stub.Check, health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def format_stats(stats: pb.GetStatsResponse) -> str:
+    pool = stats.pool
+    t = stats.totals
+    lines = [
+        f"kvdepotd {stats.daemon_version} (instance {stats.daemon_instance}), up {stats.uptime_seconds:.0f} s",
+        f"pool      {_gib(pool.slot_bytes * pool.num_slots)} in {pool.num_slots} slots of "
+        f"{pool.slot_bytes} B, {'pinned' if pool.pinned else 'not pinned'}, at {pool.shm_path}",
+        f"occupancy {100 * stats.occupancy:.1f}% ({stats.used_slots} slots used, "
+        f"{stats.pinned_slots} pinned by jobs), eviction {stats.eviction_policy}",
+        f"lookups   {t.lookups}: {t.hit_blocks} blocks hit, {t.miss_blocks} missed",
+        f"stored    {t.stored_blocks} blocks, {_gib(t.stored_bytes)}, {t.store_gbps:.2f} GB/s",
+        f"loaded    {t.loaded_blocks} blocks, {_gib(t.loaded_bytes)}, {t.load_gbps:.2f} GB/s",
+        f"evicted   {t.evicted_blocks} blocks; {t.failed_jobs} failed jobs; "
+        f"{stats.sessions_ended} sessions ended",
+        "",
+    ]
+    header = f"{'namespace':<48} {'ready':>8} {'slots':>8} {'hits':>8} {'misses':>8} {'stored':>8} {'loaded':>8} {'evicted':>8}"
+    lines.append(header)
+    for ns in stats.namespaces:
+        c = ns.counters
+        lines.append(
+            f"{ns.name:<48} {ns.ready_blocks:>8} {ns.used_slots:>8} {c.hit_blocks:>8} {c.miss_blocks:>8} "
+            f"{c.stored_blocks:>8} {c.loaded_blocks:>8} {c.evicted_blocks:>8}"
+        )
+    if not stats.namespaces:
+        lines.append("(no namespaces yet)")
+    lines.append("")
+    lines.append(f"{'client':<32} {'pid':>8} {'workers':>8} {'in flight':>10} {'hits':>8} {'stored':>8} {'loaded':>8}")
+    for client in stats.clients:
+        c = client.counters
+        lines.append(
+            f"{client.client_name:<32} {client.pid:>8} {client.workers:>8} {client.jobs_in_flight:>10} "
+            f"{c.hit_blocks:>8} {c.stored_blocks:>8} {c.loaded_blocks:>8}"
+        )
+    if not stats.clients:
+        lines.append("(no clients attached)")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvdepot", description="Operate a running kvdepotd.")
+    parser.add_argument(
+        "--socket",
+        default=None,
+        help="the daemon's address: socket path, unix:PATH or HOST:PORT "
+        f"(default: $KVDEPOT_SOCKET or {default_socket_path()})",
+    )
+    parser.add_argument(
+        "--auth-token-file",
+        default=os.environ.get("KVDEPOT_AUTH_TOKEN_FILE"),
+        help="token file for a TCP daemon (also $KVDEPOT_AUTH_TOKEN_FILE)",
+    )
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    commands = parser.add_subparsers(dest="command", required=True)
+    stats = commands.add_parser("stats", help="cache statistics: hits, bytes, occupancy, per namespace and client")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    commands.add_parser("health", help="exit 0 if the daemon is serving, 1 otherwise")
+    clear = commands.add_parser("clear", help="drop the cached blocks of a namespace, or of all")
+    target = clear.add_mutually_exclusive_group(required=True)
+    target.add_argument("namespace", nargs="?", help="namespace name as `kvdepot stats` shows it")
+    target.add_argument("--all", action="store_true", help="clear every namespace")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    token = None
+    if args.auth_token_file:
+        with open(args.auth_token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+    client = OperatorClient(args.socket or default_socket_path(), token, args.timeout)
+    try:
+        if args.command == "stats":
+            stats = client.stats()
+            print(json.dumps(message_to_dict(stats), indent=2) if args.json else format_stats(stats))
+        elif args.command == "health":
+            status = client.health()
+            print(status)
+            return 0 if status == "SERVING" else 1
+        elif args.command == "clear":
+            response = client.clear("" if args.all else args.namespace)
+            print(f"cleared {response.cleared_blocks} block(s); {response.pinned_blocks} kept, pinned by jobs")
+    except KVDepotError as e:
+        print(f"kvdepot: {client.target}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

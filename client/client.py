@@ -1,0 +1,502 @@
+"""KVDepotClient: the library that engines (the vLLM connector) and tools use.
+
+It is synchronous, for callers like vLLM's scheduler and workers, and keeps one
+background thread that holds the session's notification stream. When the
+daemon goes away, that thread fails the jobs in flight, logs it once, and
+reconnects with backoff; once attached again it registers every engine and
+worker again by itself. Meanwhile lookups answer "nothing stored" and jobs fail
+at once, so the engine recomputes instead of raising. Bad requests raise the
+typed errors of kvdepot.errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import grpc
+
+from kvdepot.client.shm_copy import BlockCopier, MappedPool
+from kvdepot.client.tensors import normalize_block_dims, tensor_layout, tensor_spec
+from kvdepot.defaults import PROTOCOL_VERSION, default_socket_path, grpc_target
+from kvdepot.errors import AlreadyExists, InvalidArgument, KVDepotError, Unavailable, from_rpc_error
+from kvdepot.layout import WorkerLayout
+from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvdepot.client")
+
+# Status codes that mean "the daemon is not there (any more)", not "your request is wrong".
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass
+class LookupResult:
+    # Leading keys whose blocks are stored and loadable now.
+    ready_blocks: int
+    # True when blocks right after the ready ones are being stored: ask again.
+    not_yet: bool = False
+    # Of the ready blocks, how many some job is loading right now.
+    loading_blocks: int = 0
+    storing_blocks: int = 0
+    # False when the daemon could not be asked; the answer is then "nothing".
+    available: bool = True
+
+
+@dataclass
+class JobResult:
+    job_id: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass(eq=False)
+class EngineHandle:
+    namespace: pb.NamespaceSpec
+    engine_id: int | None = None
+    namespace_name: str = ""
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    namespace: pb.NamespaceSpec
+    rank: int
+    device: str
+    tensors: list
+    layout: WorkerLayout
+    copier: BlockCopier
+    worker_id: int | None = None
+    namespace_name: str = ""
+
+
+@dataclass
+class _Connection:
+    stub: pb_grpc.KVDepotStub
+    session_id: str
+    instance: str
+    pool_info: pb.PoolInfo
+    pool: MappedPool | None = None
+
+
+@dataclass(eq=False)
+class Transfer:
+    """A submitted shared-memory job whose bytes this process still has to copy.
+
+    `run()` copies and reports completion to the daemon; the daemon keeps the
+    job's blocks pinned until then.
+    """
+
+    client: "KVDepotClient"
+    kind: str
+    job_id: int
+    worker: WorkerHandle | None = None
+    connection: _Connection | None = None
+    block_ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    done: bool = False
+
+    def run(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            if self.connection.pool is None:
+                raise RuntimeError("the daemon's pool is not mapped in this process")
+            if self.kind == "store":
+                self.worker.copier.to_slots(self.connection.pool, self.block_ids, self.slots)
+            else:
+                self.worker.copier.from_slots(self.connection.pool, self.slots, self.block_ids)
+        except Exception as e:  # a failed copy fails the job, never the caller
+            log.exception("%s job %d: copy failed", self.kind, self.job_id)
+            self.client._complete(self.connection, self.job_id, ok=False, error=f"copy failed: {e}")
+            return
+        self.client._complete(self.connection, self.job_id, ok=True)
+
+
+def namespace_spec(namespace: pb.NamespaceSpec | Mapping) -> pb.NamespaceSpec:
+    if isinstance(namespace, pb.NamespaceSpec):
+        return namespace
+    return pb.NamespaceSpec(**namespace)
+
+
+class KVDepotClient:
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        name: str = "kvdepot-client",
+        auth_token: str | None = None,
+        call_timeout: float = 10.0,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 2.0,
+    ):
+        self.target = grpc_target(target or default_socket_path())
+        self.name = name
+        self.call_timeout = call_timeout
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._backoff = (backoff_initial, backoff_max)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._connection: _Connection | None = None
+        self._engines: list[EngineHandle] = []
+        self._workers: list[WorkerHandle] = []
+        self._pending: set[int] = set()
+        # Finished jobs not yet handed over, in the order they finished.
+        self._results: OrderedDict[int, JobResult] = OrderedDict()
+        self._closing = threading.Event()
+        self._stream_call = None
+        self._said_gone = False
+        self.reconnects = 0
+        self._thread = threading.Thread(target=self._stream_loop, name="kvdepot-client", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ connection
+
+    def connect(self, timeout: float = 10.0) -> "KVDepotClient":
+        """Waits until attached to the daemon; raises Unavailable after `timeout`."""
+        if not self.wait_connected(timeout):
+            raise Unavailable(f"kvdepotd is not answering on {self.target} after {timeout:.1f} s")
+        return self
+
+    def wait_connected(self, timeout: float | None = None) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._connection is not None, timeout)
+
+    @property
+    def connected(self) -> bool:
+        return self._connection is not None
+
+    @property
+    def daemon_instance(self) -> str | None:
+        connection = self._connection
+        return connection.instance if connection else None
+
+    def close(self) -> None:
+        self._closing.set()
+        call = self._stream_call
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> "KVDepotClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(
+            self.target,
+            options=[
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1_000),
+            ],
+        )
+
+    def _stream_loop(self) -> None:
+        delay = self._backoff[0]
+        while not self._closing.is_set():
+            channel = self._channel()
+            reason = "the stream ended"
+            try:
+                stub = pb_grpc.KVDepotStub(channel)
+                call = stub.Attach(
+                    pb.AttachRequest(
+                        client_name=self.name, pid=os.getpid(), protocol_version=PROTOCOL_VERSION
+                    ),
+                    metadata=self._metadata,
+                )
+                self._stream_call = call
+                first = next(call)
+                self._on_attached(stub, first.started)
+                delay = self._backoff[0]
+                for notification in call:
+                    if notification.WhichOneof("kind") == "job_done":
+                        done = notification.job_done
+                        self._finish(done.job_id, done.ok, done.error)
+            except grpc.RpcError as e:
+                reason = f"{e.code().name}: {e.details()}"
+                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
+                    log.error("kvdepotd refused this client: %s", e.details())
+            except StopIteration:
+                pass
+            except Exception:
+                log.exception("kvdepot client stream failed")
+                reason = "the client's stream thread failed"
+            finally:
+                self._stream_call = None
+                self._on_detached(reason)
+                channel.close()
+            if self._closing.wait(delay * random.uniform(0.5, 1.0)):
+                break
+            delay = min(delay * 2, self._backoff[1])
+
+    def _on_attached(self, stub: pb_grpc.KVDepotStub, started: pb.SessionStarted) -> None:
+        connection = _Connection(stub, started.session_id, started.daemon_instance, started.pool)
+        with self._lock:
+            engines, workers = list(self._engines), list(self._workers)
+        for engine in engines:
+            try:
+                self._register_engine(connection, engine)
+            except KVDepotError as e:
+                log.error("registering engine %s again failed: %s", engine.namespace_name, e)
+        for worker in workers:
+            try:
+                self._register_worker(connection, worker)
+            except KVDepotError as e:
+                log.error("registering worker (rank %d) again failed: %s", worker.rank, e)
+        with self._changed:
+            self._connection = connection
+            self._changed.notify_all()
+        if self._said_gone:
+            self.reconnects += 1
+            log.warning("reconnected to kvdepotd on %s (instance %s)", self.target, connection.instance)
+            self._said_gone = False
+        else:
+            log.info("attached to kvdepotd on %s (instance %s)", self.target, connection.instance)
+
+    def _on_detached(self, reason: str) -> None:
+        with self._changed:
+            was_connected = self._connection is not None
+            self._connection = None
+            for engine in self._engines:
+                engine.engine_id = None
+            for worker in self._workers:
+                worker.worker_id = None
+            pending = list(self._pending)
+            self._changed.notify_all()
+        for job_id in pending:
+            self._finish(job_id, False, "kvdepotd went away during the job")
+        if (was_connected or not self._said_gone) and not self._closing.is_set():
+            log.warning(
+                "kvdepotd on %s is not available (%s); offloading is off until it returns",
+                self.target,
+                reason,
+            )
+            self._said_gone = True
+
+    def _call(self, connection: _Connection, method: str, request):
+        """One unary call; typed errors, and Unavailable when the daemon is gone."""
+        try:
+            return getattr(connection.stub, method)(
+                request, timeout=self.call_timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            if e.code() in _GONE:
+                raise Unavailable(f"kvdepotd is not available: {e.details()}") from None
+            if e.code() == grpc.StatusCode.NOT_FOUND and "unknown session" in (e.details() or ""):
+                raise Unavailable("the daemon restarted; reconnecting") from None
+            raise from_rpc_error(e) from None
+
+    # ------------------------------------------------------------ registration
+
+    def register_engine(self, namespace: pb.NamespaceSpec | Mapping) -> EngineHandle:
+        """Declares the namespace this process looks up; kept across reconnects."""
+        engine = EngineHandle(namespace_spec(namespace))
+        connection = self._connection
+        if connection is not None:
+            try:
+                self._register_engine(connection, engine)
+            except Unavailable:
+                pass
+        with self._lock:
+            self._engines.append(engine)
+        return engine
+
+    def _register_engine(self, connection: _Connection, engine: EngineHandle) -> None:
+        response = self._call(
+            connection,
+            "RegisterEngine",
+            pb.RegisterEngineRequest(session_id=connection.session_id, namespace=engine.namespace),
+        )
+        engine.engine_id = response.engine_id
+        engine.namespace_name = response.namespace_name
+
+    def register_worker(
+        self,
+        namespace: pb.NamespaceSpec | Mapping,
+        *,
+        rank: int,
+        tensors: Sequence,
+        block_dim: int | Sequence[int],
+        device: str | None = None,
+        names: Sequence[str] | None = None,
+    ) -> WorkerHandle:
+        """Declares this worker's KV-cache tensors (shared-memory transport).
+
+        `block_dim` says which dimension of each tensor indexes blocks, e.g. 1
+        for vLLM's [2, num_blocks, block_size, heads, head_dim] tensors.
+        """
+        tensors = list(tensors)
+        dims = normalize_block_dims(tensors, block_dim)
+        names = list(names) if names is not None else [f"kv{i}" for i in range(len(tensors))]
+        for tensor in tensors:
+            if tensor.device.type != "cpu":
+                raise InvalidArgument(
+                    f"the shared-memory transport copies CPU tensors; this one is on {tensor.device}"
+                )
+        layout = WorkerLayout.of([tensor_layout(t, d, n) for t, d, n in zip(tensors, dims, names)])
+        worker = WorkerHandle(
+            namespace=namespace_spec(namespace),
+            rank=rank,
+            device=device or str(tensors[0].device),
+            tensors=tensors,
+            layout=layout,
+            copier=BlockCopier(tensors, layout),
+        )
+        connection = self._connection
+        if connection is not None:
+            try:
+                self._register_worker(connection, worker)
+            except Unavailable:
+                pass
+        with self._lock:
+            self._workers.append(worker)
+        return worker
+
+    def _register_worker(self, connection: _Connection, worker: WorkerHandle) -> None:
+        request = pb.RegisterWorkerRequest(
+            session_id=connection.session_id,
+            namespace=worker.namespace,
+            rank=worker.rank,
+            device=worker.device,
+            tensors=[tensor_spec(t) for t in worker.layout.tensors],
+            handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker()) for _ in worker.tensors],
+        )
+        response = self._call(connection, "RegisterWorker", request)
+        if connection.pool is None:
+            info = connection.pool_info
+            connection.pool = MappedPool(info.shm_path, info.slot_bytes, info.num_slots)
+        worker.worker_id = response.worker_id
+        worker.namespace_name = response.namespace_name
+
+    # ------------------------------------------------------------ lookup
+
+    def lookup(self, engine: EngineHandle, keys: Sequence[bytes]) -> LookupResult:
+        """How many leading keys are ready; "not yet" while the next ones are being stored."""
+        connection, engine_id = self._connection, engine.engine_id
+        if connection is None or engine_id is None:
+            return LookupResult(0, available=False)
+        try:
+            response = self._call(
+                connection,
+                "Lookup",
+                pb.LookupRequest(session_id=connection.session_id, engine_id=engine_id, keys=keys),
+            )
+        except Unavailable:
+            return LookupResult(0, available=False)
+        return LookupResult(
+            ready_blocks=response.ready_blocks,
+            not_yet=response.status == pb.LookupResponse.NOT_YET,
+            loading_blocks=response.loading_blocks,
+            storing_blocks=response.storing_blocks,
+        )
+
+    # ------------------------------------------------------------ jobs
+
+    def submit_store(self, worker: WorkerHandle, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Stores blocks; the result comes through wait() or take_finished()."""
+        self.begin_store(worker, job_id, keys, block_ids).run()
+        return job_id
+
+    def submit_load(self, worker: WorkerHandle, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Loads blocks; a failed load is reported so the engine recomputes them."""
+        self.begin_load(worker, job_id, keys, block_ids).run()
+        return job_id
+
+    def begin_store(self, worker: WorkerHandle, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> Transfer:
+        return self._begin("store", worker, job_id, keys, block_ids)
+
+    def begin_load(self, worker: WorkerHandle, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> Transfer:
+        return self._begin("load", worker, job_id, keys, block_ids)
+
+    def _begin(self, kind: str, worker: WorkerHandle, job_id: int, keys, block_ids) -> Transfer:
+        block_ids = [int(b) for b in block_ids]
+        with self._lock:
+            if job_id in self._pending:
+                raise AlreadyExists(f"job id {job_id} is already in flight in this client")
+            self._pending.add(job_id)
+            self._results.pop(job_id, None)
+            connection, worker_id = self._connection, worker.worker_id
+        transfer = Transfer(self, kind, job_id, worker, connection, done=True)
+        if connection is None or worker_id is None:
+            self._finish(job_id, False, "kvdepotd is not available")
+            return transfer
+        fields = dict(session_id=connection.session_id, worker_id=worker_id, job_id=job_id, keys=keys, block_ids=block_ids)
+        try:
+            if kind == "store":
+                response = self._call(connection, "SubmitStore", pb.SubmitStoreRequest(**fields))
+                transfer.block_ids = [block_ids[i] for i in response.copy_indices]
+                transfer.slots = list(response.slots)
+            else:
+                response = self._call(connection, "SubmitLoad", pb.SubmitLoadRequest(**fields))
+                transfer.block_ids = block_ids
+                transfer.slots = list(response.slots)
+        except Unavailable as e:
+            self._finish(job_id, False, str(e))
+            return transfer
+        except KVDepotError:
+            with self._lock:
+                self._pending.discard(job_id)
+            raise
+        transfer.done = False
+        return transfer
+
+    def _complete(self, connection: _Connection, job_id: int, ok: bool, error: str = "") -> None:
+        try:
+            self._call(
+                connection,
+                "CompleteJob",
+                pb.CompleteJobRequest(session_id=connection.session_id, job_id=job_id, ok=ok, error=error),
+            )
+        except KVDepotError as e:
+            ok, error = False, f"the daemon did not take the job's completion: {e}"
+        self._finish(job_id, ok, error)
+
+    def _finish(self, job_id: int, ok: bool, error: str = "") -> None:
+        with self._changed:
+            if job_id not in self._pending:
+                return
+            self._pending.discard(job_id)
+            self._results[job_id] = JobResult(job_id, ok, error)
+            self._changed.notify_all()
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, JobResult]:
+        """Waits for the jobs to finish and hands over their results."""
+        job_ids = list(job_ids)
+        with self._changed:
+            unknown = [j for j in job_ids if j not in self._pending and j not in self._results]
+            if unknown:
+                raise KeyError(f"no job {unknown[0]} was submitted, or its result was taken already")
+            if not self._changed.wait_for(lambda: all(j in self._results for j in job_ids), timeout):
+                left = [j for j in job_ids if j not in self._results]
+                raise TimeoutError(f"{len(left)} job(s) still in flight after {timeout} s: {left[:8]}")
+            return {j: self._results.pop(j) for j in job_ids}
+
+    def take_finished(self) -> list[JobResult]:
+        """Results of every job finished since the last call (and not taken by wait)."""
+        with self._lock:
+            taken = list(self._results.values())
+            self._results.clear()
+            return taken
+
+    # ------------------------------------------------------------ operators
+
+    def _operator_call(self, method: str, request):
+        connection = self._connection
+        if connection is None:
+            raise Unavailable(f"kvdepotd is not available on {self.target}")
+        return self._call(connection, method, request)
+
+    def stats(self) -> pb.GetStatsResponse:
+        return self._operator_call("GetStats", pb.GetStatsRequest())
+
+    def clear(self, namespace_name: str = "") -> pb.ClearResponse:
+        return self._operator_call("Clear", pb.ClearRequest(namespace_name=namespace_name))
