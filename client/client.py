@@ -24,7 +24,7 @@ import grpc
 from kvdepot.client.shm_copy import BlockCopier, MappedPool
 from kvdepot.client.tensors import normalize_block_dims, tensor_layout, tensor_spec
 from kvdepot.defaults import PROTOCOL_VERSION, default_socket_path, grpc_target
-from kvdepot.errors import AlreadyExists, InvalidArgument, KVDepotError, Unavailable, from_rpc_error
+from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable, from_rpc_error
 from kvdepot.layout import WorkerLayout
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
@@ -288,6 +288,9 @@ class KVDepotClient:
             return getattr(connection.stub, method)(
                 request, timeout=self.call_timeout, metadata=self._metadata
             )
+        except ValueError:
+            # grpc raises this for a call on a channel closed after the daemon went away.
+            raise Unavailable("the connection to kvdepotd is closed; reconnecting") from None
         except grpc.RpcError as e:
             if e.code() in _GONE:
                 raise Unavailable(f"kvdepotd is not available: {e.details()}") from None
@@ -420,14 +423,17 @@ class KVDepotClient:
     def _begin(self, kind: str, worker: WorkerHandle, job_id: int, keys, block_ids) -> Transfer:
         block_ids = [int(b) for b in block_ids]
         with self._lock:
-            if job_id in self._pending:
-                raise AlreadyExists(f"job id {job_id} is already in flight in this client")
-            self._pending.add(job_id)
-            self._results.pop(job_id, None)
+            # A duplicate id is the daemon's to refuse; it must not disturb the
+            # bookkeeping of the job that already has it.
+            tracked_here = job_id not in self._pending
+            if tracked_here:
+                self._pending.add(job_id)
+                self._results.pop(job_id, None)
             connection, worker_id = self._connection, worker.worker_id
         transfer = Transfer(self, kind, job_id, worker, connection, done=True)
         if connection is None or worker_id is None:
-            self._finish(job_id, False, "kvdepotd is not available")
+            if tracked_here:
+                self._finish(job_id, False, "kvdepotd is not available")
             return transfer
         fields = dict(session_id=connection.session_id, worker_id=worker_id, job_id=job_id, keys=keys, block_ids=block_ids)
         try:
@@ -440,11 +446,13 @@ class KVDepotClient:
                 transfer.block_ids = block_ids
                 transfer.slots = list(response.slots)
         except Unavailable as e:
-            self._finish(job_id, False, str(e))
+            if tracked_here:
+                self._finish(job_id, False, str(e))
             return transfer
         except KVDepotError:
-            with self._lock:
-                self._pending.discard(job_id)
+            if tracked_here:
+                with self._lock:
+                    self._pending.discard(job_id)
             raise
         transfer.done = False
         return transfer
