@@ -1,0 +1,132 @@
+"""Fixtures that start the real daemon as a subprocess on a real socket."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def subprocess_env(**extra: str) -> dict:
+    env = dict(os.environ)
+    # The checkout under test, installed or not.
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+class Daemon:
+    """A kvdepotd process. The pool file goes in the test's folder, never /dev/shm,
+    so a daemon killed by a test leaves nothing behind."""
+
+    def __init__(self, folder: Path, **options):
+        self.folder = folder
+        self.socket = str(folder / "kvdepot.sock")
+        self.options = {"pool_size": "4MiB", "slot_size": "16KiB", "pin": "off", "pool_dir": str(folder)}
+        self.options.update(options)
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def args(self) -> list[str]:
+        args = [sys.executable, "-m", "kvdepot.server"]
+        if "listen" not in self.options:
+            args += ["--listen", self.socket]
+        for name, value in self.options.items():
+            args += ["--" + name.replace("_", "-"), str(value)]
+        return args
+
+    def start(self, wait: bool = True) -> "Daemon":
+        self.starts += 1
+        self.log_path = self.folder / f"kvdepotd-{self.starts}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.args(), stdout=self._log, stderr=subprocess.STDOUT, env=subprocess_env())
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvdepotd exited with {self.proc.returncode}:\n{self.log()}")
+            if b"ready on" in self.log_path.read_bytes():
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"kvdepotd not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, and the exit code once it is gone."""
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout)
+        self._log.close()
+        return code
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        self._log.close()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@pytest.fixture
+def start_daemon(tmp_path):
+    """Starts daemons; each still running at the end must exit 0 on SIGTERM."""
+    daemons: list[Daemon] = []
+
+    def start(folder: Path | None = None, wait: bool = True, **options) -> Daemon:
+        folder = folder or tmp_path / f"d{len(daemons)}"
+        folder.mkdir(exist_ok=True)
+        daemon = Daemon(folder, **options)
+        daemons.append(daemon)
+        return daemon.start(wait=wait)
+
+    yield start
+    for daemon in daemons:
+        if daemon.running:
+            code = daemon.stop()
+            assert code == 0, f"kvdepotd exited {code} on SIGTERM:\n{daemon.log()}"
+
+
+@pytest.fixture
+def daemon(start_daemon) -> Daemon:
+    return start_daemon()
+
+
+@pytest.fixture
+def client_factory():
+    from kvdepot.client import KVDepotClient
+
+    clients = []
+
+    def make(daemon: Daemon, name: str = "test", **kwargs) -> "KVDepotClient":
+        client = KVDepotClient(daemon.socket, name=name, **kwargs)
+        clients.append(client)
+        return client.connect(10)
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{what} not reached within {timeout} s")

@@ -1,0 +1,54 @@
+"""Small KV caches and namespaces that the tests and their worker processes share."""
+
+from __future__ import annotations
+
+import torch
+
+from kvdepot.client.keys import block_keys
+
+LAYERS = 4
+NUM_BLOCKS = 128
+BLOCK_SIZE = 16
+KV_HEADS = 2
+HEAD_DIM = 32
+
+
+def namespace(layout: str, tp_size: int = 1, model: str = "tiny-llama") -> dict:
+    return dict(
+        model=model,
+        kv_dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        layout=layout,
+        tp_size=tp_size,
+    )
+
+
+def make_kv_cache(layout: str, seed: int) -> tuple[list[torch.Tensor], int]:
+    """Random bf16 KV tensors and the dimension that indexes blocks.
+
+    per_layer: one [2, blocks, block_size, heads, head_dim] tensor a layer (vLLM's
+    FlashAttention layout; K and V of a block are two pages).
+    block_major: one [blocks, layers, 2, block_size, heads, head_dim] tensor (all
+    layers of a block contiguous).
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+    if layout == "per_layer":
+        return [rand(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)], 1
+    if layout == "block_major":
+        return [rand(NUM_BLOCKS, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)], 0
+    raise ValueError(layout)
+
+
+def block_of(tensors: list[torch.Tensor], layout: str, block_id: int) -> list[torch.Tensor]:
+    if layout == "per_layer":
+        return [t[:, block_id] for t in tensors]
+    return [t[block_id] for t in tensors]
+
+
+def prompt_keys(n_blocks: int, prompt: int = 0) -> list[bytes]:
+    tokens = [(prompt * 7919 + i) % 50000 for i in range(n_blocks * BLOCK_SIZE)]
+    return block_keys(tokens, BLOCK_SIZE)

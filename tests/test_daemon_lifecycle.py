@@ -1,0 +1,141 @@
+"""Start-up, refusal, configuration and shutdown of the real daemon process."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import Daemon, subprocess_env, wait_until
+from kvcache import make_kv_cache, namespace, prompt_keys
+from kvdepot import errors
+
+
+def run_daemon(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvdepot.server", *args],
+        capture_output=True, text=True, env=subprocess_env(), timeout=timeout,
+    )
+
+
+def test_a_second_daemon_on_a_served_socket_refuses_to_start(daemon, tmp_path):
+    proc = run_daemon("--listen", daemon.socket, "--pool-size", "4MiB", "--pin", "off", "--pool-dir", str(tmp_path))
+    assert proc.returncode == 1
+    assert f"another kvdepotd (pid {daemon.proc.pid}) is already serving unix:{daemon.socket}" in proc.stderr
+    assert daemon.running
+    assert list(tmp_path.glob("*.pool")) == []
+
+
+def test_a_stale_socket_file_does_not_stop_a_new_daemon(start_daemon, tmp_path):
+    folder = tmp_path / "stale"
+    folder.mkdir()
+    # What a crashed daemon leaves: a socket file nobody listens on.
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(folder / "kvdepot.sock"))
+    s.close()
+    daemon = start_daemon(folder=folder)
+    assert "removing the stale socket" in daemon.log()
+
+
+def test_sigterm_drains_jobs_in_flight_then_exits_0(daemon, client_factory):
+    client = client_factory(daemon)
+    tensors, block_dim = make_kv_cache("per_layer", seed=11)
+    worker = client.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim)
+    transfer = client.begin_store(worker, 1, prompt_keys(4, prompt=50), [0, 1, 2, 3])
+    daemon.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: "draining 1 job(s)" in daemon.log(), what="the daemon draining")
+    time.sleep(0.5)
+    assert daemon.running, "the daemon exited with a job in flight"
+    # New jobs are refused while draining; the client reports them failed.
+    refused = client.submit_store(worker, 2, prompt_keys(2, prompt=51), [5, 6])
+    result = client.wait([refused], 10)[refused]
+    assert not result.ok and "shutting down" in result.error
+    transfer.run()
+    assert client.wait([1], 10)[1].ok
+    assert daemon.proc.wait(20) == 0
+    assert not (daemon.folder / "kvdepot.sock").exists()
+    assert list(daemon.folder.glob("*.pool")) == []
+
+
+def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_daemon, client_factory):
+    daemon = start_daemon(drain_timeout=1)
+    client = client_factory(daemon)
+    tensors, block_dim = make_kv_cache("per_layer", seed=12)
+    worker = client.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim)
+    client.begin_store(worker, 1, prompt_keys(2, prompt=52), [0, 1])
+    assert daemon.stop(timeout=20) == 0
+    assert "still in flight after 1 s" in daemon.log()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--pool-size", "lots"], "'lots' is not a size"),
+        (["--pool-size", "1KiB", "--slot-size", "2MiB"], "smaller than one slot"),
+        (["--eviction", "fifo"], "invalid choice: 'fifo'"),
+        (["--listen", "127.0.0.1:0"], "refusing to serve TCP"),
+        (["--pool-size", "100TiB"], "fits nowhere"),
+    ],
+)
+def test_bad_configuration_is_refused_with_a_clear_message(tmp_path, args, message):
+    proc = run_daemon("--pin", "off", *(["--listen", str(tmp_path / "s.sock")] if "--listen" not in args else []), *args)
+    assert proc.returncode in (1, 2)
+    assert message in proc.stderr
+
+
+def test_configuration_from_toml_and_environment(tmp_path):
+    from kvdepot.server.config import load_config
+
+    config_file = tmp_path / "kvdepot.toml"
+    config_file.write_text('pool_size = "2GiB"\neviction = "arc"\nslot_size = "1MiB"\n')
+    env = {"KVDEPOT_POOL_SIZE": "3GiB", "KVDEPOT_LISTEN": "/tmp/x.sock"}
+    config = load_config(["--config", str(config_file), "--slot-size", "512KiB"], environ=env)
+    assert config.pool_size == 3 << 30  # environment over file
+    assert config.slot_size == 512 << 10  # flag over file
+    assert config.eviction == "arc"  # file over default
+    assert config.listen == "/tmp/x.sock"
+    config_file.write_text('pool_sise = "2GiB"\n')
+    with pytest.raises(ValueError, match="unknown option\\(s\\) pool_sise"):
+        load_config(["--config", str(config_file)], environ={})
+
+
+def test_help_explains_every_option():
+    proc = run_daemon("--help")
+    assert proc.returncode == 0
+    for flag in ("--listen", "--pool-size", "--slot-size", "--pool-dir", "--eviction", "--pin",
+                 "--auth-token-file", "--drain-timeout", "--log-format", "KVDEPOT_POOL_SIZE"):
+        assert flag in proc.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tcp_needs_the_auth_token(start_daemon, tmp_path, client_factory):
+    from kvdepot.client import KVDepotClient
+    from kvdepot.client.cli import OperatorClient
+
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    address = f"127.0.0.1:{free_port()}"
+    daemon = start_daemon(listen=address, auth_token_file=str(token_file))
+    with pytest.raises(errors.Unauthenticated):
+        OperatorClient(address, auth_token="wrong").stats()
+    assert OperatorClient(address).health() == "SERVING"  # probes need no token
+    client = KVDepotClient(address, auth_token="s3cret")
+    try:
+        client.connect(10)
+        assert client.stats().daemon_instance
+    finally:
+        client.close()
+    # And a second daemon cannot take the same port.
+    proc = run_daemon("--listen", address, "--auth-token-file", str(token_file), "--pin", "off",
+                      "--pool-size", "4MiB", "--pool-dir", str(tmp_path))
+    assert proc.returncode == 1 and f"cannot listen on {address}" in proc.stderr
+    assert daemon.running

@@ -1,0 +1,106 @@
+"""A pool smaller than the working set: what goes, what stays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache import block_of, make_kv_cache, namespace, prompt_keys
+
+POOL_SLOTS = 8
+
+
+@pytest.fixture(params=["lru", "arc"])
+def small_daemon(request, start_daemon):
+    # 8 slots of 16 KiB: eight blocks of the test cache.
+    return start_daemon(pool_size=f"{POOL_SLOTS * 16}KiB", eviction=request.param)
+
+
+@pytest.fixture
+def worker_setup(small_daemon, client_factory):
+    client = client_factory(small_daemon)
+    ns = namespace("per_layer")
+    tensors, block_dim = make_kv_cache("per_layer", seed=3)
+    worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
+    engine = client.register_engine(ns)
+    return client, engine, worker, tensors
+
+
+class Jobs:
+    def __init__(self):
+        self.next = 100
+
+    def __call__(self) -> int:
+        self.next += 1
+        return self.next
+
+
+def store_one_by_one(client, worker, keys, first_block: int, job_id) -> None:
+    for i, key in enumerate(keys):
+        job = client.submit_store(worker, job_id(), [key], [first_block + i])
+        assert client.wait([job], 10)[job].ok
+
+
+def present(client, engine, keys) -> list[bool]:
+    return [client.lookup(engine, [key]).ready_blocks == 1 for key in keys]
+
+
+def test_oldest_unpinned_blocks_are_evicted_first(worker_setup):
+    client, engine, worker, _ = worker_setup
+    keys = prompt_keys(12, prompt=1)
+    jobs = Jobs()
+    store_one_by_one(client, worker, keys[:8], 0, jobs)
+    assert present(client, engine, keys[:8]) == [True] * 8
+    store_one_by_one(client, worker, keys[8:], 8, jobs)
+    assert present(client, engine, keys) == [False] * 4 + [True] * 8
+    assert client.stats().totals.evicted_blocks == 4
+
+
+def test_a_block_pinned_by_an_inflight_load_is_never_evicted(worker_setup):
+    client, engine, worker, tensors = worker_setup
+    keys = prompt_keys(12, prompt=2)
+    jobs = Jobs()
+    store_one_by_one(client, worker, keys[:8], 0, jobs)
+    # A load of the oldest block is submitted but its copy has not run yet.
+    load = client.begin_load(worker, jobs(), [keys[0]], [100])
+    store_one_by_one(client, worker, keys[8:], 8, jobs)
+    alive = present(client, engine, keys)
+    assert alive[0], "the block pinned by the load was evicted"
+    assert alive == [True, False, False, False, False, True, True, True, True, True, True, True]
+    load.run()
+    assert client.wait([load.job_id], 10)[load.job_id].ok
+    for src, dst in zip(block_of(tensors, "per_layer", 0), block_of(tensors, "per_layer", 100)):
+        assert torch.equal(src.view(torch.int16), dst.view(torch.int16))
+
+
+def test_stores_that_find_every_slot_pinned_store_what_fits(worker_setup):
+    client, engine, worker, _ = worker_setup
+    keys = prompt_keys(10, prompt=3)
+    jobs = Jobs()
+    store_one_by_one(client, worker, keys[:8], 0, jobs)
+    pin_all = client.begin_load(worker, jobs(), keys[:8], list(range(20, 28)))
+    store = client.submit_store(worker, jobs(), keys[8:], [8, 9])
+    assert client.wait([store], 10)[store].ok
+    assert present(client, engine, keys) == [True] * 8 + [False, False]
+    pin_all.run()
+    assert client.wait([pin_all.job_id], 10)[pin_all.job_id].ok
+
+
+def test_arc_keeps_a_block_used_twice_through_a_scan(small_daemon, worker_setup):
+    client, engine, worker, _ = worker_setup
+    keys = prompt_keys(8, prompt=4)
+    scan = prompt_keys(12, prompt=5)
+    jobs = Jobs()
+    store_one_by_one(client, worker, keys, 0, jobs)
+    # keys[0] is used a second time: loaded.
+    load = client.submit_load(worker, jobs(), [keys[0]], [64])
+    assert client.wait([load], 10)[load].ok
+    # A scan of blocks used once, larger than the pool.
+    store_one_by_one(client, worker, scan, 8, jobs)
+    survived = present(client, engine, [keys[0]])[0]
+    if small_daemon.options["eviction"] == "arc":
+        assert survived, "ARC evicted the block used twice during a scan"
+        assert present(client, engine, keys[1:]) == [False] * 7
+    else:
+        assert not survived, "LRU keeps only the most recent blocks"
+    assert present(client, engine, scan[-7:]) == [True] * 7

@@ -1,0 +1,23 @@
+"""The README's promises: its set-up commands exist, and it documents every option."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import REPO
+from kvdepot.server.config import OPTIONS
+
+
+def test_readme_documents_every_daemon_option():
+    readme = (REPO / "README.md").read_text()
+    for option in OPTIONS:
+        assert f"`{option.flag}`" in readme, f"README.md does not document {option.flag}"
+
+
+def test_readme_set_up_commands_are_make_targets_and_ci_runs_the_test_one():
+    readme = (REPO / "README.md").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    for target in ("run", "test"):
+        assert f"    make {target}\n" in readme
+        assert re.search(rf"^{target}:", makefile, re.M)
+    assert "make test" in (REPO / ".ci" / "run").read_text()

@@ -1,0 +1,106 @@
+"""`kvdepot stats` reports exactly what a known sequence of requests caused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import subprocess_env
+from kvcache import make_kv_cache, namespace, prompt_keys
+
+BLOCK_BYTES = 16 * 1024
+
+
+def cli(daemon, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvdepot.client.cli", "--socket", daemon.socket, *args],
+        capture_output=True, text=True, env=subprocess_env(), timeout=60,
+    )
+
+
+def test_stats_json_counts_exactly_what_happened(start_daemon, client_factory):
+    daemon = start_daemon(pool_size="128KiB")  # 8 slots
+    client = client_factory(daemon, name="stats-test")
+    ns = namespace("per_layer")
+    tensors, block_dim = make_kv_cache("per_layer", seed=6)
+    worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
+    engine = client.register_engine(ns)
+    keys = prompt_keys(10, prompt=30)
+
+    assert client.lookup(engine, keys).ready_blocks == 0          # 10 misses
+    job = client.submit_store(worker, 1, keys[:6], list(range(6)))  # 6 stored
+    assert client.wait([job], 10)[job].ok
+    job = client.submit_store(worker, 2, keys[4:10], list(range(4, 10)))  # 2 already, 4 stored, 2 evicted
+    assert client.wait([job], 10)[job].ok
+    assert client.lookup(engine, keys).ready_blocks == 0          # keys[0:2] evicted: 10 misses
+    assert client.lookup(engine, keys[2:]).ready_blocks == 8      # 8 hits
+    job = client.submit_load(worker, 3, keys[2:5], [40, 41, 42])  # 3 loaded
+    assert client.wait([job], 10)[job].ok
+
+    proc = cli(daemon, "stats", "--json")
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)
+    totals = stats["totals"]
+    expected = {
+        "lookups": 3,
+        "hit_blocks": 8,
+        "miss_blocks": 20,
+        "stored_blocks": 10,
+        "stored_bytes": 10 * BLOCK_BYTES,
+        "loaded_blocks": 3,
+        "loaded_bytes": 3 * BLOCK_BYTES,
+        "evicted_blocks": 2,
+        "failed_jobs": 0,
+    }
+    assert {k: totals[k] for k in expected} == expected
+    assert totals["store_gbps"] > 0 and totals["load_gbps"] > 0
+    assert stats["used_slots"] == 8 and stats["pinned_slots"] == 0
+    assert stats["occupancy"] == 1.0
+    assert stats["pool"]["num_slots"] == 8 and stats["eviction_policy"] == "lru"
+    [ns_stats] = stats["namespaces"]
+    assert ns_stats["ready_blocks"] == 8 and ns_stats["used_slots"] == 8
+    assert {k: ns_stats["counters"][k] for k in expected} == expected
+    [me] = stats["clients"]  # the CLI itself opens no session
+    assert me["client_name"] == "stats-test" and me["workers"] == 1
+    assert {k: me["counters"][k] for k in expected if k != "evicted_blocks"} == {
+        k: v for k, v in expected.items() if k != "evicted_blocks"
+    }
+
+    table = cli(daemon, "stats")
+    assert table.returncode == 0
+    assert "8 blocks hit, 20 missed" in table.stdout
+    assert ns_stats["name"] in table.stdout and "stats-test" in table.stdout
+
+
+def test_clear_and_health_from_the_cli(daemon, client_factory):
+    client = client_factory(daemon)
+    ns = namespace("per_layer")
+    tensors, block_dim = make_kv_cache("per_layer", seed=7)
+    worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
+    engine = client.register_engine(ns)
+    other = client.register_engine(namespace("per_layer", model="other-model"))
+    keys = prompt_keys(5, prompt=31)
+    job = client.submit_store(worker, 1, keys, list(range(5)))
+    assert client.wait([job], 10)[job].ok
+
+    health = cli(daemon, "health")
+    assert health.returncode == 0 and health.stdout.strip() == "SERVING"
+
+    unknown = cli(daemon, "clear", "no-such-namespace")
+    assert unknown.returncode == 1 and "no namespace 'no-such-namespace'" in unknown.stderr
+    cleared = cli(daemon, "clear", engine.namespace_name)
+    assert cleared.returncode == 0, cleared.stderr
+    assert "cleared 5 block(s)" in cleared.stdout
+    assert client.lookup(engine, keys).ready_blocks == 0
+    assert client.lookup(other, keys).ready_blocks == 0
+    assert client.stats().used_slots == 0
+
+
+def test_cli_says_clearly_when_no_daemon_runs(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdepot.client.cli", "--socket", str(tmp_path / "none.sock"), "--timeout", "1", "health"],
+        capture_output=True, text=True, env=subprocess_env(), timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "none.sock" in proc.stderr
