@@ -139,3 +139,35 @@ def test_tcp_needs_the_auth_token(start_daemon, tmp_path, client_factory):
                       "--pool-size", "4MiB", "--pool-dir", str(tmp_path))
     assert proc.returncode == 1 and f"cannot listen on {address}" in proc.stderr
     assert daemon.running
+
+
+def test_defaults_alone_give_a_working_daemon_that_tells_systemd_it_is_ready(tmp_path):
+    """What `make run` does: no flags at all. The socket goes in the runtime dir."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    notify.settimeout(60)
+    env = subprocess_env(XDG_RUNTIME_DIR=str(tmp_path), NOTIFY_SOCKET=str(tmp_path / "notify"))
+    env.pop("KVDEPOT_SOCKET", None)
+    proc = subprocess.Popen([sys.executable, "-m", "kvdepot.server"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert notify.recv(1024).startswith(b"READY=1")
+        sock = tmp_path / "kvdepot" / "kvdepot.sock"
+        assert sock.is_socket()
+        health = subprocess.run([sys.executable, "-m", "kvdepot.client.cli", "health"], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert health.stdout.strip() == "SERVING", health.stderr
+        stats = subprocess.run([sys.executable, "-m", "kvdepot.client.cli", "stats", "--json"], env=env,
+                               capture_output=True, text=True, timeout=60)
+        import json
+
+        pool = json.loads(stats.stdout)["pool"]
+        assert pool["num_slots"] * pool["slot_bytes"] == 1 << 30
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert notify.recv(1024).startswith(b"STOPPING=1")
+        assert not sock.exists() and not __import__("os").path.exists(pool["shm_path"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
