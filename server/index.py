@@ -5,11 +5,14 @@ a slot of its own. A block becomes *ready* (visible to lookups and loads) only
 when every rank's shard is committed; until then it is *incomplete*, and a
 failed shard store frees that shard without ever exposing the block. A block
 that a job pins (a store writing it, a load reading it) is never evicted.
+
+A block enters the eviction order when its first shard is committed, ready or
+not: an incomplete block is as old as its first shard, so the other ranks'
+stores of the same keys, which follow at once, never evict it first.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -75,8 +78,6 @@ class BlockIndex:
         self.policy = policy
         self._on_evict = on_evict
         self._blocks: dict[tuple[int, bytes], Block] = {}
-        # Not ready, oldest first: evicted before any ready block when unpinned.
-        self._incomplete: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         self._pinned: set[Block] = set()
 
     # ------------------------------------------------------------ queries
@@ -142,38 +143,39 @@ class BlockIndex:
                 return StoreReservation(writes, already, len(keys) - position)
             if created:
                 self._blocks[index_key] = block
-                self._incomplete[index_key] = None
             block.slots[rank] = slot
             block.writers[rank] = job_id
             ns.used_slots += 1
             writes.append((position, block))
         return StoreReservation(writes, already, 0)
 
-    def finish_store(self, block: Block, rank: int, ok: bool) -> bool:
-        """Ends one shard's store; True when it made the block ready."""
+    def finish_store(self, block: Block, rank: int, ok: bool, release_slot: bool = True) -> int | None:
+        """Ends one shard's store. A failed shard is dropped from the block; its
+        slot goes back to the pool, or, with release_slot=False, to the caller
+        (who keeps it out of use while a writer may still be running)."""
         del block.writers[rank]
         self._unpin(block)
         if not ok:
-            self._free_shard(block, rank)
-            return False
+            return self._drop_shard(block, rank, release_slot)
+        if not block.committed:
+            self.policy.insert(block.index_key)
         block.committed.add(rank)
-        if len(block.committed) < block.ns.tp_size:
-            return False
-        block.ready = True
-        block.ns.ready_blocks += 1
-        self._incomplete.pop(block.index_key, None)
-        self.policy.insert(block.index_key)
-        return True
+        if len(block.committed) == block.ns.tp_size:
+            block.ready = True
+            block.ns.ready_blocks += 1
+        return None
 
-    def _free_shard(self, block: Block, rank: int) -> None:
+    def _drop_shard(self, block: Block, rank: int, release_slot: bool) -> int | None:
         slot = block.slots[rank]
+        block.slots[rank] = None
         if slot is not None:
-            self.pool.release(slot)
             block.ns.used_slots -= 1
-            block.slots[rank] = None
+            if release_slot:
+                self.pool.release(slot)
         if not block.held_slots() and not block.writers and block.pins == 0:
             del self._blocks[block.index_key]
-            self._incomplete.pop(block.index_key, None)
+            self.policy.remove(block.index_key)
+        return None if release_slot else slot
 
     # ------------------------------------------------------------ loads
 
@@ -207,16 +209,11 @@ class BlockIndex:
             if victim is None:
                 return None
             self._drop(victim)
-            if victim.ready:
-                self._on_evict(victim)
+            self._on_evict(victim)
             slot = self.pool.allocate()
         return slot
 
     def _victim(self, incoming) -> Block | None:
-        for index_key in self._incomplete:
-            block = self._blocks[index_key]
-            if block.pins == 0:
-                return block
         index_key = self.policy.victim(lambda k: self._blocks[k].pins == 0, incoming)
         return None if index_key is None else self._blocks[index_key]
 
@@ -229,7 +226,6 @@ class BlockIndex:
         if block.ready:
             block.ns.ready_blocks -= 1
         del self._blocks[block.index_key]
-        self._incomplete.pop(block.index_key, None)
 
     def clear(self, ns: Namespace | None) -> tuple[int, int]:
         """Drops every unpinned block of `ns` (all when None): (dropped, kept pinned)."""

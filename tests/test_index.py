@@ -1,0 +1,50 @@
+"""The block index on a real pool: TP shards, pins and eviction under pressure."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdepot.server.eviction import make_policy
+from kvdepot.server.index import BlockIndex, Namespace
+from kvdepot.server.pool import HostPool
+
+
+@pytest.fixture
+def pool(tmp_path):
+    pool = HostPool(size=64 * 4096, slot_bytes=4096, directory=str(tmp_path), name="idx", pin="off")
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_tp2_blocks_become_ready_round_after_round_in_a_full_pool(pool, policy):
+    """Rank 1's stores of the keys rank 0 just stored must not evict rank 0's shards."""
+    evicted = []
+    index = BlockIndex(pool, make_policy(policy, pool.num_slots), evicted.append)
+    ns = Namespace(id=1, name="tp2", tp_size=2)
+    for round_ in range(12):
+        keys = [bytes([round_, i]) * 16 for i in range(8)]
+        for rank in (0, 1):
+            reservation = index.reserve_store(ns, rank, keys, job_id=round_ * 2 + rank)
+            assert reservation.not_stored == 0
+            for _, block in reservation.writes:
+                index.finish_store(block, rank, ok=True)
+        assert index.lookup(ns, keys).ready == 8, f"round {round_}"
+    assert pool.used_slots == 64
+    assert ns.ready_blocks == 32 and len(evicted) == 12 * 8 - 32
+
+
+def test_a_failed_shard_never_exposes_the_block_and_frees_its_slot(pool):
+    index = BlockIndex(pool, make_policy("lru", pool.num_slots), lambda b: None)
+    ns = Namespace(id=1, name="tp2", tp_size=2)
+    keys = [bytes([9, i]) * 16 for i in range(4)]
+    for rank, ok in ((0, True), (1, False)):
+        reservation = index.reserve_store(ns, rank, keys, job_id=rank)
+        for _, block in reservation.writes:
+            index.finish_store(block, rank, ok=ok)
+    assert index.lookup(ns, keys).ready == 0
+    assert pool.used_slots == 4  # rank 0's shards wait for rank 1 to try again
+    reservation = index.reserve_store(ns, 1, keys, job_id=3)
+    for _, block in reservation.writes:
+        index.finish_store(block, 1, ok=True)
+    assert index.lookup(ns, keys).ready == 4 and pool.used_slots == 8
