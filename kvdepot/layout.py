@@ -38,9 +38,12 @@ DTYPE_BYTES = {
     "int64": 8,
 }
 
-# More pages than this per block and tensor is not a KV cache but a mistake,
-# and enumerating them would let one request burn the daemon's CPU.
+# Limits far above any real KV cache, so that one request cannot make the
+# daemon enumerate (and keep) millions of page offsets.
+MAX_DIMS = 8
 MAX_PAGES_PER_BLOCK = 4096
+MAX_TENSORS_PER_WORKER = 4096
+MAX_PAGES_PER_WORKER = 65536
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,15 @@ class TensorLayout:
         return tuple(s * self.elem_bytes for s in self.strides[: self.block_dim])
 
     def signature(self) -> tuple:
-        """What must match between workers that share a namespace's blocks."""
-        return (self.dtype, self.page_bytes, self.pages_per_block)
+        """What must match between workers that share a namespace's blocks: the
+        bytes of a page mean the same only with the same element order."""
+        inner = range(self.block_dim + 1, len(self.shape))
+        return (
+            self.dtype,
+            self.outer_shape,
+            tuple(self.shape[d] for d in inner),
+            tuple(self.strides[d] for d in inner),
+        )
 
 
 def describe(
@@ -104,8 +114,8 @@ def describe(
         )
     shape = tuple(int(s) for s in shape)
     strides = tuple(int(s) for s in strides)
-    if not shape:
-        raise InvalidArgument(f"{where}: a KV-cache tensor needs at least one dimension")
+    if not shape or len(shape) > MAX_DIMS:
+        raise InvalidArgument(f"{where}: a KV-cache tensor has 1 to {MAX_DIMS} dimensions, not {len(shape)}")
     if len(strides) != len(shape):
         raise InvalidArgument(
             f"{where}: {len(shape)} dimensions in shape but {len(strides)} strides"
@@ -149,17 +159,14 @@ def describe(
         sum(i * strides[d] for d, i in enumerate(index)) * elem
         for index in itertools.product(*(range(n) for n in outer))
     )
-    ordered = sorted(page_offsets)
-    if any(b - a < computed_page_bytes for a, b in zip(ordered, ordered[1:])):
-        raise InvalidArgument(
-            f"{where}: the pages of one block overlap (shape {shape}, strides {strides})"
-        )
-
     num_blocks = shape[block_dim]
     block_stride = strides[block_dim] * elem
-    if num_blocks > 1 and block_stride == 0:
-        raise InvalidArgument(f"{where}: blocks overlap: block_dim has stride 0")
-    end = byte_offset + (num_blocks - 1) * block_stride + ordered[-1] + computed_page_bytes
+    if _pages_overlap(outer, [s * elem for s in strides[:block_dim]], num_blocks, block_stride, computed_page_bytes):
+        raise InvalidArgument(
+            f"{where}: pages of its blocks overlap (shape {shape}, strides {strides}): a load "
+            "into one block would overwrite another"
+        )
+    end = byte_offset + (num_blocks - 1) * block_stride + max(page_offsets) + computed_page_bytes
     if end > storage_bytes:
         raise InvalidArgument(
             f"{where}: the layout reaches byte {end} but its storage holds only "
@@ -186,6 +193,39 @@ def describe(
     )
 
 
+def _pages_overlap(outer: tuple, outer_strides: list, num_blocks: int, block_stride: int, page: int) -> bool:
+    """Whether any two pages of any blocks share a byte.
+
+    Page starts are b * block_stride + sum(i_d * outer_strides[d]). Two of them
+    differ by d * block_stride + x, where x is a sum of (i_d - j_d) *
+    outer_strides[d]; they overlap when that difference is less than a page
+    (and the two are not the same page). Enumerating the differences x, not the
+    pairs of pages, keeps this linear in the pages of one block.
+    """
+    differences = {0: False}  # difference -> reachable with a nonzero index change
+    for size, stride in zip(outer, outer_strides):
+        grown = {}
+        for x, nonzero in differences.items():
+            for delta in range(-(size - 1), size):
+                key = x + delta * stride
+                grown[key] = grown.get(key, False) or nonzero or delta != 0
+        differences = grown
+        if len(differences) > 4 * MAX_PAGES_PER_BLOCK * MAX_DIMS:
+            return True  # no real layout has this many distinct page distances
+    for x, nonzero in differences.items():
+        if nonzero and abs(x) < page:
+            return True  # two pages of one block
+        if num_blocks > 1:
+            if block_stride == 0:
+                return True
+            # The block distance d (1 <= d < num_blocks) closest to x.
+            nearest = min(max(round(x / block_stride), 1), num_blocks - 1)
+            for d in (nearest - 1, nearest, nearest + 1):
+                if 1 <= d < num_blocks and abs(d * block_stride - x) < page:
+                    return True
+    return False
+
+
 @dataclass(frozen=True)
 class WorkerLayout:
     """All KV-cache tensors of one worker, and how one of its blocks fills a slot."""
@@ -199,6 +239,10 @@ class WorkerLayout:
     def of(cls, tensors: Sequence[TensorLayout]) -> "WorkerLayout":
         if not tensors:
             raise InvalidArgument("a worker must register at least one KV-cache tensor")
+        if len(tensors) > MAX_TENSORS_PER_WORKER:
+            raise InvalidArgument(
+                f"{len(tensors)} tensors; a worker registers at most {MAX_TENSORS_PER_WORKER}"
+            )
         counts = {t.num_blocks for t in tensors}
         if len(counts) != 1:
             raise InvalidArgument(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from collections import deque
@@ -23,7 +24,13 @@ from kvdepot.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvdepot.layout import WorkerLayout, describe
+from kvdepot.layout import (
+    DTYPE_BYTES,
+    MAX_PAGES_PER_WORKER,
+    MAX_TENSORS_PER_WORKER,
+    WorkerLayout,
+    describe,
+)
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.eviction import make_policy
 from kvdepot.server.index import Block, BlockIndex, Namespace
@@ -36,6 +43,33 @@ log = logging.getLogger("kvdepot.depot")
 # Job ids a session finished recently, still refused as duplicates: a client
 # that reuses one that fast has lost track of its jobs.
 RECENT_JOB_IDS = 4096
+
+# Slots of a store abandoned by a client that went away are reused only once
+# its process is gone (a live one could still be writing them), or after this.
+QUARANTINE_MAX_SECONDS = 60.0
+
+
+def process_gone(pid: int) -> bool:
+    """True when `pid` has exited (a zombie has no memory left to write with)."""
+    if pid <= 0:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    # The state letter follows the parenthesised command name.
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state in (b"Z", b"X")
+
+
+@dataclass
+class Quarantine:
+    pid: int
+    slots: list[int]
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass(eq=False)
@@ -72,8 +106,17 @@ class Session:
     workers: dict[int, Worker] = field(default_factory=dict)
     jobs: dict[int, Job] = field(default_factory=dict)
     recent_job_ids: deque = field(default_factory=lambda: deque(maxlen=RECENT_JOB_IDS))
+    recent_job_id_set: set = field(default_factory=set)
     counters: Counters = field(default_factory=Counters)
     ended: bool = False
+
+
+def _block_bytes_of(spec: pb.TensorSpec) -> int:
+    """Bytes of one block of a tensor, from its shape (0 if the spec is malformed)."""
+    shape = list(spec.shape)
+    if spec.dtype not in DTYPE_BYTES or not 0 <= spec.block_dim < len(shape) or min(shape, default=0) < 1:
+        return 0
+    return DTYPE_BYTES[spec.dtype] * math.prod(shape) // shape[spec.block_dim]
 
 
 def namespace_identity(spec: pb.NamespaceSpec) -> tuple:
@@ -112,6 +155,7 @@ class Depot:
         self.sessions_ended = 0
         self.namespaces: dict[tuple, Namespace] = {}
         self.draining = False
+        self.quarantine: list[Quarantine] = []
         self._jobs_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -207,6 +251,24 @@ class Depot:
                 f"{len(request.tensors)} tensors but {len(request.handles)} handles: "
                 "give one handle for each tensor"
             )
+        if len(request.tensors) > MAX_TENSORS_PER_WORKER:
+            raise InvalidArgument(
+                f"{len(request.tensors)} tensors; a worker registers at most {MAX_TENSORS_PER_WORKER}"
+            )
+        pages = sum(math.prod(t.shape[: t.block_dim]) for t in request.tensors if t.block_dim < len(t.shape))
+        if pages > MAX_PAGES_PER_WORKER:
+            raise InvalidArgument(
+                f"{pages} pages per block over all tensors; a worker has at most {MAX_PAGES_PER_WORKER}"
+            )
+        # The size of a block follows from the shapes alone: refuse an oversized
+        # worker before computing any page.
+        block_bytes = sum(_block_bytes_of(t) for t in request.tensors)
+        if block_bytes > self.pool.slot_bytes:
+            raise InvalidArgument(
+                f"one block of this worker is {block_bytes} bytes, more than a pool "
+                f"slot ({self.pool.slot_bytes} bytes): start kvdepotd with --slot-size "
+                f"{block_bytes} or more"
+            )
         layout = WorkerLayout.of(
             [
                 describe(
@@ -222,12 +284,6 @@ class Depot:
                 for i, t in enumerate(request.tensors)
             ]
         )
-        if layout.block_bytes > self.pool.slot_bytes:
-            raise InvalidArgument(
-                f"one block of this worker is {layout.block_bytes} bytes, more than a pool "
-                f"slot ({self.pool.slot_bytes} bytes): start kvdepotd with --slot-size "
-                f"{layout.block_bytes} or more"
-            )
         known = ns.rank_signatures.get(request.rank)
         if known is not None and known != layout.signature():
             raise InvalidArgument(
@@ -302,7 +358,7 @@ class Depot:
         worker = session.workers.get(request.worker_id)
         if worker is None:
             raise NotFound(f"unknown worker {request.worker_id} in this session: register it first")
-        if request.job_id in session.jobs or request.job_id in session.recent_job_ids:
+        if request.job_id in session.jobs or request.job_id in session.recent_job_id_set:
             raise AlreadyExists(f"job id {request.job_id} is already used by this session")
         if len(request.keys) != len(request.block_ids):
             raise InvalidArgument(
@@ -383,16 +439,28 @@ class Depot:
             )
         self.finish_job(job, ok=request.ok, error=request.error)
 
-    def finish_job(self, job: Job, ok: bool, error: str = "") -> None:
-        """Commits or rolls back a job whose copies have ended, and notifies its client."""
+    def finish_job(self, job: Job, ok: bool, error: str = "", writer_may_live: bool = False) -> None:
+        """Commits or rolls back a job whose copies have ended, and notifies its client.
+
+        writer_may_live: the client went away without finishing a store; its
+        process may still write the job's slots, so they are quarantined.
+        """
         session, worker = job.session, job.worker
         if session.jobs.pop(job.id, None) is None:
             return
+        if len(session.recent_job_ids) == RECENT_JOB_IDS:
+            session.recent_job_id_set.discard(session.recent_job_ids[0])
         session.recent_job_ids.append(job.id)
+        session.recent_job_id_set.add(job.id)
         nbytes = worker.layout.block_bytes
         if job.kind == "store":
+            held = []
             for block in job.blocks:
-                self.index.finish_store(block, worker.rank, ok)
+                slot = self.index.finish_store(block, worker.rank, ok, release_slot=not writer_may_live)
+                if slot is not None:
+                    held.append(slot)
+            if held:
+                self.quarantine.append(Quarantine(session.pid, held))
             if ok:
                 n = len(job.blocks)
                 self._count(session, worker.ns, stored_blocks=n, stored_bytes=n * nbytes)
@@ -414,6 +482,29 @@ class Depot:
             session.notifications.put_nowait(
                 pb.Notification(job_done=pb.JobDone(job_id=job.id, ok=ok, error=error))
             )
+
+    def release_quarantine(self, now: float | None = None) -> int:
+        """Returns quarantined slots whose writer is gone (or waited out) to the pool."""
+        now = time.monotonic() if now is None else now
+        released = 0
+        keep = []
+        for entry in self.quarantine:
+            if process_gone(entry.pid) or now - entry.since > QUARANTINE_MAX_SECONDS:
+                for slot in entry.slots:
+                    self.pool.release(slot)
+                released += len(entry.slots)
+            else:
+                keep.append(entry)
+        self.quarantine = keep
+        return released
+
+    async def housekeeping(self, interval: float = 0.25) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            if self.quarantine:
+                released = self.release_quarantine()
+                if released:
+                    log.info("released %d quarantined slot(s): their writer is gone", released)
 
     async def drain(self, timeout: float) -> bool:
         """Refuses new jobs and waits for those in flight; False if time ran out."""
@@ -448,6 +539,7 @@ class Depot:
             pool=self.pool_info(),
             used_slots=used,
             pinned_slots=self.index.pinned_slots,
+            quarantined_slots=sum(len(q.slots) for q in self.quarantine),
             occupancy=used / self.pool.num_slots,
             eviction_policy=self.policy.name,
             totals=self.totals.to_proto(self.store_clock.seconds, self.load_clock.seconds),

@@ -12,16 +12,13 @@ import torch
 from kvdepot import errors
 from kvdepot.client.tensors import tensor_layout, tensor_spec
 from kvdepot.proto import kvdepot_pb2 as pb
-from kvcache import NUM_BLOCKS, block_of, make_kv_cache, namespace, prompt_keys
+from kvcache import attach_worker, NUM_BLOCKS, block_of, namespace, prompt_keys
 
 
 @pytest.fixture
 def setup(daemon, client_factory):
     client = client_factory(daemon, name="bad-input")
-    ns = namespace("per_layer")
-    tensors, block_dim = make_kv_cache("per_layer", seed=8)
-    worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
-    engine = client.register_engine(ns)
+    worker, engine, tensors = attach_worker(client, seed=8)
     keys = prompt_keys(16, prompt=40)
     job = client.submit_store(worker, 1, keys, list(range(16)))
     assert client.wait([job], 10)[job].ok
@@ -157,4 +154,19 @@ def test_garbage_bytes_on_the_socket_do_not_hurt(setup, daemon):
             except (socket.timeout, ConnectionResetError):
                 pass
     assert daemon.running
+    assert_still_intact(client, engine, worker, tensors, keys)
+
+
+def test_a_huge_registration_is_refused_before_any_work(setup):
+    client, engine, worker, tensors, keys = setup
+    spec = pb.TensorSpec(name="t", dtype="uint8", shape=[4096, 1, 1], strides=[1, 4096, 1],
+                         storage_bytes=1 << 40, block_dim=1, page_bytes=1)
+    request = pb.RegisterWorkerRequest(
+        session_id=client._connection.session_id,
+        namespace=pb.NamespaceSpec(**namespace("per_layer", model="huge-registration")),
+        rank=0, device="cpu", tensors=[spec] * 100,
+        handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker())] * 100,
+    )
+    expect(grpc.StatusCode.INVALID_ARGUMENT, raw_call, client, "RegisterWorker", request,
+           match="409600 pages per block over all tensors")
     assert_still_intact(client, engine, worker, tensors, keys)

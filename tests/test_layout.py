@@ -57,3 +57,32 @@ def test_worker_tensors_must_agree_on_the_block_count():
         WorkerLayout.of([a, b])
     worker = WorkerLayout.of([a, a])
     assert worker.slot_offsets == (0, 32) and worker.block_bytes == 64
+
+
+def test_layouts_with_the_same_page_size_but_another_element_order_do_not_match():
+    nhd = torch.zeros(2, 10, 16, 8, 128, dtype=torch.bfloat16)
+    hnd = torch.zeros(2, 10, 8, 16, 128, dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
+    other_shape = torch.zeros(2, 10, 8, 16, 128, dtype=torch.bfloat16)
+    signatures = {tensor_layout(t, 1, "x").signature() for t in (nhd, hnd, other_shape)}
+    assert len(signatures) == 3
+    assert tensor_layout(nhd, 1, "x").signature() == tensor_layout(torch.zeros(2, 99, 16, 8, 128, dtype=torch.bfloat16), 1, "y").signature()
+
+
+def test_interleaved_k_and_v_pages_are_accepted_but_overlapping_blocks_are_not():
+    # [blocks, 2, ...] memory viewed as [2, blocks, ...]: K and V of a block side by side.
+    interleaved = torch.zeros(10, 2, 16, 8, 128).permute(1, 0, 2, 3, 4)
+    assert tensor_layout(interleaved, 1, "kv").page_offsets == (0, 65536)
+    overlapping = torch.zeros(100).as_strided((10, 16), (1, 1))
+    with pytest.raises(InvalidArgument, match="overlap"):
+        tensor_layout(overlapping, 0, "o")
+
+
+def test_descriptors_beyond_any_real_kv_cache_are_refused_cheaply():
+    from kvdepot.layout import describe
+
+    with pytest.raises(InvalidArgument, match="1 to 8 dimensions"):
+        describe(name="t", dtype="uint8", shape=[1] * 9, strides=[1] * 9, byte_offset=0,
+                 storage_bytes=1 << 40, block_dim=0)
+    with pytest.raises(InvalidArgument, match="pages per block"):
+        describe(name="t", dtype="uint8", shape=[8192, 2, 64], strides=[128, 64, 1], byte_offset=0,
+                 storage_bytes=1 << 40, block_dim=1)
