@@ -104,6 +104,17 @@ class Transfer:
         if self.done:
             return
         self.done = True
+        if not self.client._copy_started():
+            # The client is closing: its session ends, and the daemon may hand
+            # the job's slots to others.
+            self.client._finish(self.job_id, False, "the client was closed before the copy")
+            return
+        try:
+            self._copy()
+        finally:
+            self.client._copy_ended()
+
+    def _copy(self) -> None:
         try:
             if self.connection.pool is None:
                 raise RuntimeError("the daemon's pool is not mapped in this process")
@@ -143,12 +154,18 @@ class KVDepotClient:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._connection: _Connection | None = None
+        # Held while registering, so a handle added during a reconnect is
+        # registered exactly once, by whoever comes second.
+        self._register_lock = threading.Lock()
         self._engines: list[EngineHandle] = []
         self._workers: list[WorkerHandle] = []
         self._pending: set[int] = set()
         # Finished jobs not yet handed over, in the order they finished.
         self._results: OrderedDict[int, JobResult] = OrderedDict()
+        # Job ids a wait() is blocked on: take_finished() leaves them to it.
+        self._awaited: dict[int, int] = {}
         self._closing = threading.Event()
+        self._copies_running = 0
         self._stream_call = None
         self._said_gone = False
         self.reconnects = 0
@@ -176,8 +193,12 @@ class KVDepotClient:
         connection = self._connection
         return connection.instance if connection else None
 
-    def close(self) -> None:
-        self._closing.set()
+    def close(self, timeout: float = 30.0) -> None:
+        """Ends the session. Copies already running finish first: the daemon
+        reuses a session's slots once its stream closes."""
+        with self._changed:
+            self._closing.set()
+            self._changed.wait_for(lambda: self._copies_running == 0, timeout)
         call = self._stream_call
         if call is not None:
             call.cancel()
@@ -240,21 +261,17 @@ class KVDepotClient:
 
     def _on_attached(self, stub: pb_grpc.KVDepotStub, started: pb.SessionStarted) -> None:
         connection = _Connection(stub, started.session_id, started.daemon_instance, started.pool)
-        with self._lock:
-            engines, workers = list(self._engines), list(self._workers)
-        for engine in engines:
-            try:
-                self._register_engine(connection, engine)
-            except KVDepotError as e:
-                log.error("registering engine %s again failed: %s", engine.namespace_name, e)
-        for worker in workers:
-            try:
-                self._register_worker(connection, worker)
-            except KVDepotError as e:
-                log.error("registering worker (rank %d) again failed: %s", worker.rank, e)
-        with self._changed:
-            self._connection = connection
-            self._changed.notify_all()
+        with self._register_lock:
+            with self._lock:
+                handles = [*self._engines, *self._workers]
+            for handle in handles:
+                try:
+                    self._register(connection, handle)
+                except KVDepotError as e:
+                    log.error("registering %s again failed: %s", handle.namespace_name or "a handle", e)
+            with self._changed:
+                self._connection = connection
+                self._changed.notify_all()
         if self._said_gone:
             self.reconnects += 1
             log.warning("reconnected to kvdepotd on %s (instance %s)", self.target, connection.instance)
@@ -272,8 +289,9 @@ class KVDepotClient:
                 worker.worker_id = None
             pending = list(self._pending)
             self._changed.notify_all()
+        why = "the client was closed during the job" if self._closing.is_set() else "kvdepotd went away during the job"
         for job_id in pending:
-            self._finish(job_id, False, "kvdepotd went away during the job")
+            self._finish(job_id, False, why)
         if (was_connected or not self._said_gone) and not self._closing.is_set():
             log.warning(
                 "kvdepotd on %s is not available (%s); offloading is off until it returns",
@@ -281,6 +299,18 @@ class KVDepotClient:
                 reason,
             )
             self._said_gone = True
+
+    def _copy_started(self) -> bool:
+        with self._lock:
+            if self._closing.is_set():
+                return False
+            self._copies_running += 1
+            return True
+
+    def _copy_ended(self) -> None:
+        with self._changed:
+            self._copies_running -= 1
+            self._changed.notify_all()
 
     def _call(self, connection: _Connection, method: str, request):
         """One unary call; typed errors, and Unavailable when the daemon is gone."""
@@ -303,15 +333,31 @@ class KVDepotClient:
     def register_engine(self, namespace: pb.NamespaceSpec | Mapping) -> EngineHandle:
         """Declares the namespace this process looks up; kept across reconnects."""
         engine = EngineHandle(namespace_spec(namespace))
-        connection = self._connection
-        if connection is not None:
-            try:
-                self._register_engine(connection, engine)
-            except Unavailable:
-                pass
-        with self._lock:
-            self._engines.append(engine)
+        self._add_handle(self._engines, engine)
         return engine
+
+    def _add_handle(self, handles: list, handle) -> None:
+        """Keeps the handle for every future session, and registers it now if attached."""
+        with self._lock:
+            handles.append(handle)
+        try:
+            with self._register_lock:
+                connection = self._connection
+                registered = getattr(handle, "engine_id", None) or getattr(handle, "worker_id", None)
+                if connection is not None and registered is None:
+                    self._register(connection, handle)
+        except Unavailable:
+            pass  # registered when the daemon is back
+        except KVDepotError:
+            with self._lock:
+                handles.remove(handle)
+            raise
+
+    def _register(self, connection: _Connection, handle) -> None:
+        if isinstance(handle, EngineHandle):
+            self._register_engine(connection, handle)
+        else:
+            self._register_worker(connection, handle)
 
     def _register_engine(self, connection: _Connection, engine: EngineHandle) -> None:
         response = self._call(
@@ -354,14 +400,7 @@ class KVDepotClient:
             layout=layout,
             copier=BlockCopier(tensors, layout),
         )
-        connection = self._connection
-        if connection is not None:
-            try:
-                self._register_worker(connection, worker)
-            except Unavailable:
-                pass
-        with self._lock:
-            self._workers.append(worker)
+        self._add_handle(self._workers, worker)
         return worker
 
     def _register_worker(self, connection: _Connection, worker: WorkerHandle) -> None:
@@ -483,16 +522,25 @@ class KVDepotClient:
             unknown = [j for j in job_ids if j not in self._pending and j not in self._results]
             if unknown:
                 raise KeyError(f"no job {unknown[0]} was submitted, or its result was taken already")
-            if not self._changed.wait_for(lambda: all(j in self._results for j in job_ids), timeout):
-                left = [j for j in job_ids if j not in self._results]
-                raise TimeoutError(f"{len(left)} job(s) still in flight after {timeout} s: {left[:8]}")
-            return {j: self._results.pop(j) for j in job_ids}
+            for j in job_ids:
+                self._awaited[j] = self._awaited.get(j, 0) + 1
+            try:
+                if not self._changed.wait_for(lambda: all(j in self._results for j in job_ids), timeout):
+                    left = [j for j in job_ids if j not in self._results]
+                    raise TimeoutError(f"{len(left)} job(s) still in flight after {timeout} s: {left[:8]}")
+                return {j: self._results.pop(j) for j in job_ids}
+            finally:
+                for j in job_ids:
+                    self._awaited[j] -= 1
+                    if not self._awaited[j]:
+                        del self._awaited[j]
 
     def take_finished(self) -> list[JobResult]:
         """Results of every job finished since the last call (and not taken by wait)."""
         with self._lock:
-            taken = list(self._results.values())
-            self._results.clear()
+            taken = [r for j, r in self._results.items() if j not in self._awaited]
+            for result in taken:
+                del self._results[result.job_id]
             return taken
 
     # ------------------------------------------------------------ operators

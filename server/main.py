@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -72,25 +73,26 @@ def notify_systemd(state: str) -> None:
             log.warning("could not notify systemd: %s", e)
 
 
-class SocketGuard:
-    """Owns a unix socket path: refuses a second daemon, clears a stale socket.
+class AddressGuard:
+    """Owns a listening address: refuses a second daemon, clears what a crash left.
 
-    The lock beside the socket is held for the daemon's life and released by
-    the kernel when it dies, so a socket file left by a crash is recognisably
-    stale while a live daemon's is not.
+    The lock (beside a unix socket; in the pool folder for TCP) is held for the
+    daemon's life and released by the kernel when it dies, so a socket file or
+    pool file left by a crash is recognisably stale while a live daemon's is not.
     """
 
-    def __init__(self, path: str):
-        self.path = path
-        self.lock_path = path + ".lock"
+    def __init__(self, target: str, lock_path: str, socket_path: str | None):
+        self.target = target
+        self.lock_path = lock_path
+        self.socket_path = socket_path
         self._lock_fd: int | None = None
 
     def acquire(self) -> None:
-        directory = os.path.dirname(self.path) or "."
+        directory = os.path.dirname(self.lock_path) or "."
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
         except OSError as e:
-            raise StartupError(f"cannot create the socket folder {directory}: {e.strerror}") from e
+            raise StartupError(f"cannot create the folder {directory}: {e.strerror}") from e
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -100,25 +102,38 @@ class SocketGuard:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise StartupError(
-                f"another kvdepotd (pid {holder}) is already serving unix:{self.path}; "
-                "stop it first, or give this one another --listen path"
+                f"another kvdepotd (pid {holder}) is already serving {self.target}; "
+                "stop it first, or give this one another --listen address"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
-        if os.path.exists(self.path):
-            log.info("removing the stale socket %s left by a daemon that is gone", self.path)
-            os.unlink(self.path)
+        if self.socket_path and os.path.exists(self.socket_path):
+            log.info("removing the stale socket %s left by a daemon that is gone", self.socket_path)
+            os.unlink(self.socket_path)
 
     def release(self) -> None:
-        for path in (self.path,):
+        if self.socket_path:
             try:
-                os.unlink(path)
+                os.unlink(self.socket_path)
             except FileNotFoundError:
                 pass
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def remove_stale_pools(directory: str, prefix: str) -> None:
+    """Pool files of earlier daemons on this address: they died without cleaning up
+    (we hold the address's lock, so none of them runs), and each holds its size in RAM."""
+    for name in os.listdir(directory):
+        if name.startswith(prefix) and name.endswith(".pool"):
+            path = os.path.join(directory, name)
+            log.warning("removing %s, the pool of a daemon on this address that died", path)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 async def serve(config: DaemonConfig) -> int:
@@ -131,24 +146,32 @@ async def serve(config: DaemonConfig) -> int:
             "(clients send it as 'authorization: Bearer TOKEN'), or listen on a unix socket"
         )
 
-    guard = SocketGuard(unix_path) if unix_path else None
-    if guard:
+    # Pool files are named after the address, so that the next daemon on it
+    # can tell the ones a crashed predecessor left.
+    pool_prefix = "kvdepot-" + hashlib.sha256(target.encode()).hexdigest()[:12] + "-"
+    guard = None
+    if unix_path:
+        guard = AddressGuard(target, unix_path + ".lock", unix_path)
         guard.acquire()
     instance = secrets.token_hex(6)
     try:
         pool_dir = choose_pool_dir(
             config.pool_dir, os.path.dirname(unix_path) if unix_path else None, config.pool_size
         )
+        if guard is None:
+            guard = AddressGuard(target, os.path.join(pool_dir, pool_prefix + "tcp.lock"), None)
+            guard.acquire()
+        remove_stale_pools(pool_dir, pool_prefix)
         started = time.monotonic()
         pool = HostPool(
             size=config.pool_size,
             slot_bytes=config.slot_size,
             directory=pool_dir,
-            name=f"kvdepot-{os.getpid()}-{instance}",
+            name=pool_prefix + instance,
             pin=config.pin,
             threads=config.pin_threads,
         )
-    except PoolError as e:
+    except (PoolError, StartupError) as e:
         if guard:
             guard.release()
         raise StartupError(str(e)) from e
@@ -188,8 +211,7 @@ async def serve(config: DaemonConfig) -> int:
         reason = "the address is in use or not allowed"
     if not bound:
         pool.close()
-        if guard:
-            guard.release()
+        guard.release()
         raise StartupError(f"cannot listen on {target}: {reason}")
     await server.start()
     if unix_path:
@@ -199,6 +221,7 @@ async def serve(config: DaemonConfig) -> int:
     log.info("kvdepotd %s ready on %s (instance %s)", kvdepot.__version__, target, instance)
     notify_systemd("READY=1\nSTATUS=serving")
 
+    housekeeping = asyncio.create_task(depot.housekeeping())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -215,9 +238,9 @@ async def serve(config: DaemonConfig) -> int:
             "%d job(s) still in flight after %.0f s; exiting anyway", depot.jobs_in_flight, config.drain_timeout
         )
     await server.stop(grace=1.0)
+    housekeeping.cancel()
     pool.close()
-    if guard:
-        guard.release()
+    guard.release()
     log.info("kvdepotd stopped")
     return 0
 

@@ -64,9 +64,13 @@ class SharedMemoryTransport(Transport):
         pass
 
     def abandon(self, job) -> None:
-        # The worker process is gone and its mapping with it (the kernel unmaps
-        # before it closes the socket): nothing writes the job's slots any more.
-        self._depot.finish_job(job, ok=False, error="the client went away during the job")
+        # The session's stream closed. Usually the process died (the kernel
+        # unmaps its memory before it closes the socket), but a live client whose
+        # stream broke could still be copying: the slots of a store stay out of
+        # use until its process is gone.
+        self._depot.finish_job(
+            job, ok=False, error="the client went away during the job", writer_may_live=True
+        )
 
     def close_worker(self, worker) -> None:
         pass

@@ -52,3 +52,12 @@ def block_of(tensors: list[torch.Tensor], layout: str, block_id: int) -> list[to
 def prompt_keys(n_blocks: int, prompt: int = 0) -> list[bytes]:
     tokens = [(prompt * 7919 + i) % 50000 for i in range(n_blocks * BLOCK_SIZE)]
     return block_keys(tokens, BLOCK_SIZE)
+
+
+def attach_worker(client, seed: int, layout: str = "per_layer"):
+    """Registers a fresh random KV cache as rank 0, and an engine, of one namespace."""
+    ns = namespace(layout)
+    tensors, block_dim = make_kv_cache(layout, seed)
+    worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
+    engine = client.register_engine(ns)
+    return worker, engine, tensors

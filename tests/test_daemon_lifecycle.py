@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import Daemon, subprocess_env, wait_until
+from conftest import subprocess_env, wait_until
 from kvcache import make_kv_cache, namespace, prompt_keys
 from kvdepot import errors
 

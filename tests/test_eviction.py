@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache import block_of, make_kv_cache, namespace, prompt_keys
+from kvcache import attach_worker, block_of, prompt_keys
 
 POOL_SLOTS = 8
 
@@ -19,10 +19,7 @@ def small_daemon(request, start_daemon):
 @pytest.fixture
 def worker_setup(small_daemon, client_factory):
     client = client_factory(small_daemon)
-    ns = namespace("per_layer")
-    tensors, block_dim = make_kv_cache("per_layer", seed=3)
-    worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
-    engine = client.register_engine(ns)
+    worker, engine, tensors = attach_worker(client, seed=3)
     return client, engine, worker, tensors
 
 

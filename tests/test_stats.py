@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from conftest import subprocess_env
-from kvcache import make_kv_cache, namespace, prompt_keys
+from kvcache import attach_worker, namespace, prompt_keys
 
 BLOCK_BYTES = 16 * 1024
 
@@ -22,10 +22,7 @@ def cli(daemon, *args: str) -> subprocess.CompletedProcess:
 def test_stats_json_counts_exactly_what_happened(start_daemon, client_factory):
     daemon = start_daemon(pool_size="128KiB")  # 8 slots
     client = client_factory(daemon, name="stats-test")
-    ns = namespace("per_layer")
-    tensors, block_dim = make_kv_cache("per_layer", seed=6)
-    worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
-    engine = client.register_engine(ns)
+    worker, engine, tensors = attach_worker(client, seed=6)
     keys = prompt_keys(10, prompt=30)
 
     assert client.lookup(engine, keys).ready_blocks == 0          # 10 misses
@@ -75,10 +72,7 @@ def test_stats_json_counts_exactly_what_happened(start_daemon, client_factory):
 
 def test_clear_and_health_from_the_cli(daemon, client_factory):
     client = client_factory(daemon)
-    ns = namespace("per_layer")
-    tensors, block_dim = make_kv_cache("per_layer", seed=7)
-    worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
-    engine = client.register_engine(ns)
+    worker, engine, tensors = attach_worker(client, seed=7)
     other = client.register_engine(namespace("per_layer", model="other-model"))
     keys = prompt_keys(5, prompt=31)
     job = client.submit_store(worker, 1, keys, list(range(5)))
