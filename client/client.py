@@ -69,9 +69,18 @@ class WorkerHandle:
     device: str
     tensors: list
     layout: WorkerLayout
-    copier: BlockCopier
+    # What the daemon needs to reach the tensors: TensorHandle messages.
+    handles: list
+    # Shared-memory transport: this process copies.
+    copier: BlockCopier | None = None
+    # CUDA transport: orders stores after the compute that wrote the blocks.
+    compute_fence: object = None
     worker_id: int | None = None
     namespace_name: str = ""
+
+    @property
+    def copies_itself(self) -> bool:
+        return self.copier is not None
 
 
 @dataclass
@@ -378,19 +387,19 @@ class KVDepotClient:
         device: str | None = None,
         names: Sequence[str] | None = None,
     ) -> WorkerHandle:
-        """Declares this worker's KV-cache tensors (shared-memory transport).
+        """Declares this worker's KV-cache tensors.
 
-        `block_dim` says which dimension of each tensor indexes blocks, e.g. 1
-        for vLLM's [2, num_blocks, block_size, heads, head_dim] tensors.
+        CPU tensors use the shared-memory transport (this process copies); CUDA
+        tensors the CUDA transport (the daemon copies over CUDA IPC, on its own
+        streams). `block_dim` says which dimension of each tensor indexes
+        blocks, e.g. 1 for vLLM's [2, num_blocks, block_size, heads, head_dim].
         """
         tensors = list(tensors)
         dims = normalize_block_dims(tensors, block_dim)
         names = list(names) if names is not None else [f"kv{i}" for i in range(len(tensors))]
-        for tensor in tensors:
-            if tensor.device.type != "cpu":
-                raise InvalidArgument(
-                    f"the shared-memory transport copies CPU tensors; this one is on {tensor.device}"
-                )
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            raise InvalidArgument(f"all tensors of a worker must be on one device, not {sorted(map(str, devices))}")
         layout = WorkerLayout.of([tensor_layout(t, d, n) for t, d, n in zip(tensors, dims, names)])
         worker = WorkerHandle(
             namespace=namespace_spec(namespace),
@@ -398,8 +407,18 @@ class KVDepotClient:
             device=device or str(tensors[0].device),
             tensors=tensors,
             layout=layout,
-            copier=BlockCopier(tensors, layout),
+            handles=[],
         )
+        if tensors[0].device.type == "cuda":
+            from kvdepot.client.cuda_worker import ComputeFence, cuda_handles
+
+            worker.handles = cuda_handles(tensors)
+            worker.compute_fence = ComputeFence(tensors[0].device)
+        elif tensors[0].device.type == "cpu":
+            worker.handles = [pb.TensorHandle(shared_memory=pb.SharedMemoryWorker()) for _ in tensors]
+            worker.copier = BlockCopier(tensors, layout)
+        else:
+            raise InvalidArgument(f"no transport for tensors on {tensors[0].device}")
         self._add_handle(self._workers, worker)
         return worker
 
@@ -410,10 +429,12 @@ class KVDepotClient:
             rank=worker.rank,
             device=worker.device,
             tensors=[tensor_spec(t) for t in worker.layout.tensors],
-            handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker()) for _ in worker.tensors],
+            handles=worker.handles,
         )
+        if worker.compute_fence is not None:
+            request.cuda_fence.CopyFrom(worker.compute_fence.handle)
         response = self._call(connection, "RegisterWorker", request)
-        if connection.pool is None:
+        if worker.copies_itself and connection.pool is None:
             info = connection.pool_info
             connection.pool = MappedPool(info.shm_path, info.slot_bytes, info.num_slots)
         worker.worker_id = response.worker_id
@@ -444,7 +465,11 @@ class KVDepotClient:
     # ------------------------------------------------------------ jobs
 
     def submit_store(self, worker: WorkerHandle, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        """Stores blocks; the result comes through wait() or take_finished()."""
+        """Stores blocks; the result comes through wait() or take_finished().
+
+        CUDA workers: call it after launching the compute that writes the
+        blocks, on the current stream; the daemon's copy waits for that compute.
+        """
         self.begin_store(worker, job_id, keys, block_ids).run()
         return job_id
 
@@ -475,6 +500,8 @@ class KVDepotClient:
                 self._finish(job_id, False, "kvdepotd is not available")
             return transfer
         fields = dict(session_id=connection.session_id, worker_id=worker_id, job_id=job_id, keys=keys, block_ids=block_ids)
+        if kind == "store" and worker.compute_fence is not None:
+            fields["cuda_event_handle"], fields["cuda_fence_seq"] = worker.compute_fence.mark()
         try:
             if kind == "store":
                 response = self._call(connection, "SubmitStore", pb.SubmitStoreRequest(**fields))
@@ -493,7 +520,8 @@ class KVDepotClient:
                 with self._lock:
                     self._pending.discard(job_id)
             raise
-        transfer.done = False
+        # The daemon copies for CUDA workers and reports the end on the stream.
+        transfer.done = not worker.copies_itself
         return transfer
 
     def _complete(self, connection: _Connection, job_id: int, ok: bool, error: str = "") -> None:

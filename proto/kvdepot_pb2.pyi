@@ -116,12 +116,14 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., byte_offset: _Optional[int] = ..., storage_bytes: _Optional[int] = ..., block_dim: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
-    __slots__ = ("mem_handle", "device_uuid")
+    __slots__ = ("mem_handle", "device_uuid", "storage_offset")
     MEM_HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     mem_handle: bytes
     device_uuid: str
-    def __init__(self, mem_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    storage_offset: int
+    def __init__(self, mem_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., storage_offset: _Optional[int] = ...) -> None: ...
 
 class TensorHandle(_message.Message):
     __slots__ = ("shared_memory", "cuda_ipc")
@@ -136,20 +138,22 @@ class SharedMemoryWorker(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("session_id", "namespace", "rank", "device", "tensors", "handles")
+    __slots__ = ("session_id", "namespace", "rank", "device", "tensors", "handles", "cuda_fence")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FENCE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace: NamespaceSpec
     rank: int
     device: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     handles: _containers.RepeatedCompositeFieldContainer[TensorHandle]
-    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., handles: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ...) -> None: ...
+    cuda_fence: CudaIpcHandle
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., handles: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ..., cuda_fence: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "namespace_name", "block_bytes", "slot_offsets")
@@ -194,20 +198,22 @@ class LookupResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[LookupResponse.Status, str]] = ..., ready_blocks: _Optional[int] = ..., loading_blocks: _Optional[int] = ..., storing_blocks: _Optional[int] = ...) -> None: ...
 
 class SubmitStoreRequest(_message.Message):
-    __slots__ = ("session_id", "worker_id", "job_id", "keys", "block_ids", "cuda_event_handle")
+    __slots__ = ("session_id", "worker_id", "job_id", "keys", "block_ids", "cuda_event_handle", "cuda_fence_seq")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     CUDA_EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FENCE_SEQ_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     worker_id: int
     job_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     cuda_event_handle: bytes
-    def __init__(self, session_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., job_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., cuda_event_handle: _Optional[bytes] = ...) -> None: ...
+    cuda_fence_seq: int
+    def __init__(self, session_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., job_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., cuda_event_handle: _Optional[bytes] = ..., cuda_fence_seq: _Optional[int] = ...) -> None: ...
 
 class SubmitStoreResponse(_message.Message):
     __slots__ = ("copy_indices", "slots", "already_stored", "not_stored")
@@ -316,7 +322,7 @@ class ClientStats(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., pid: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., jobs_in_flight: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "quarantined_slots")
+    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "quarantined_slots", "open_ipc_mappings")
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +336,7 @@ class GetStatsResponse(_message.Message):
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_ENDED_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_IPC_MAPPINGS_FIELD_NUMBER: _ClassVar[int]
     daemon_version: str
     daemon_instance: str
     uptime_seconds: float
@@ -343,7 +350,8 @@ class GetStatsResponse(_message.Message):
     clients: _containers.RepeatedCompositeFieldContainer[ClientStats]
     sessions_ended: int
     quarantined_slots: int
-    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ..., quarantined_slots: _Optional[int] = ...) -> None: ...
+    open_ipc_mappings: int
+    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ..., quarantined_slots: _Optional[int] = ..., open_ipc_mappings: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("namespace_name",)

@@ -94,6 +94,13 @@ class Job:
     block_ids: list[int]
     slots: list[int]
     started: float = field(default_factory=time.monotonic)
+    # CUDA stores: the worker's compute event to wait for.
+    cuda_event_handle: bytes = b""
+    cuda_fence_seq: int = 0
+    # The client went away while the job's copies ran.
+    abandoned: bool = False
+    # Whatever the transport keeps for the job while it runs.
+    transport_state: object = None
 
 
 @dataclass(eq=False)
@@ -151,6 +158,11 @@ class Depot:
         self.policy = make_policy(eviction, pool.num_slots)
         self.index = BlockIndex(pool, self.policy, self._count_eviction)
         self.transports: dict[str, Transport] = {"shared_memory": SharedMemoryTransport(self)}
+        if pool.pinned:
+            # Only a pinned pool can be copied to by the GPU; torch is loaded already.
+            from kvdepot.server.cuda_transport import CudaTransport
+
+            self.transports["cuda_ipc"] = CudaTransport(self, pool)
         self.sessions: dict[str, Session] = {}
         self.sessions_ended = 0
         self.namespaces: dict[tuple, Namespace] = {}
@@ -299,7 +311,7 @@ class Depot:
                 f"{', '.join(self.transports)})"
             )
         worker = Worker(self._new_id(), session, ns, request.rank, request.device, layout, transport)
-        transport.open_worker(worker, layout, request.handles)
+        transport.open_worker(worker, layout, request)
         ns.rank_signatures[request.rank] = layout.signature()
         ns.rank_block_bytes[request.rank] = layout.block_bytes
         session.workers[worker.id] = worker
@@ -373,6 +385,7 @@ class Depot:
                 f"{self.pool.num_slots}: split it or start kvdepotd with a larger --pool-size"
             )
         keys = self._check_keys(request.keys)
+        worker.transport.validate_job(request, "store" if isinstance(request, pb.SubmitStoreRequest) else "load")
         num_blocks = worker.layout.num_blocks
         for position, block_id in enumerate(request.block_ids):
             if block_id >= num_blocks:
@@ -401,6 +414,8 @@ class Depot:
             blocks=[block for _, block in writes],
             block_ids=[block_ids[position] for position, _ in writes],
             slots=[block.slots[worker.rank] for _, block in writes],
+            cuda_event_handle=request.cuda_event_handle,
+            cuda_fence_seq=request.cuda_fence_seq,
         )
         self._begin(job)
         if reservation.not_stored:
@@ -540,6 +555,7 @@ class Depot:
             used_slots=used,
             pinned_slots=self.index.pinned_slots,
             quarantined_slots=sum(len(q.slots) for q in self.quarantine),
+            open_ipc_mappings=sum(t.open_mappings for t in self.transports.values()),
             occupancy=used / self.pool.num_slots,
             eviction_policy=self.policy.name,
             totals=self.totals.to_proto(self.store_clock.seconds, self.load_clock.seconds),

@@ -25,6 +25,9 @@ PIN_CHUNK_BYTES = 1 << 30
 # Faulted in this much at a time, by several threads.
 POPULATE_CHUNK_BYTES = 256 << 20
 
+_HOST_REGISTER_PORTABLE = 1
+_HOST_REGISTER_MAPPED = 2
+
 # madvise(MADV_POPULATE_WRITE), Linux 5.14: faults in a range writable.
 _MADV_POPULATE_WRITE = 23
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -184,7 +187,9 @@ class HostPool:
         fs_type = filesystem_type(directory)
 
         def register(offset: int, length: int) -> None:
-            rc = cudart.cudaHostRegister(self._base + offset, length, 0)
+            # Portable: usable from every GPU's context; mapped: its host pointers
+            # are valid in kernels (UVA), which the copy kernel relies on.
+            rc = cudart.cudaHostRegister(self._base + offset, length, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
             if int(rc) != 0:
                 hint = ""
                 if fs_type not in PINNABLE_FILESYSTEMS:
@@ -215,6 +220,11 @@ class HostPool:
             self.pin_seconds,
             self.pin_seconds / max(self.size / 2**30, 1e-9),
         )
+
+    @property
+    def base_address(self) -> int:
+        """Address of slot 0; with CUDA, also valid on the GPUs (mapped, UVA)."""
+        return self._base
 
     # ------------------------------------------------------------ slots
 

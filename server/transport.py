@@ -8,7 +8,7 @@ copies itself (CUDA) calls `Depot.finish_job` when the GPU is done.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from kvdepot.errors import InvalidArgument
 from kvdepot.layout import WorkerLayout
@@ -21,10 +21,15 @@ if TYPE_CHECKING:
 class Transport:
     name: str = ""
     worker_copies: bool = False
+    # Mappings of workers' memory the transport holds open now.
+    open_mappings: int = 0
 
-    def open_worker(self, worker: "Worker", layout: WorkerLayout, handles: Sequence[pb.TensorHandle]) -> None:
+    def open_worker(self, worker: "Worker", layout: WorkerLayout, request: pb.RegisterWorkerRequest) -> None:
         """Checks (and opens) the worker's handles; raises InvalidArgument if unusable."""
         raise NotImplementedError
+
+    def validate_job(self, request, kind: str) -> None:
+        """Refuses a job request this transport cannot run; raises InvalidArgument."""
 
     def start(self, job: "Job") -> None:
         """Starts the job's copies. Ordering and completion are the transport's."""
@@ -52,8 +57,8 @@ class SharedMemoryTransport(Transport):
     def __init__(self, depot) -> None:
         self._depot = depot
 
-    def open_worker(self, worker, layout, handles) -> None:
-        for position, handle in enumerate(handles):
+    def open_worker(self, worker, layout, request) -> None:
+        for position, handle in enumerate(request.handles):
             if handle.WhichOneof("transport") != "shared_memory":
                 raise InvalidArgument(
                     f"tensor {position}: all handles of a worker must be of one transport"

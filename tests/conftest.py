@@ -27,8 +27,9 @@ class Daemon:
     """A kvdepotd process. The pool file goes in the test's folder, never /dev/shm,
     so a daemon killed by a test leaves nothing behind."""
 
-    def __init__(self, folder: Path, **options):
+    def __init__(self, folder: Path, env: dict | None = None, **options):
         self.folder = folder
+        self.env = env or {}
         self.socket = str(folder / "kvdepot.sock")
         self.options = {"pool_size": "4MiB", "slot_size": "16KiB", "pin": "off", "pool_dir": str(folder)}
         self.options.update(options)
@@ -47,7 +48,7 @@ class Daemon:
         self.starts += 1
         self.log_path = self.folder / f"kvdepotd-{self.starts}.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.args(), stdout=self._log, stderr=subprocess.STDOUT, env=subprocess_env())
+        self.proc = subprocess.Popen(self.args(), stdout=self._log, stderr=subprocess.STDOUT, env=subprocess_env(**self.env))
         if wait:
             self.wait_ready()
         return self
@@ -87,10 +88,10 @@ def start_daemon(tmp_path):
     """Starts daemons; each still running at the end must exit 0 on SIGTERM."""
     daemons: list[Daemon] = []
 
-    def start(folder: Path | None = None, wait: bool = True, **options) -> Daemon:
+    def start(folder: Path | None = None, wait: bool = True, env: dict | None = None, **options) -> Daemon:
         folder = folder or tmp_path / f"d{len(daemons)}"
         folder.mkdir(exist_ok=True)
-        daemon = Daemon(folder, **options)
+        daemon = Daemon(folder, env=env, **options)
         daemons.append(daemon)
         return daemon.start(wait=wait)
 

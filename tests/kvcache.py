@@ -40,11 +40,18 @@ def make_kv_cache(layout: str, seed: int) -> tuple[list[torch.Tensor], int]:
         return [rand(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)], 1
     if layout == "block_major":
         return [rand(NUM_BLOCKS, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)], 0
+    if layout == "mla":
+        # One latent tensor a layer (DeepSeek's MLA: kv_lora_rank + rope dims).
+        return [rand(NUM_BLOCKS, BLOCK_SIZE, 64) for _ in range(LAYERS)], 0
+    if layout == "group1":
+        # A second KV-cache group with another page size (a sliding-window group
+        # of a hybrid model, with fewer heads).
+        return [rand(2, NUM_BLOCKS, BLOCK_SIZE, 1, HEAD_DIM) for _ in range(LAYERS)], 1
     raise ValueError(layout)
 
 
 def block_of(tensors: list[torch.Tensor], layout: str, block_id: int) -> list[torch.Tensor]:
-    if layout == "per_layer":
+    if layout in ("per_layer", "group1"):
         return [t[:, block_id] for t in tensors]
     return [t[block_id] for t in tensors]
 

@@ -33,6 +33,8 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=0)
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--first-block", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu (shared-memory transport) or cuda")
+    parser.add_argument("--spin", action="store_true", help="hang-*: a long kernel runs before the job")
     parser.add_argument("--out")
     parser.add_argument("--before")
     args = parser.parse_args()
@@ -40,6 +42,7 @@ def main() -> int:
     client = KVDepotClient(args.socket, name=f"worker-{args.command}").connect(10)
     ns = namespace(args.layout)
     tensors, block_dim = make_kv_cache(args.layout, args.seed)
+    tensors = [t.to(args.device) for t in tensors]
     worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
     engine = client.register_engine(ns)
     keys = prompt_keys(args.blocks, args.prompt)
@@ -48,6 +51,8 @@ def main() -> int:
 
     if args.command in ("hang-store", "hang-load"):
         begin = client.begin_store if args.command == "hang-store" else client.begin_load
+        if args.spin:
+            torch.cuda._sleep(200_000_000_000)  # the data is written only after a long time
         transfer = begin(worker, 1, keys, block_ids)
         report["slots"] = len(transfer.slots)
         print(json.dumps(report), flush=True)
@@ -57,14 +62,14 @@ def main() -> int:
     if args.command == "store":
         client.submit_store(worker, 1, keys, block_ids)
     else:
-        torch.save(tensors, args.before)
+        torch.save([t.cpu() for t in tensors], args.before)
         lookup = client.lookup(engine, keys)
         report["ready"] = lookup.ready_blocks
         client.submit_load(worker, 1, keys[: lookup.ready_blocks], block_ids[: lookup.ready_blocks])
     result = client.wait([1], timeout=30)[1]
     report.update(ok=result.ok, error=result.error)
     if args.out:
-        torch.save(tensors, args.out)
+        torch.save([t.cpu() for t in tensors], args.out)
     client.close()
     print(json.dumps(report), flush=True)
     return 0 if result.ok else 1

@@ -1,0 +1,231 @@
+"""Copy throughput of the CUDA transport, against the bus measured in the same run.
+
+    python bench/cuda_copy.py [--sizes 16,64,512,2048] [--layouts per_layer,block_major]
+
+1. The ceiling: one pinned contiguous 1 GiB copy each way, and both ways at
+   once on two streams.
+2. Through the real daemon (started here) from this process as the worker:
+   store and load jobs of N blocks of a Llama-3.1-8B rank (32 layers, 8 KV heads,
+   head dim 128, 16 tokens a block, bf16: 32 KiB pages, 2 MiB a block), in the
+   per-layer layout ([2, blocks, 16, 8, 128] a layer) and the block-major one
+   ([blocks, 32, 2, 16, 8, 128]); a store and a load at once; and the
+   submit-to-completion latency of a 16-block job.
+3. The baseline: one cudaMemcpyAsync per page, in this process.
+Times are medians of --reps runs after a warm-up; rates are GB/s (1e9 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from kvdepot.client import KVDepotClient  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+PAGE = BLOCK_SIZE * HEADS * HEAD_DIM * 2
+BLOCK = LAYERS * 2 * PAGE
+
+
+def median_time(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peak(reps: int) -> dict:
+    n = 1 << 30
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(n, dtype=torch.uint8, device="cuda")
+    gpu2 = torch.empty(n, dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def d2h():
+        host.copy_(gpu, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def h2d():
+        gpu.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def both():
+        with torch.cuda.stream(s1):
+            host.copy_(gpu, non_blocking=True)
+        with torch.cuda.stream(s2):
+            gpu2.copy_(host2, non_blocking=True)
+        torch.cuda.synchronize()
+
+    result = {"d2h": n / median_time(d2h, reps) / 1e9, "h2d": n / median_time(h2d, reps) / 1e9,
+              "both": 2 * n / median_time(both, reps) / 1e9}
+    return result
+
+
+def make_cache(layout: str, num_blocks: int):
+    if layout == "per_layer":
+        return [torch.randn(2, num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
+                for _ in range(LAYERS)], 1
+    return [torch.randn(num_blocks, LAYERS, 2, BLOCK_SIZE, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)], 0
+
+
+class Jobs:
+    def __init__(self, client, worker):
+        self.client, self.worker, self.next = client, worker, 0
+
+    def run(self, kind: str, keys, block_ids):
+        self.next += 1
+        submit = self.client.submit_store if kind == "store" else self.client.submit_load
+        submit(self.worker, self.next, keys, block_ids)
+        return self.next
+
+    def wait(self, *ids):
+        results = self.client.wait(ids, timeout=120)
+        bad = [r for r in results.values() if not r.ok]
+        if bad:
+            raise RuntimeError(f"job failed: {bad[0].error}")
+
+
+def through_daemon(socket: str, layout: str, sizes: list[int], reps: int) -> dict:
+    largest = max(sizes)
+    tensors, block_dim = make_cache(layout, 2 * largest)
+    client = KVDepotClient(socket, name=f"bench-{layout}").connect(30)
+    ns = dict(model="bench-llama-8b", kv_dtype="bfloat16", block_size=BLOCK_SIZE, layout=layout, tp_size=1)
+    worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
+    jobs = Jobs(client, worker)
+    results = {}
+    for n in sizes:
+        low, high = list(range(n)), list(range(largest, largest + n))
+
+        def store():
+            jobs.wait(jobs.run("store", [os.urandom(32) for _ in range(n)], low))
+
+        loaded_keys = [os.urandom(32) for _ in range(n)]
+
+        def load():
+            jobs.wait(jobs.run("load", loaded_keys, high))
+
+        def store_pipelined():
+            ids = [jobs.run("store", [os.urandom(32) for _ in range(n)], low) for _ in range(4)]
+            jobs.wait(*ids)
+
+        def both():
+            a = jobs.run("store", [os.urandom(32) for _ in range(n)], low)
+            b = jobs.run("load", loaded_keys, high)
+            jobs.wait(a, b)
+
+        nbytes = n * BLOCK
+        results[n] = {"store": nbytes / median_time(store, reps) / 1e9,
+                      "store4": 4 * nbytes / median_time(store_pipelined, reps) / 1e9}
+        # Stored after the timed stores, so they cannot have evicted it; loads keep it recent.
+        jobs.wait(jobs.run("store", loaded_keys, low))
+        results[n].update({
+            "load": nbytes / median_time(load, reps) / 1e9,
+            "both": 2 * nbytes / median_time(both, reps) / 1e9,
+        })
+        if n == 16:
+            results[n]["latency_ms"] = 1e3 * median_time(store, max(reps, 20))
+        torch.cuda.synchronize()
+    client.close()
+    torch.cuda.empty_cache()
+    return results
+
+
+def per_page_baseline(n: int, reps: int) -> dict:
+    tensors, _ = make_cache("per_layer", n)
+    host = torch.empty(n * BLOCK, dtype=torch.uint8, pin_memory=True).view(n, LAYERS, 2, PAGE)
+    pages = [(b, layer, kv) for b in range(n) for layer in range(LAYERS) for kv in range(2)]
+    stream = torch.cuda.Stream()
+    views = [t.view(torch.uint8).view(2, n, PAGE) for t in tensors]
+
+    def d2h():
+        with torch.cuda.stream(stream):
+            for b, layer, kv in pages:
+                host[b, layer, kv].copy_(views[layer][kv, b], non_blocking=True)
+        torch.cuda.synchronize()
+
+    def h2d():
+        with torch.cuda.stream(stream):
+            for b, layer, kv in pages:
+                views[layer][kv, b].copy_(host[b, layer, kv], non_blocking=True)
+        torch.cuda.synchronize()
+
+    result = {"store": n * BLOCK / median_time(d2h, reps) / 1e9, "load": n * BLOCK / median_time(h2d, reps) / 1e9}
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="16,64,512,2048")
+    parser.add_argument("--layouts", default="per_layer,block_major")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the slow per-page baseline")
+    parser.add_argument("--pool-size", default="24GiB")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+    ceiling = peak(args.reps)
+    print(f"peak pinned contiguous 1 GiB: D2H {ceiling['d2h']:.1f}  H2D {ceiling['h2d']:.1f}  "
+          f"both ways {ceiling['both']:.1f} GB/s", flush=True)
+
+    folder = tempfile.mkdtemp(dir="/dev/shm")
+    socket = f"{folder}/kvdepot.sock"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "kvdepot.server", "--listen", socket, "--pool-size", args.pool_size,
+         "--slot-size", str(BLOCK), "--pool-dir", folder, "--pin", "on"],
+        stderr=subprocess.PIPE, text=True, env=env)
+    for line in daemon.stderr:
+        if "ready on" in line:
+            break
+    else:
+        raise SystemExit("kvdepotd did not start")
+
+    try:
+        rows = []
+        for layout in args.layouts.split(","):
+            for n, r in through_daemon(socket, layout, sizes, args.reps).items():
+                rows.append((layout, n, r))
+        baseline = {} if args.no_baseline else {
+            n: per_page_baseline(n, max(1, args.reps // 2)) for n in sizes if n <= 512}
+    finally:
+        daemon.terminate()
+        daemon.wait(60)
+
+    print()
+    print(f"{'layout':<12} {'blocks':>6} {'store GB/s':>11} {'/peak':>6} {'4 in flight':>11} {'/peak':>6} "
+          f"{'load GB/s':>10} {'/peak':>6} {'both GB/s':>10} {'/peak2':>7} {'vs per-page':>12}")
+    for layout, n, r in rows:
+        vs = ""
+        if layout == "per_layer" and n in baseline:
+            vs = f"{r['store'] / baseline[n]['store']:.1f}x/{r['load'] / baseline[n]['load']:.1f}x"
+        print(f"{layout:<12} {n:>6} {r['store']:>11.1f} {r['store'] / ceiling['d2h']:>6.2f} "
+              f"{r['store4']:>11.1f} {r['store4'] / ceiling['d2h']:>6.2f} {r['load']:>10.1f} "
+              f"{r['load'] / ceiling['h2d']:>6.2f} {r['both']:>10.1f} {r['both'] / ceiling['both']:>7.2f} {vs:>12}")
+    for n, b in baseline.items():
+        print(f"one cudaMemcpyAsync per page, {n} blocks: store {b['store']:.1f}  load {b['load']:.1f} GB/s")
+    for layout, n, r in rows:
+        if "latency_ms" in r:
+            print(f"{layout}: submit-to-completion of a 16-block store: {r['latency_ms']:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The few CUDA runtime and driver calls that torch does not expose: IPC memory
+handles and allocation ranges. Imported only where CUDA is used.
+
+The libraries are the ones torch already loaded, found in /proc/self/maps, so
+the daemon and the worker call the same CUDA that torch runs on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+IPC_HANDLE_BYTES = 64
+_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+class _IpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+def _loaded_library(stem: str) -> str | None:
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        for line in maps:
+            path = line.rsplit(" ", 1)[-1].strip()
+            if os.path.basename(path).startswith(stem):
+                return path
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cudart() -> ctypes.CDLL:
+    torch.cuda.init()
+    path = _loaded_library("libcudart.so")
+    lib = ctypes.CDLL(path) if path else ctypes.CDLL("libcudart.so")
+    lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcMemHandle), ctypes.c_void_p]
+    lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcMemHandle, ctypes.c_uint]
+    lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+    lib.cudaGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda() -> ctypes.CDLL:
+    torch.cuda.init()
+    path = _loaded_library("libcuda.so")
+    lib = ctypes.CDLL(path or "libcuda.so.1")
+    lib.cuMemGetAddressRange_v2.argtypes = [
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_uint64,
+    ]
+    return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        message = _cudart().cudaGetErrorString(rc).decode()
+        raise CudaError(f"{what} failed: {message} (CUDA error {rc})")
+
+
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """(base, size) of the cudaMalloc allocation that contains `ptr`."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = _libcuda().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
+    if rc != 0:
+        raise CudaError(f"cuMemGetAddressRange failed for 0x{ptr:x} (CUDA driver error {rc})")
+    return base.value, size.value
+
+
+def ipc_mem_handle(base: int) -> bytes:
+    handle = _IpcMemHandle()
+    _check(_cudart().cudaIpcGetMemHandle(ctypes.byref(handle), base), "cudaIpcGetMemHandle")
+    # (handle.reserved would stop at the first zero byte.)
+    return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES)
+
+
+def open_ipc_mem_handle(handle: bytes, device: int) -> int:
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise CudaError(f"a CUDA IPC memory handle has {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
+    raw = _IpcMemHandle()
+    ctypes.memmove(ctypes.addressof(raw), handle, IPC_HANDLE_BYTES)
+    ptr = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        rc = _cudart().cudaIpcOpenMemHandle(ctypes.byref(ptr), raw, _IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+    _check(rc, "cudaIpcOpenMemHandle")
+    return ptr.value
+
+
+def close_ipc_mem_handle(ptr: int, device: int) -> None:
+    with torch.cuda.device(device):
+        _check(_cudart().cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_index(uuid: str) -> int | None:
+    wanted = uuid.removeprefix("GPU-")
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(index).removeprefix("GPU-") == wanted:
+            return index
+    return None
+
+
+def expandable_segments_enabled() -> bool:
+    """PyTorch's expandable segments allocate with cuMemMap, which legacy IPC cannot share."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        setting = os.environ.get(name, "").replace(" ", "").lower()
+        if "expandable_segments:true" in setting:
+            return True
+    return False

@@ -1,0 +1,160 @@
+"""One Triton kernel moves every page of a job between GPU KV caches and the
+pinned host pool, whatever the layout: a job is one launch, never a call per
+page.
+
+A worker's layout becomes a page table, uploaded once: for each of the K pages
+of a block, the GPU address of that page in block 0, the distance between
+blocks, and where the page goes in a slot. Program (i, k, c) copies chunk c of
+page k of the job's i-th block. The host side is addressed through UVA: the
+pool is registered with CUDA as mapped memory, so its host pointers are valid
+on every GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvdepot.layout import WorkerLayout
+
+# Bytes one program copies at a time; pages are split into chunks of this size.
+CHUNK_BYTES = int(os.environ.get("KVDEPOT_COPY_CHUNK_BYTES", 16384))
+# Programs a copy launches, each looping over its share of the chunks. One per
+# SM by default: on an H200, 32 or 64 programs left PCIe at 40% (too few bytes in
+# flight), one per SM reached 90%, and twice that no more while blocking the
+# other direction (see docs/benchmarks.md). KVDEPOT_COPY_PROGRAMS overrides it.
+_PROGRAMS_OVERRIDE = int(os.environ.get("KVDEPOT_COPY_PROGRAMS", 0))
+
+
+@functools.lru_cache(maxsize=None)
+def programs(device: int) -> int:
+    return _PROGRAMS_OVERRIDE or torch.cuda.get_device_properties(device).multi_processor_count
+# Pages and their addresses must be aligned to this for 16-byte accesses.
+ALIGNMENT = 16
+
+
+@triton.jit
+def _copy_pages(
+    block_ids,  # int64[n]: the worker's block of the job's i-th block
+    slots,  # int64[n]: the pool slot of the job's i-th block
+    page_gpu,  # int64[K]: GPU address of page k of block 0
+    page_stride,  # int64[K]: bytes between the same page of consecutive blocks
+    page_slot_offset,  # int64[K]: where page k starts in a slot
+    page_bytes,  # int64[K]
+    pool_base,  # int64: host (UVA) address of the pool
+    slot_bytes,  # int64
+    pages_per_block,  # K
+    chunks_per_page,  # C
+    work_items,  # n * K * C
+    TO_HOST: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # A fixed number of programs walk the job's (block, page, chunk) items, so
+    # that a store and a load (and the engine's kernels) can run side by side
+    # instead of one huge grid taking every SM until it drains.
+    for item in range(tl.program_id(0), work_items, tl.num_programs(0)):
+        c = item % chunks_per_page
+        k = (item // chunks_per_page) % pages_per_block
+        i = item // (chunks_per_page * pages_per_block)
+        start = c.to(tl.int64) * CHUNK
+        length = tl.load(page_bytes + k)
+        if start < length:
+            block = tl.load(block_ids + i)
+            slot = tl.load(slots + i)
+            gpu = tl.load(page_gpu + k) + block * tl.load(page_stride + k) + start
+            host = pool_base + slot * slot_bytes + tl.load(page_slot_offset + k) + start
+            if TO_HOST:
+                src_addr = gpu
+                dst_addr = host
+            else:
+                src_addr = host
+                dst_addr = gpu
+            # Four int32 lanes a thread: 16-byte accesses (addresses are 16-aligned).
+            words = tl.minimum(length - start, CHUNK) // 16
+            src = tl.multiple_of(src_addr, 16).to(tl.pointer_type(tl.int32))
+            dst = tl.multiple_of(dst_addr, 16).to(tl.pointer_type(tl.int32))
+            rows = tl.arange(0, CHUNK // 16)
+            lanes = tl.arange(0, 4)
+            offsets = rows[:, None] * 4 + lanes[None, :]
+            mask = rows[:, None] < words
+            values = tl.load(src + offsets, mask=mask)
+            tl.store(dst + offsets, values, mask=mask)
+
+
+@dataclass
+class PageTable:
+    """A worker's pages, on its GPU, ready for every job."""
+
+    page_gpu: torch.Tensor
+    page_stride: torch.Tensor
+    page_slot_offset: torch.Tensor
+    page_bytes: torch.Tensor
+    max_page_bytes: int
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.page_gpu.numel()
+
+    @classmethod
+    def build(cls, layout: WorkerLayout, tensor_addresses: list[int], device: torch.device) -> "PageTable":
+        """tensor_addresses[t]: GPU address of element 0 of tensor t (byte_offset applied)."""
+        gpu, stride, slot_offset, nbytes = [], [], [], []
+        for tensor, address, base_in_slot in zip(layout.tensors, tensor_addresses, layout.slot_offsets):
+            for p, page_offset in enumerate(tensor.page_offsets):
+                gpu.append(address + page_offset)
+                stride.append(tensor.block_stride_bytes)
+                slot_offset.append(base_in_slot + p * tensor.page_bytes)
+                nbytes.append(tensor.page_bytes)
+
+        def upload(values):
+            return torch.tensor(values, dtype=torch.int64).to(device)
+
+        return cls(upload(gpu), upload(stride), upload(slot_offset), upload(nbytes), max(nbytes))
+
+
+def check_alignment(layout: WorkerLayout, tensor_addresses: list[int], slot_bytes: int) -> str | None:
+    """Why this worker cannot use the kernel's 16-byte accesses, or None."""
+    if slot_bytes % ALIGNMENT:
+        return f"the pool's slot size {slot_bytes} is not a multiple of {ALIGNMENT}"
+    for tensor, address, base_in_slot in zip(layout.tensors, tensor_addresses, layout.slot_offsets):
+        values = [address, tensor.block_stride_bytes, tensor.page_bytes, base_in_slot, *tensor.page_offsets]
+        if any(v % ALIGNMENT for v in values):
+            return (
+                f"tensor {tensor.name!r}: its address, block stride, page offsets and page size "
+                f"({tensor.page_bytes} bytes) must be multiples of {ALIGNMENT} bytes"
+            )
+    return None
+
+
+def launch(
+    table: PageTable,
+    block_ids: torch.Tensor,
+    slots: torch.Tensor,
+    pool_base: int,
+    slot_bytes: int,
+    to_host: bool,
+) -> None:
+    """Enqueues the copies of one job on the current stream of the table's device."""
+    chunks = triton.cdiv(table.max_page_bytes, CHUNK_BYTES)
+    work = block_ids.numel() * table.pages_per_block * chunks
+    _copy_pages[(min(work, programs(block_ids.device.index)),)](
+        block_ids,
+        slots,
+        table.page_gpu,
+        table.page_stride,
+        table.page_slot_offset,
+        table.page_bytes,
+        pool_base,
+        slot_bytes,
+        table.pages_per_block,
+        chunks,
+        work,
+        TO_HOST=to_host,
+        CHUNK=CHUNK_BYTES,
+        num_warps=4,
+    )

@@ -1,0 +1,338 @@
+"""The CUDA transport: the daemon copies between the workers' GPU KV caches,
+opened once through CUDA IPC, and its pinned pool, on streams of its own.
+
+Per GPU there is a store stream and a load stream, so both directions run at
+once; each stream's jobs complete in order. A store starts only once the
+worker's interprocess event, recorded after the compute that wrote the blocks,
+has completed; a job is reported done from a completion thread only once its
+copies have finished on the GPU. A worker's mappings are closed only after the
+last copy touching them.
+
+The daemon waits for a worker's event on the host (a gate thread polls it),
+not with cudaStreamWaitEvent on its shared store stream: the event of a worker
+killed mid-compute never completes, and a stream waiting on it would stall the
+stores of every engine on that GPU. A gated store that never opens is dropped
+when its client goes away, before anything was queued on the GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from kvdepot import cuda
+from kvdepot.errors import FailedPrecondition, InvalidArgument
+from kvdepot.server import copy_kernel
+from kvdepot.server.transport import Transport
+
+log = logging.getLogger("kvdepot.cuda")
+
+# Test-only: store without waiting for the worker's compute event, to show
+# that the ordering test can fail. Never set it in production.
+SKIP_EVENT_WAIT_ENV = "KVDEPOT_TEST_ONLY_SKIP_STORE_EVENT_WAIT"
+
+
+class _Stream:
+    """A daemon stream and the thread that reports its jobs as they finish, in order."""
+
+    def __init__(self, device: int, name: str, loop: asyncio.AbstractEventLoop, on_done):
+        self.stream = torch.cuda.Stream(device=device)
+        self._loop = loop
+        self._on_done = on_done
+        self._pending: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"kvdepot-{name}-{device}", daemon=True)
+        self._thread.start()
+
+    def track(self, event: torch.cuda.Event, job, keep_alive, fence_readback=None) -> None:
+        self._pending.put((event, job, keep_alive, fence_readback))
+
+    def _run(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            event, job, _, fence_readback = item
+            try:
+                event.synchronize()
+                ok, error = True, ""
+                if fence_readback is not None and int(fence_readback[0]) < job.cuda_fence_seq:
+                    # The event fired but the worker never wrote its fence: it died
+                    # before its compute ended, and the blocks hold no valid data.
+                    ok, error = False, "the worker's compute did not finish (the worker died?)"
+            except RuntimeError as e:  # a failed copy (e.g. an illegal address) poisons the context
+                ok, error = False, f"copy failed on the GPU: {e}"
+            self._loop.call_soon_threadsafe(self._on_done, job, ok, error)
+
+    def stop(self) -> None:
+        self._pending.put(None)
+
+
+class _Gate:
+    """Holds stores until their worker's compute event has completed."""
+
+    POLL_SECONDS = 20e-6
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_open, on_dropped):
+        self._loop = loop
+        self._on_open = on_open
+        self._on_dropped = on_dropped
+        self._new: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvdepot-gate", daemon=True)
+        self._thread.start()
+
+    def hold(self, job, event: torch.cuda.Event) -> None:
+        self._new.put((job, event))
+
+    def _run(self) -> None:
+        waiting: list = []
+        while True:
+            try:
+                item = self._new.get(timeout=None if not waiting else self.POLL_SECONDS)
+                if item is None:
+                    return
+                waiting.append(item)
+                continue  # take everything queued before polling
+            except queue.Empty:
+                pass
+            still = []
+            for job, event in waiting:
+                if job.abandoned:
+                    self._loop.call_soon_threadsafe(self._on_dropped, job)
+                elif event.query():
+                    self._loop.call_soon_threadsafe(self._on_open, job)
+                else:
+                    still.append((job, event))
+            waiting = still
+
+
+@dataclass
+class _Device:
+    index: int
+    store: _Stream
+    load: _Stream
+
+
+@dataclass
+class _Mapping:
+    ptr: int
+    size: int
+    device: int
+    users: int = 0
+
+
+class _ForeignMemory:
+    """Lets torch.as_tensor view memory the daemon mapped from another process."""
+
+    def __init__(self, ptr: int, count: int, typestr: str):
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": typestr, "data": (ptr, False), "version": 3}
+
+
+@dataclass(eq=False)
+class _WorkerCopies:
+    device: _Device
+    table: copy_kernel.PageTable
+    mappings: list
+    fence: torch.Tensor
+    events: dict = field(default_factory=dict)
+    in_flight: int = 0
+    closing: bool = False
+
+
+class CudaTransport(Transport):
+    name = "cuda_ipc"
+    worker_copies = False
+
+    def __init__(self, depot, pool):
+        self._depot = depot
+        self._pool = pool
+        self._pool_base = pool.base_address
+        self._loop = asyncio.get_running_loop()
+        self._devices: dict[int, _Device] = {}
+        self._mappings: dict[tuple[int, bytes], _Mapping] = {}
+        self._workers: dict[int, _WorkerCopies] = {}
+        self._skip_event_wait = os.environ.get(SKIP_EVENT_WAIT_ENV) == "1"
+        self._gate = _Gate(self._loop, self._launch, self._dropped)
+        if self._skip_event_wait:
+            log.warning("%s is set: stores do NOT wait for the workers' compute (tests only)", SKIP_EVENT_WAIT_ENV)
+
+    @property
+    def open_mappings(self) -> int:
+        return len(self._mappings)
+
+    def _device(self, index: int) -> _Device:
+        device = self._devices.get(index)
+        if device is None:
+            with torch.cuda.device(index):
+                device = _Device(
+                    index,
+                    _Stream(index, "store", self._loop, self._finished),
+                    _Stream(index, "load", self._loop, self._finished),
+                )
+            self._devices[index] = device
+        return device
+
+    # ------------------------------------------------------------ workers
+
+    def open_worker(self, worker, layout, request) -> None:
+        ipc = []
+        if not request.HasField("cuda_fence"):
+            raise InvalidArgument("a CUDA worker must register cuda_fence (see the proto)")
+        for position, handle in enumerate(request.handles):
+            if handle.WhichOneof("transport") != "cuda_ipc":
+                raise InvalidArgument(f"tensor {position}: all handles of a worker must be of one transport")
+            ipc.append(handle.cuda_ipc)
+        index = cuda.device_index(ipc[0].device_uuid)
+        if index is None:
+            raise InvalidArgument(
+                f"no GPU with UUID {ipc[0].device_uuid} is visible to the daemon; it must see every "
+                "GPU its workers use (check CUDA_VISIBLE_DEVICES and the container's devices)"
+            )
+        if any(h.device_uuid != ipc[0].device_uuid for h in ipc):
+            raise InvalidArgument("all tensors of a worker must be on one GPU")
+        if not self._pool.pinned:
+            raise FailedPrecondition("the daemon's pool is not pinned, so it cannot serve CUDA workers")
+        mappings, addresses = [], []
+        try:
+            for tensor, handle in zip(layout.tensors, ipc):
+                mapping = self._map(handle.mem_handle, index)
+                mappings.append(mapping)
+                if handle.storage_offset + tensor.storage_bytes > mapping.size:
+                    raise InvalidArgument(
+                        f"tensor {tensor.name!r}: its storage ends at byte "
+                        f"{handle.storage_offset + tensor.storage_bytes} of an allocation of "
+                        f"{mapping.size} bytes: the layout descriptor does not match the shared tensor"
+                    )
+                addresses.append(mapping.ptr + handle.storage_offset + tensor.byte_offset)
+            problem = copy_kernel.check_alignment(layout, addresses, self._pool.slot_bytes)
+            if problem:
+                raise InvalidArgument(problem)
+            fence_handle = request.cuda_fence
+            if fence_handle.device_uuid != ipc[0].device_uuid:
+                raise InvalidArgument("the worker's cuda_fence must be on the GPU of its KV cache")
+            fence_mapping = self._map(fence_handle.mem_handle, index)
+            mappings.append(fence_mapping)
+            if fence_handle.storage_offset + 8 > fence_mapping.size or fence_handle.storage_offset % 8:
+                raise InvalidArgument("cuda_fence must be one aligned int64 inside its allocation")
+            fence = torch.as_tensor(
+                _ForeignMemory(fence_mapping.ptr + fence_handle.storage_offset, 1, "<i8"), device=f"cuda:{index}"
+            )
+            device = self._device(index)
+            table = copy_kernel.PageTable.build(layout, addresses, torch.device("cuda", index))
+        except BaseException:
+            for mapping in mappings:
+                self._unmap(mapping)
+            raise
+        self._workers[worker.id] = _WorkerCopies(device, table, mappings, fence)
+
+    def _map(self, mem_handle: bytes, device: int) -> _Mapping:
+        # A process can open a handle only once; tensors sharing an allocation share the mapping.
+        key = (device, bytes(mem_handle))
+        mapping = self._mappings.get(key)
+        if mapping is None:
+            try:
+                ptr = cuda.open_ipc_mem_handle(mem_handle, device)
+            except cuda.CudaError as e:
+                raise InvalidArgument(
+                    f"cannot open the worker's CUDA IPC handle: {e}. The memory must come from "
+                    "cudaMalloc (PyTorch: not expandable_segments) on a GPU this daemon sees"
+                ) from None
+            base, size = cuda.allocation_range(ptr)
+            mapping = _Mapping(ptr, size - (ptr - base), device)
+            self._mappings[key] = mapping
+        mapping.users += 1
+        return mapping
+
+    def _unmap(self, mapping: _Mapping) -> None:
+        mapping.users -= 1
+        if mapping.users == 0:
+            for key, value in list(self._mappings.items()):
+                if value is mapping:
+                    del self._mappings[key]
+            cuda.close_ipc_mem_handle(mapping.ptr, mapping.device)
+
+    def close_worker(self, worker) -> None:
+        copies = self._workers.get(worker.id)
+        if copies is None:
+            return
+        copies.closing = True
+        if copies.in_flight == 0:
+            self._release(worker.id)
+
+    def _release(self, worker_id: int) -> None:
+        copies = self._workers.pop(worker_id)
+        for mapping in copies.mappings:
+            self._unmap(mapping)
+        log.info("closed the CUDA mappings of worker %d", worker_id)
+
+    # ------------------------------------------------------------ jobs
+
+    def start(self, job) -> None:
+        copies = self._workers[job.worker.id]
+        job.transport_state = copies
+        copies.in_flight += 1
+        if not job.blocks:
+            self._loop.call_soon(self._finished, job, True, "")
+        elif job.kind == "store" and not self._skip_event_wait:
+            self._gate.hold(job, self._event(copies, job.cuda_event_handle, copies.device.index))
+        else:
+            self._launch(job)
+
+    def _dropped(self, job) -> None:
+        self._finished(job, False, "the client went away before its compute finished")
+
+    def _launch(self, job) -> None:
+        copies = job.transport_state
+        if job.abandoned:
+            self._dropped(job)
+            return
+        to_host = job.kind == "store"
+        stream = copies.device.store if to_host else copies.device.load
+        index = copies.device.index
+        with torch.cuda.device(index), torch.cuda.stream(stream.stream):
+            block_ids = torch.tensor(job.block_ids, dtype=torch.int64).to(f"cuda:{index}", non_blocking=True)
+            slots = torch.tensor(job.slots, dtype=torch.int64).to(f"cuda:{index}", non_blocking=True)
+            copy_kernel.launch(copies.table, block_ids, slots, self._pool_base, self._pool.slot_bytes, to_host)
+            fence_readback = None
+            if to_host and not self._skip_event_wait:
+                fence_readback = torch.empty(1, dtype=torch.int64, pin_memory=True)
+                fence_readback.copy_(copies.fence, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream.stream)
+        # The index tensors must live until the kernel has read them.
+        stream.track(done, job, (block_ids, slots), fence_readback)
+
+    def _event(self, copies: _WorkerCopies, handle: bytes, device: int) -> torch.cuda.Event:
+        event = copies.events.get(handle)
+        if event is None:
+            event = torch.cuda.Event.from_ipc_handle(device, handle)
+            copies.events[handle] = event
+        return event
+
+    def _finished(self, job, ok: bool, error: str) -> None:
+        copies = job.transport_state
+        copies.in_flight -= 1
+        if job.abandoned:
+            ok, error = False, "the client went away during the job"
+        self._depot.finish_job(job, ok=ok, error=error)
+        if copies.closing and copies.in_flight == 0:
+            self._release(job.worker.id)
+
+    def abandon(self, job) -> None:
+        # A store still at the gate is dropped there. Copies already queued on
+        # the GPU cannot be taken back: the job ends (failed) when they have,
+        # and only then are its slots and the worker's mappings released.
+        job.abandoned = True
+
+    def validate_job(self, job_request, kind: str) -> None:
+        if kind == "store" and not self._skip_event_wait:
+            if len(job_request.cuda_event_handle) != 64:
+                raise InvalidArgument(
+                    "a CUDA store needs cuda_event_handle: the 64-byte IPC handle of an event "
+                    "recorded after the compute that wrote the blocks"
+                )
