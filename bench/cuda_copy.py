@@ -145,6 +145,66 @@ def through_daemon(socket: str, layout: str, sizes: list[int], reps: int) -> dic
     return results
 
 
+def daemon_gpu_memory(pid: int) -> str:
+    """What nvidia-smi says the daemon process holds on the GPU (context, streams, staging)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown (no nvidia-smi)"
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if fields and fields[0] == str(pid):
+            return fields[1]
+    return "unknown (not listed by nvidia-smi)"
+
+
+def interference(socket: str, seconds: float = 3.0) -> dict:
+    """bf16 matmul throughput on this GPU alone, then while the daemon stores and
+    loads 512-block jobs in the background: how much the copies slow compute."""
+    import threading
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def tflops() -> float:
+        iters, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            for _ in range(10):
+                a @ b
+            torch.cuda.synchronize()
+            iters += 10
+        return 2 * 8192**3 * iters / (time.perf_counter() - start) / 1e12
+
+    alone = tflops()
+    tensors, block_dim = make_cache("per_layer", 1024)
+    client = KVDepotClient(socket, name="bench-interference").connect(30)
+    ns = dict(model="bench-interference", kv_dtype="bfloat16", block_size=BLOCK_SIZE, layout="per_layer", tp_size=1)
+    jobs = Jobs(client, client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim))
+    loaded = [os.urandom(32) for _ in range(512)]
+    jobs.wait(jobs.run("store", loaded, list(range(512))))
+    stop, moved = threading.Event(), [0]
+
+    def pump():
+        while not stop.is_set():
+            s_id = jobs.run("store", [os.urandom(32) for _ in range(512)], list(range(512)))
+            l_id = jobs.run("load", loaded, list(range(512, 1024)))
+            jobs.wait(s_id, l_id)
+            moved[0] += 2 * 512 * BLOCK
+
+    thread = threading.Thread(target=pump)
+    thread.start()
+    time.sleep(0.5)
+    start = time.perf_counter()
+    moved[0] = 0
+    busy = tflops()
+    rate = moved[0] / (time.perf_counter() - start) / 1e9
+    stop.set()
+    thread.join()
+    client.close()
+    return {"alone": alone, "with_copies": busy, "copy_gbps": rate}
+
+
 def per_page_baseline(n: int, reps: int) -> dict:
     tensors, _ = make_cache("per_layer", n)
     host = torch.empty(n * BLOCK, dtype=torch.uint8, pin_memory=True).view(n, LAYERS, 2, PAGE)
@@ -175,11 +235,14 @@ def main() -> int:
     parser.add_argument("--layouts", default="per_layer,block_major")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-baseline", action="store_true", help="skip the slow per-page baseline")
+    parser.add_argument("--interference", action="store_true",
+                        help="also measure how much the copies slow a bf16 matmul on the same GPU")
     parser.add_argument("--pool-size", default="24GiB")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
+          f"copy mode {os.environ.get('KVDEPOT_COPY_MODE', 'dma')}", flush=True)
     ceiling = peak(args.reps)
     print(f"peak pinned contiguous 1 GiB: D2H {ceiling['d2h']:.1f}  H2D {ceiling['h2d']:.1f}  "
           f"both ways {ceiling['both']:.1f} GB/s", flush=True)
@@ -188,23 +251,29 @@ def main() -> int:
     socket = f"{folder}/kvdepot.sock"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    log_path = os.environ.get("KVDEPOT_BENCH_LOG") or f"{folder}/kvdepotd.log"
+    log_file = open(log_path, "w")
     daemon = subprocess.Popen(
         [sys.executable, "-m", "kvdepot.server", "--listen", socket, "--pool-size", args.pool_size,
          "--slot-size", str(BLOCK), "--pool-dir", folder, "--pin", "on"],
-        stderr=subprocess.PIPE, text=True, env=env)
-    for line in daemon.stderr:
-        if "ready on" in line:
-            break
-    else:
-        raise SystemExit("kvdepotd did not start")
+        stderr=log_file, text=True, env=env)
+    while "ready on" not in open(log_path).read():
+        if daemon.poll() is not None:
+            raise SystemExit("kvdepotd did not start:\n" + open(log_path).read())
+        time.sleep(0.1)
 
     try:
         rows = []
         for layout in args.layouts.split(","):
             for n, r in through_daemon(socket, layout, sizes, args.reps).items():
                 rows.append((layout, n, r))
+        daemon_mib = daemon_gpu_memory(daemon.pid)
+        slowdown = interference(socket) if args.interference else None
         baseline = {} if args.no_baseline else {
             n: per_page_baseline(n, max(1, args.reps // 2)) for n in sizes if n <= 512}
+    except BaseException:
+        print("kvdepotd's log:\n" + open(log_path).read()[-6000:])
+        raise
     finally:
         daemon.terminate()
         daemon.wait(60)
@@ -221,6 +290,10 @@ def main() -> int:
               f"{r['load'] / ceiling['h2d']:>6.2f} {r['both']:>10.1f} {r['both'] / ceiling['both']:>7.2f} {vs:>12}")
     for n, b in baseline.items():
         print(f"one cudaMemcpyAsync per page, {n} blocks: store {b['store']:.1f}  load {b['load']:.1f} GB/s")
+    print(f"daemon's GPU memory after serving the jobs above: {daemon_mib}")
+    if slowdown:
+        print(f"bf16 matmul: {slowdown['alone']:.0f} TFLOP/s alone, {slowdown['with_copies']:.0f} with "
+              f"{slowdown['copy_gbps']:.1f} GB/s of copies running ({slowdown['with_copies'] / slowdown['alone']:.2f})")
     for layout, n, r in rows:
         if "latency_ms" in r:
             print(f"{layout}: submit-to-completion of a 16-block store: {r['latency_ms']:.2f} ms")

@@ -33,6 +33,14 @@ from kvdepot.server.transport import Transport
 
 log = logging.getLogger("kvdepot.cuda")
 
+# How pages cross PCIe. "dma": a kernel gathers a job's pages into a staging
+# buffer on the GPU (or scatters them from it), and the copy engines move whole
+# runs of slots; "kernel": the page-copy kernel reads and writes the pinned pool
+# itself over PCIe. See docs/benchmarks.md for why the default is what it is.
+COPY_MODE = os.environ.get("KVDEPOT_COPY_MODE", "dma")
+# Staging buffer of each stream in "dma" mode.
+STAGING_BYTES = 128 << 20
+
 # Test-only: store without waiting for the worker's compute event, to show
 # that the ordering test can fail. Never set it in production.
 SKIP_EVENT_WAIT_ENV = "KVDEPOT_TEST_ONLY_SKIP_STORE_EVENT_WAIT"
@@ -41,8 +49,10 @@ SKIP_EVENT_WAIT_ENV = "KVDEPOT_TEST_ONLY_SKIP_STORE_EVENT_WAIT"
 class _Stream:
     """A daemon stream and the thread that reports its jobs as they finish, in order."""
 
-    def __init__(self, device: int, name: str, loop: asyncio.AbstractEventLoop, on_done):
+    def __init__(self, device: int, name: str, loop: asyncio.AbstractEventLoop, on_done, staging_shape):
         self.stream = torch.cuda.Stream(device=device)
+        # Rows of one pool slot each; only copies on this stream use them, in order.
+        self.staging = torch.empty(staging_shape, dtype=torch.uint8, device=device) if staging_shape else None
         self._loop = loop
         self._on_done = on_done
         self._pending: queue.Queue = queue.Queue()
@@ -126,6 +136,18 @@ class _Mapping:
     users: int = 0
 
 
+def _runs(slots: list[int], slots_per_registration: int) -> list[tuple[int, int, int]]:
+    """(first slot, first row, count) of each run of consecutive slots inside one
+    CUDA registration of the pool (a DMA copy cannot cross two)."""
+    runs = []
+    for row, slot in enumerate(slots):
+        if runs and runs[-1][0] + runs[-1][2] == slot and slot % slots_per_registration:
+            runs[-1][2] += 1
+        else:
+            runs.append([slot, row, 1])
+    return [tuple(r) for r in runs]
+
+
 class _ForeignMemory:
     """Lets torch.as_tensor view memory the daemon mapped from another process."""
 
@@ -158,6 +180,12 @@ class CudaTransport(Transport):
         self._workers: dict[int, _WorkerCopies] = {}
         self._skip_event_wait = os.environ.get(SKIP_EVENT_WAIT_ENV) == "1"
         self._gate = _Gate(self._loop, self._launch, self._dropped)
+        if COPY_MODE not in ("dma", "kernel"):
+            raise ValueError(f"KVDEPOT_COPY_MODE must be dma or kernel, not {COPY_MODE!r}")
+        # The pool as rows of slots, for the copy engines: registered with CUDA,
+        # so torch copies it asynchronously.
+        self._pool_rows = torch.frombuffer(pool.buffer, dtype=torch.uint8).view(pool.num_slots, pool.slot_bytes)
+        log.info("CUDA transport: %s copies; pool seen as pinned by torch: %s", COPY_MODE, self._pool_rows.is_pinned())
         if self._skip_event_wait:
             log.warning("%s is set: stores do NOT wait for the workers' compute (tests only)", SKIP_EVENT_WAIT_ENV)
 
@@ -168,11 +196,13 @@ class CudaTransport(Transport):
     def _device(self, index: int) -> _Device:
         device = self._devices.get(index)
         if device is None:
+            slot = self._pool.slot_bytes
+            shape = (max(1, STAGING_BYTES // slot), slot) if COPY_MODE == "dma" else None
             with torch.cuda.device(index):
                 device = _Device(
                     index,
-                    _Stream(index, "store", self._loop, self._finished),
-                    _Stream(index, "load", self._loop, self._finished),
+                    _Stream(index, "store", self._loop, self._finished, shape),
+                    _Stream(index, "load", self._loop, self._finished, shape),
                 )
             self._devices[index] = device
         return device
@@ -293,11 +323,24 @@ class CudaTransport(Transport):
             return
         to_host = job.kind == "store"
         stream = copies.device.store if to_host else copies.device.load
+        try:
+            self._enqueue(job, copies, stream, to_host)
+        except Exception as e:
+            log.exception("%s job %d: could not start its copies", job.kind, job.id)
+            # Whatever part was queued must end before the slots can be reused.
+            stream.stream.synchronize()
+            self._finished(job, False, f"the daemon could not start the copy: {e}")
+
+    def _enqueue(self, job, copies, stream: _Stream, to_host: bool) -> None:
         index = copies.device.index
         with torch.cuda.device(index), torch.cuda.stream(stream.stream):
-            block_ids = torch.tensor(job.block_ids, dtype=torch.int64).to(f"cuda:{index}", non_blocking=True)
-            slots = torch.tensor(job.slots, dtype=torch.int64).to(f"cuda:{index}", non_blocking=True)
-            copy_kernel.launch(copies.table, block_ids, slots, self._pool_base, self._pool.slot_bytes, to_host)
+            if stream.staging is None:
+                block_ids = torch.tensor(job.block_ids, dtype=torch.int64).to(f"cuda:{index}", non_blocking=True)
+                slots = torch.tensor(job.slots, dtype=torch.int64).to(f"cuda:{index}", non_blocking=True)
+                copy_kernel.launch(copies.table, block_ids, slots, self._pool_base, self._pool.slot_bytes, to_host)
+                keep_alive = (block_ids, slots)
+            else:
+                keep_alive = self._copy_via_staging(copies, stream, job.block_ids, job.slots, to_host, index)
             fence_readback = None
             if to_host and not self._skip_event_wait:
                 fence_readback = torch.empty(1, dtype=torch.int64, pin_memory=True)
@@ -305,7 +348,32 @@ class CudaTransport(Transport):
             done = torch.cuda.Event()
             done.record(stream.stream)
         # The index tensors must live until the kernel has read them.
-        stream.track(done, job, (block_ids, slots), fence_readback)
+        stream.track(done, job, keep_alive, fence_readback)
+
+    def _copy_via_staging(self, copies, stream: _Stream, block_ids, slots, to_host: bool, index: int) -> list:
+        """Pages to or from staging rows by kernel (on the GPU), rows to or from
+        pool slots by the copy engines, one copy per run of consecutive slots."""
+        staging = stream.staging
+        rows = staging.shape[0]
+        positions = torch.arange(rows, dtype=torch.int64, device=f"cuda:{index}")
+        keep = []
+        for first in range(0, len(block_ids), rows):
+            chunk_blocks = block_ids[first : first + rows]
+            chunk_slots = slots[first : first + rows]
+            ids = torch.tensor(chunk_blocks, dtype=torch.int64).to(f"cuda:{index}", non_blocking=True)
+            keep.append(ids)
+            runs = _runs(chunk_slots, self._pool.registration_bytes // self._pool.slot_bytes)
+            if to_host:
+                copy_kernel.launch(copies.table, ids, positions[: len(chunk_blocks)], staging.data_ptr(),
+                                   staging.shape[1], to_host=True)
+                for slot, row, count in runs:
+                    self._pool_rows[slot : slot + count].copy_(staging[row : row + count], non_blocking=True)
+            else:
+                for slot, row, count in runs:
+                    staging[row : row + count].copy_(self._pool_rows[slot : slot + count], non_blocking=True)
+                copy_kernel.launch(copies.table, ids, positions[: len(chunk_blocks)], staging.data_ptr(),
+                                   staging.shape[1], to_host=False)
+        return keep
 
     def _event(self, copies: _WorkerCopies, handle: bytes, device: int) -> torch.cuda.Event:
         event = copies.events.get(handle)

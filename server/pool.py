@@ -21,7 +21,7 @@ log = logging.getLogger("kvdepot.pool")
 
 # Pool memory is pinned this much at a time: a multiple of any sane slot size,
 # so no slot straddles two CUDA registrations.
-PIN_CHUNK_BYTES = 1 << 30
+PIN_CHUNK_BYTES = int(os.environ.get("KVDEPOT_PIN_CHUNK_BYTES", 1 << 30))  # smaller in tests
 # Faulted in this much at a time, by several threads.
 POPULATE_CHUNK_BYTES = 256 << 20
 
@@ -204,7 +204,7 @@ class HostPool:
         try:
             # One thread: the driver serialises registrations, and measured on an
             # H200, 16 threads took 1.7x as long as one.
-            self.pin_seconds = self._run_chunks("pinning the pool", register, PIN_CHUNK_BYTES, 1)
+            self.pin_seconds = self._run_chunks("pinning the pool", register, self.registration_bytes, 1)
         except PoolError:
             for ptr in registered:
                 cudart.cudaHostUnregister(ptr)
@@ -220,6 +220,12 @@ class HostPool:
             self.pin_seconds,
             self.pin_seconds / max(self.size / 2**30, 1e-9),
         )
+
+    @property
+    def registration_bytes(self) -> int:
+        """The pool is pinned in registrations of this size (whole slots): one DMA
+        copy must not cross from one into the next."""
+        return max(1, PIN_CHUNK_BYTES // self.slot_bytes) * self.slot_bytes
 
     @property
     def base_address(self) -> int:

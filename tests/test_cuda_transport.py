@@ -180,3 +180,24 @@ def test_kill_9_of_a_worker_while_its_copies_run(start_daemon, client_factory, t
     for i in range(16):
         for src, dst in zip(block_of(tensors, "per_layer", i), block_of(tensors, "per_layer", 64 + i)):
             assert same(src, dst)
+
+
+def test_jobs_whose_slots_cross_two_pinned_registrations(start_daemon, client_factory):
+    # 1 MiB registrations of 16 KiB slots: a 100-block job spans two of them.
+    daemon = gpu_daemon(start_daemon, env={"KVDEPOT_PIN_CHUNK_BYTES": str(1 << 20)})
+    client = client_factory(daemon)
+    source, block_dim = make_kv_cache("per_layer", seed=40)
+    target, _ = make_kv_cache("per_layer", seed=41)
+    source, target = [t.cuda() for t in source], [t.cuda() for t in target]
+    ns = namespace("per_layer")
+    a = client.register_worker(ns, rank=0, tensors=source, block_dim=block_dim)
+    b = client.register_worker(ns, rank=0, tensors=target, block_dim=block_dim)
+    keys = prompt_keys(100, prompt=4000)
+    client.submit_store(a, 1, keys, list(range(100)))
+    assert client.wait([1], 30)[1].ok
+    client.submit_load(b, 2, keys, list(range(28, 128)))
+    assert client.wait([2], 30)[2].ok
+    torch.cuda.synchronize()
+    for i in range(100):
+        for src, dst in zip(block_of(source, "per_layer", i), block_of(target, "per_layer", 28 + i)):
+            assert same(src, dst), f"block {i} differs"
