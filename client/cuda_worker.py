@@ -20,10 +20,12 @@ def cuda_handles(tensors: list[torch.Tensor]) -> list[pb.TensorHandle]:
     by_base: dict[int, bytes] = {}
     for tensor in tensors:
         storage_ptr = tensor.untyped_storage().data_ptr()
-        base, _ = cuda.allocation_range(storage_ptr)
+        with torch.cuda.device(tensor.device):
+            base, _ = cuda.allocation_range(storage_ptr)
         if base not in by_base:
             try:
-                by_base[base] = cuda.ipc_mem_handle(base)
+                with torch.cuda.device(tensor.device):
+                    by_base[base] = cuda.ipc_mem_handle(base)
             except cuda.CudaError as e:
                 raise InvalidArgument(
                     f"cannot share the KV cache over CUDA IPC ({e}): it must be cudaMalloc memory, "

@@ -272,7 +272,8 @@ class CudaTransport(Transport):
                     f"cannot open the worker's CUDA IPC handle: {e}. The memory must come from "
                     "cudaMalloc (PyTorch: not expandable_segments) on a GPU this daemon sees"
                 ) from None
-            base, size = cuda.allocation_range(ptr)
+            with torch.cuda.device(device):
+                base, size = cuda.allocation_range(ptr)
             mapping = _Mapping(ptr, size - (ptr - base), device)
             self._mappings[key] = mapping
         mapping.users += 1

@@ -33,17 +33,21 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=0)
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--first-block", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="cpu (shared-memory transport) or cuda")
+    parser.add_argument("--device", default="cpu", help="cpu (shared-memory transport), cuda or cuda:N")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--spin", action="store_true", help="hang-*: a long kernel runs before the job")
     parser.add_argument("--out")
     parser.add_argument("--before")
     args = parser.parse_args()
 
+    if args.device.startswith("cuda:"):
+        torch.cuda.set_device(args.device)  # as each vLLM worker process does
     client = KVDepotClient(args.socket, name=f"worker-{args.command}").connect(10)
-    ns = namespace(args.layout)
+    ns = namespace(args.layout, tp_size=args.tp)
     tensors, block_dim = make_kv_cache(args.layout, args.seed)
     tensors = [t.to(args.device) for t in tensors]
-    worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
+    worker = client.register_worker(ns, rank=args.rank, tensors=tensors, block_dim=block_dim)
     engine = client.register_engine(ns)
     keys = prompt_keys(args.blocks, args.prompt)
     block_ids = list(range(args.first_block, args.first_block + args.blocks))
