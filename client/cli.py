@@ -92,8 +92,10 @@ def format_stats(stats: pb.GetStatsResponse) -> str:
         f"loaded    {t.loaded_blocks} blocks, {_gib(t.loaded_bytes)}, {t.load_gbps:.2f} GB/s",
         f"evicted   {t.evicted_blocks} blocks; {t.failed_jobs} failed jobs; "
         f"{stats.sessions_ended} sessions ended",
-        "",
     ]
+    for gpu in stats.gpus:
+        lines.append(f"gpu {gpu.index}     daemon holds {gpu.daemon_memory_bytes / 2**20:.0f} MiB ({gpu.uuid})")
+    lines.append("")
     header = f"{'namespace':<48} {'ready':>8} {'slots':>8} {'hits':>8} {'misses':>8} {'stored':>8} {'loaded':>8} {'evicted':>8}"
     lines.append(header)
     for ns in stats.namespaces:

@@ -28,7 +28,8 @@ import torch
 
 from kvdepot import cuda
 from kvdepot.errors import FailedPrecondition, InvalidArgument
-from kvdepot.server import copy_kernel
+from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server import copy_kernel, gpu_memory
 from kvdepot.server.transport import Transport
 
 log = logging.getLogger("kvdepot.cuda")
@@ -188,6 +189,15 @@ class CudaTransport(Transport):
         log.info("CUDA transport: %s copies; pool seen as pinned by torch: %s", COPY_MODE, self._pool_rows.is_pinned())
         if self._skip_event_wait:
             log.warning("%s is set: stores do NOT wait for the workers' compute (tests only)", SKIP_EVENT_WAIT_ENV)
+
+    def gpu_stats(self) -> list:
+        stats = []
+        for index in sorted(self._devices):
+            uuid = cuda.device_uuid(index)
+            stats.append(
+                pb.GpuStats(index=index, uuid=uuid, daemon_memory_bytes=gpu_memory.process_memory(uuid) or 0)
+            )
+        return stats
 
     @property
     def open_mappings(self) -> int:

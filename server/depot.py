@@ -556,6 +556,7 @@ class Depot:
             pinned_slots=self.index.pinned_slots,
             quarantined_slots=sum(len(q.slots) for q in self.quarantine),
             open_ipc_mappings=sum(t.open_mappings for t in self.transports.values()),
+            gpus=[gpu for t in self.transports.values() for gpu in t.gpu_stats()],
             occupancy=used / self.pool.num_slots,
             eviction_policy=self.policy.name,
             totals=self.totals.to_proto(self.store_clock.seconds, self.load_clock.seconds),

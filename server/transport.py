@@ -28,6 +28,10 @@ class Transport:
         """Checks (and opens) the worker's handles; raises InvalidArgument if unusable."""
         raise NotImplementedError
 
+    def gpu_stats(self) -> list:
+        """GpuStats of the GPUs the transport uses."""
+        return []
+
     def validate_job(self, request, kind: str) -> None:
         """Refuses a job request this transport cannot run; raises InvalidArgument."""
 

@@ -30,6 +30,13 @@ def gpu_daemon(start_daemon, **options):
     return start_daemon(pin="on", pool_dir="/dev/shm", pool_size="64MiB", slot_size="16KiB", **options)
 
 
+def gpu_worker(client, seed: int):
+    """A random per-layer KV cache on the GPU, registered as rank 0."""
+    tensors, block_dim = make_kv_cache("per_layer", seed=seed)
+    tensors = [t.cuda() for t in tensors]
+    return client.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim), tensors
+
+
 def run_worker(*args: str) -> dict:
     proc = subprocess.run([sys.executable, WORKER, *args], capture_output=True, text=True,
                           env=subprocess_env(), timeout=300)
@@ -92,61 +99,50 @@ def write_late_then_store(client, worker, tensors, keys, value: float, job_id: i
     client.submit_store(worker, job_id, keys, list(range(8)))
 
 
-def count_corrupt_stores(daemon, client_factory, tries: int) -> int:
+def corrupt_stores(daemon, client_factory, tries: int, reuse: str | None = None) -> int:
+    """Stores blocks a late kernel writes, loads them back and counts the tries
+    whose loaded blocks are not what that kernel wrote.
+
+    reuse: after submitting the store, the blocks go to another request (are
+    overwritten), either after waiting for the store ("after_flush", as on
+    preemption) or without waiting ("without_flush").
+    """
     client = client_factory(daemon)
-    tensors, block_dim = make_kv_cache("per_layer", seed=30)
-    tensors = [t.cuda() for t in tensors]
-    worker = client.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim)
+    worker, tensors = gpu_worker(client, seed=30)
     corrupt = 0
     for attempt in range(tries):
         keys = prompt_keys(8, prompt=1000 + attempt)
         value = float(attempt + 1)
-        write_late_then_store(client, worker, tensors, keys, value, job_id=2 * attempt)
-        assert client.wait([2 * attempt], 30)[2 * attempt].ok
-        client.submit_load(worker, 2 * attempt + 1, keys, list(range(100, 108)))
-        assert client.wait([2 * attempt + 1], 30)[2 * attempt + 1].ok
+        store, load = 2 * attempt, 2 * attempt + 1
+        write_late_then_store(client, worker, tensors, keys, value, job_id=store)
+        if reuse == "after_flush":
+            assert client.wait([store], 30)[store].ok
+        if reuse:
+            for t in tensors:
+                t[:, :8].fill_(-1.0)
+        if reuse != "after_flush":
+            assert client.wait([store], 30)[store].ok
+        client.submit_load(worker, load, keys, list(range(100, 108)))
+        assert client.wait([load], 30)[load].ok
         torch.cuda.synchronize()
         corrupt += any(not bool((t[:, 100:108] == value).all()) for t in tensors)
     return corrupt
 
 
 def test_a_store_waits_for_the_compute_that_wrote_the_blocks(start_daemon, client_factory):
-    assert count_corrupt_stores(gpu_daemon(start_daemon), client_factory, tries=30) == 0
+    assert corrupt_stores(gpu_daemon(start_daemon), client_factory, tries=30) == 0
 
 
 def test_without_the_event_wait_the_same_test_sees_corruption(start_daemon, client_factory):
-    assert count_corrupt_stores(gpu_daemon(start_daemon, env=SKIP_WAIT), client_factory, tries=5) > 0
-
-
-def flush_then_overwrite(daemon, client_factory, flush: bool, tries: int) -> int:
-    client = client_factory(daemon)
-    tensors, block_dim = make_kv_cache("per_layer", seed=31)
-    tensors = [t.cuda() for t in tensors]
-    worker = client.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim)
-    corrupt = 0
-    for attempt in range(tries):
-        keys = prompt_keys(8, prompt=2000 + attempt)
-        value = float(attempt + 1)
-        write_late_then_store(client, worker, tensors, keys, value, job_id=2 * attempt)
-        if flush:  # preemption: wait for the pending store before reusing the blocks
-            assert client.wait([2 * attempt], 30)[2 * attempt].ok
-        for t in tensors:
-            t[:, :8].fill_(-1.0)  # the blocks are handed to another request
-        if not flush:
-            client.wait([2 * attempt], 30)
-        client.submit_load(worker, 2 * attempt + 1, keys, list(range(100, 108)))
-        assert client.wait([2 * attempt + 1], 30)[2 * attempt + 1].ok
-        torch.cuda.synchronize()
-        corrupt += any(not bool((t[:, 100:108] == value).all()) for t in tensors)
-    return corrupt
+    assert corrupt_stores(gpu_daemon(start_daemon, env=SKIP_WAIT), client_factory, tries=5) > 0
 
 
 def test_a_flushed_store_is_not_hurt_by_reusing_its_blocks(start_daemon, client_factory):
-    assert flush_then_overwrite(gpu_daemon(start_daemon), client_factory, flush=True, tries=30) == 0
+    assert corrupt_stores(gpu_daemon(start_daemon), client_factory, tries=30, reuse="after_flush") == 0
 
 
 def test_reusing_blocks_without_the_flush_corrupts_the_store(start_daemon, client_factory):
-    assert flush_then_overwrite(gpu_daemon(start_daemon), client_factory, flush=False, tries=5) > 0
+    assert corrupt_stores(gpu_daemon(start_daemon), client_factory, tries=5, reuse="without_flush") > 0
 
 
 def test_kill_9_of_a_worker_while_its_copies_run(start_daemon, client_factory, tmp_path):
@@ -167,10 +163,11 @@ def test_kill_9_of_a_worker_while_its_copies_run(start_daemon, client_factory, t
 
     stats = wait_until(cleaned, timeout=30, what="the killed worker's mappings closed")
     assert stats.totals.failed_jobs == 1 and daemon.running
+    # The daemon reports what it holds on the GPU: its context, streams and staging.
+    [gpu] = stats.gpus
+    assert gpu.daemon_memory_bytes > 100 << 20, gpu
     # A new worker is served.
-    tensors, block_dim = make_kv_cache("per_layer", seed=32)
-    tensors = [t.cuda() for t in tensors]
-    worker = survivor.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim)
+    worker, tensors = gpu_worker(survivor, seed=32)
     keys = prompt_keys(16, prompt=3000)
     survivor.submit_store(worker, 1, keys, list(range(16)))
     assert survivor.wait([1], 30)[1].ok
