@@ -28,7 +28,8 @@ from kvdepot.server.config import parse_size  # noqa: E402
 def start_daemon(size: str, folder: str, threads: int) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    args = [sys.executable, "-m", "kvdepot.server", "--listen", f"{folder}/kvdepot.sock",
+    socket_dir = tempfile.mkdtemp()  # a hugetlbfs pool folder cannot hold a socket
+    args = [sys.executable, "-m", "kvdepot.server", "--listen", f"{socket_dir}/kvdepot.sock",
             "--pool-size", size, "--pool-dir", folder, "--pin-threads", str(threads)]
     started = time.monotonic()
     proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=env)

@@ -38,7 +38,32 @@ class PoolError(RuntimeError):
     """The pool cannot be created; the message says what to change."""
 
 
+def _meminfo(field: str) -> int:
+    with open("/proc/meminfo", encoding="utf-8") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name == field:
+                parts = value.split()
+                return int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return 0
+
+
+def huge_page_bytes(directory: str) -> int | None:
+    """The page size of a hugetlbfs folder, None for any other filesystem."""
+    if filesystem_type(directory) != "hugetlbfs":
+        return None
+    st = os.statvfs(directory)
+    return st.f_bsize or _meminfo("Hugepagesize")
+
+
 def _free_bytes(directory: str) -> int:
+    if huge_page_bytes(directory):
+        # hugetlbfs without a size= limit reports no blocks: the pages free in
+        # the kernel's pool are what a file there can get.
+        st = os.statvfs(directory)
+        limit = st.f_bavail * st.f_bsize if st.f_blocks else None
+        free = _meminfo("HugePages_Free") * _meminfo("Hugepagesize")
+        return free if limit is None else min(limit, free)
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize
 
@@ -100,6 +125,9 @@ class HostPool:
         self.slot_bytes = slot_bytes
         self.num_slots = size // slot_bytes
         self.size = self.num_slots * slot_bytes
+        self.huge_pages = huge_page_bytes(directory)
+        # A hugetlbfs file is a whole number of huge pages.
+        self._file_size = -(-self.size // self.huge_pages) * self.huge_pages if self.huge_pages else self.size
         self.path = os.path.join(directory, f"{name}.pool")
         self.pinned = False
         self.pin_seconds = 0.0
@@ -108,15 +136,16 @@ class HostPool:
         self._progress = progress or log.info
         self._threads = threads or min(16, os.cpu_count() or 1)
         self._free = list(range(self.num_slots - 1, -1, -1))
-        if self.size > _free_bytes(directory):
+        if self._file_size > _free_bytes(directory):
+            what = "huge pages free (HugePages_Free in /proc/meminfo)" if self.huge_pages else "free"
             raise PoolError(
-                f"the pool ({self.size / 2**30:.1f} GiB) does not fit in {directory} "
-                f"({_free_bytes(directory) / 2**30:.1f} GiB free)"
+                f"the pool ({self._file_size / 2**30:.2f} GiB) does not fit in {directory} "
+                f"({_free_bytes(directory) / 2**30:.2f} GiB {what})"
             )
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
-            os.ftruncate(fd, self.size)
-            self.buffer = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.ftruncate(fd, self._file_size)
+            self.buffer = mmap.mmap(fd, self._file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
             self._fault_in(fd)
         except BaseException:
@@ -131,17 +160,17 @@ class HostPool:
 
     def _run_chunks(self, what: str, work: Callable[[int, int], None], chunk: int, threads: int) -> float:
         start = time.monotonic()
-        chunks = [(off, min(chunk, self.size - off)) for off in range(0, self.size, chunk)]
+        total = self._file_size
+        chunks = [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
         done = 0
         last_report = start
         with concurrent.futures.ThreadPoolExecutor(threads) as executor:
             for length in executor.map(lambda c: (work(*c), c[1])[1], chunks):
                 done += length
                 now = time.monotonic()
-                if now - last_report >= 1.0 or done == self.size:
+                if now - last_report >= 1.0 or done == total:
                     self._progress(
-                        f"{what}: {done / 2**30:.1f} of {self.size / 2**30:.1f} GiB "
-                        f"({100 * done / self.size:.0f}%)"
+                        f"{what}: {done / 2**30:.1f} of {total / 2**30:.1f} GiB ({100 * done / total:.0f}%)"
                     )
                     last_report = now
         return time.monotonic() - start
@@ -168,8 +197,12 @@ class HostPool:
                     "--pool-size or set --pool-dir to a tmpfs with room"
                 )
 
-        seconds = self._run_chunks("allocating the pool", populate, POPULATE_CHUNK_BYTES, self._threads)
-        log.info("pool of %.2f GiB allocated in %.2f s at %s", self.size / 2**30, seconds, self.path)
+        chunk = POPULATE_CHUNK_BYTES
+        if self.huge_pages:
+            chunk = max(1, chunk // self.huge_pages) * self.huge_pages
+        seconds = self._run_chunks("allocating the pool", populate, chunk, self._threads)
+        pages = f"{self.huge_pages >> 20} MiB huge pages" if self.huge_pages else "4 KiB pages"
+        log.info("pool of %.2f GiB allocated in %.2f s at %s (%s)", self.size / 2**30, seconds, self.path, pages)
 
     def _pin(self, required: bool) -> None:
         try:
