@@ -3,6 +3,8 @@ and the interprocess event that orders the daemon's stores after its compute."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kvdepot import cuda
@@ -49,18 +51,29 @@ class ComputeFence:
     Each store records an interprocess event on the current stream (where the
     engine launched the compute that wrote the blocks) after writing a growing
     sequence number into a small GPU tensor that the daemon reads after its copy.
+    The events form a ring: the daemon sees only an event's latest record, so
+    one event re-recorded for every store would keep delaying stores still
+    waiting on an earlier one while the CPU runs ahead of the GPU.
     """
 
+    RING = 32
+
     def __init__(self, device: torch.device):
+        self.device = device
         with torch.cuda.device(device):
-            self.event = torch.cuda.Event(interprocess=True)
-            self.event.record()  # an IPC handle exists only for a recorded event
+            self.events = [torch.cuda.Event(interprocess=True) for _ in range(self.RING)]
+            for event in self.events:
+                event.record()  # an IPC handle exists only for a recorded event
+            self.handles = [bytes(event.ipc_handle()) for event in self.events]
             self.tensor = torch.zeros(1, dtype=torch.int64, device=device)
         self.seq = 0
+        self._lock = threading.Lock()
         self.handle = cuda_handles([self.tensor])[0].cuda_ipc
 
     def mark(self) -> tuple[bytes, int]:
-        self.seq += 1
-        self.tensor.fill_(self.seq)
-        self.event.record()
-        return bytes(self.event.ipc_handle()), self.seq
+        with self._lock, torch.cuda.device(self.device):
+            self.seq += 1
+            slot = self.seq % self.RING
+            self.tensor.fill_(self.seq)
+            self.events[slot].record(torch.cuda.current_stream(self.device))
+            return self.handles[slot], self.seq

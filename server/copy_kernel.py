@@ -24,6 +24,8 @@ from kvdepot.layout import WorkerLayout
 
 # Bytes one program copies at a time; pages are split into chunks of this size.
 CHUNK_BYTES = int(os.environ.get("KVDEPOT_COPY_CHUNK_BYTES", 16384))
+if CHUNK_BYTES < 64 or CHUNK_BYTES & (CHUNK_BYTES - 1):
+    raise ValueError(f"KVDEPOT_COPY_CHUNK_BYTES must be a power of two of at least 64, not {CHUNK_BYTES}")
 # Programs a copy launches, each looping over its share of the chunks. One per
 # SM by default: on an H200, 32 or 64 programs left PCIe at 40% (too few bytes in
 # flight), one per SM reached 90%, and twice that no more while blocking the
@@ -142,6 +144,8 @@ def launch(
     """Enqueues the copies of one job on the current stream of the table's device."""
     chunks = triton.cdiv(table.max_page_bytes, CHUNK_BYTES)
     work = block_ids.numel() * table.pages_per_block * chunks
+    if work >= 2**31 - 2**20:  # the kernel's loop counter is 32-bit
+        raise ValueError(f"a job of {work} page chunks is too large for one launch; split it")
     _copy_pages[(min(work, programs(block_ids.device.index)),)](
         block_ids,
         slots,

@@ -42,6 +42,9 @@ COPY_MODE = os.environ.get("KVDEPOT_COPY_MODE", "dma")
 # Staging buffer of each stream in "dma" mode.
 STAGING_BYTES = 128 << 20
 
+# Interprocess events a worker may use (the client uses a small ring of them).
+MAX_EVENTS_PER_WORKER = 1024
+
 # Test-only: store without waiting for the worker's compute event, to show
 # that the ordering test can fail. Never set it in production.
 SKIP_EVENT_WAIT_ENV = "KVDEPOT_TEST_ONLY_SKIP_STORE_EVENT_WAIT"
@@ -89,10 +92,10 @@ class _Gate:
 
     POLL_SECONDS = 20e-6
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_open, on_dropped):
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_open, on_failed):
         self._loop = loop
         self._on_open = on_open
-        self._on_dropped = on_dropped
+        self._on_failed = on_failed
         self._new: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvdepot-gate", daemon=True)
         self._thread.start()
@@ -114,8 +117,15 @@ class _Gate:
             still = []
             for job, event in waiting:
                 if job.abandoned:
-                    self._loop.call_soon_threadsafe(self._on_dropped, job)
-                elif event.query():
+                    reason = "the client went away before its compute finished"
+                    self._loop.call_soon_threadsafe(self._on_failed, job, reason)
+                    continue
+                try:
+                    completed = event.query()
+                except RuntimeError as e:  # one bad event must not stop every other store
+                    self._loop.call_soon_threadsafe(self._on_failed, job, f"waiting for the worker's compute failed: {e}")
+                    continue
+                if completed:
                     self._loop.call_soon_threadsafe(self._on_open, job)
                 else:
                     still.append((job, event))
@@ -180,15 +190,27 @@ class CudaTransport(Transport):
         self._mappings: dict[tuple[int, bytes], _Mapping] = {}
         self._workers: dict[int, _WorkerCopies] = {}
         self._skip_event_wait = os.environ.get(SKIP_EVENT_WAIT_ENV) == "1"
-        self._gate = _Gate(self._loop, self._launch, self._dropped)
+        self._gate = _Gate(self._loop, self._launch, self._fail)
         if COPY_MODE not in ("dma", "kernel"):
             raise ValueError(f"KVDEPOT_COPY_MODE must be dma or kernel, not {COPY_MODE!r}")
         # The pool as rows of slots, for the copy engines: registered with CUDA,
         # so torch copies it asynchronously.
-        self._pool_rows = torch.frombuffer(pool.buffer, dtype=torch.uint8).view(pool.num_slots, pool.slot_bytes)
+        self._pool_rows = torch.frombuffer(pool.buffer, dtype=torch.uint8, count=pool.size).view(
+            pool.num_slots, pool.slot_bytes
+        )
         log.info("CUDA transport: %s copies; pool seen as pinned by torch: %s", COPY_MODE, self._pool_rows.is_pinned())
         if self._skip_event_wait:
             log.warning("%s is set: stores do NOT wait for the workers' compute (tests only)", SKIP_EVENT_WAIT_ENV)
+
+    def shutdown(self) -> None:
+        """Waits for copies on the GPU: the pool is unpinned after this."""
+        for device in self._devices.values():
+            for stream in (device.store, device.load):
+                try:
+                    stream.stream.synchronize()
+                except RuntimeError:
+                    log.exception("GPU %d: could not wait for the daemon's copies", device.index)
+                stream.stop()
 
     def gpu_stats(self) -> list:
         stats = []
@@ -315,22 +337,25 @@ class CudaTransport(Transport):
 
     def start(self, job) -> None:
         copies = self._workers[job.worker.id]
+        gated = job.kind == "store" and not self._skip_event_wait and job.blocks
+        # Opened (and checked) in validate_job already: this cannot fail.
+        event = copies.events[job.cuda_event_handle] if gated else None
         job.transport_state = copies
         copies.in_flight += 1
         if not job.blocks:
             self._loop.call_soon(self._finished, job, True, "")
-        elif job.kind == "store" and not self._skip_event_wait:
-            self._gate.hold(job, self._event(copies, job.cuda_event_handle, copies.device.index))
+        elif gated:
+            self._gate.hold(job, event)
         else:
             self._launch(job)
 
-    def _dropped(self, job) -> None:
-        self._finished(job, False, "the client went away before its compute finished")
+    def _fail(self, job, reason: str) -> None:
+        self._finished(job, False, reason)
 
     def _launch(self, job) -> None:
         copies = job.transport_state
         if job.abandoned:
-            self._dropped(job)
+            self._fail(job, "the client went away before its compute finished")
             return
         to_host = job.kind == "store"
         stream = copies.device.store if to_host else copies.device.load
@@ -338,8 +363,11 @@ class CudaTransport(Transport):
             self._enqueue(job, copies, stream, to_host)
         except Exception as e:
             log.exception("%s job %d: could not start its copies", job.kind, job.id)
-            # Whatever part was queued must end before the slots can be reused.
-            stream.stream.synchronize()
+            try:
+                # Whatever part was queued must end before the slots can be reused.
+                stream.stream.synchronize()
+            except RuntimeError:
+                log.critical("the CUDA context on GPU %d is broken: restart kvdepotd", copies.device.index)
             self._finished(job, False, f"the daemon could not start the copy: {e}")
 
     def _enqueue(self, job, copies, stream: _Stream, to_host: bool) -> None:
@@ -356,7 +384,8 @@ class CudaTransport(Transport):
             if to_host and not self._skip_event_wait:
                 fence_readback = torch.empty(1, dtype=torch.int64, pin_memory=True)
                 fence_readback.copy_(copies.fence, non_blocking=True)
-            done = torch.cuda.Event()
+            # Blocking: the completion thread sleeps in the driver instead of spinning a core.
+            done = torch.cuda.Event(blocking=True)
             done.record(stream.stream)
         # The index tensors must live until the kernel has read them.
         stream.track(done, job, keep_alive, fence_readback)
@@ -386,13 +415,6 @@ class CudaTransport(Transport):
                                    staging.shape[1], to_host=False)
         return keep
 
-    def _event(self, copies: _WorkerCopies, handle: bytes, device: int) -> torch.cuda.Event:
-        event = copies.events.get(handle)
-        if event is None:
-            event = torch.cuda.Event.from_ipc_handle(device, handle)
-            copies.events[handle] = event
-        return event
-
     def _finished(self, job, ok: bool, error: str) -> None:
         copies = job.transport_state
         copies.in_flight -= 1
@@ -408,10 +430,22 @@ class CudaTransport(Transport):
         # and only then are its slots and the worker's mappings released.
         job.abandoned = True
 
-    def validate_job(self, job_request, kind: str) -> None:
-        if kind == "store" and not self._skip_event_wait:
-            if len(job_request.cuda_event_handle) != 64:
+    def validate_job(self, worker, job_request, kind: str) -> None:
+        if kind != "store" or self._skip_event_wait:
+            return
+        handle = job_request.cuda_event_handle
+        if len(handle) != 64:
+            raise InvalidArgument(
+                "a CUDA store needs cuda_event_handle: the 64-byte IPC handle of an event "
+                "recorded after the compute that wrote the blocks"
+            )
+        copies = self._workers[worker.id]
+        if handle not in copies.events:
+            if len(copies.events) >= MAX_EVENTS_PER_WORKER:
                 raise InvalidArgument(
-                    "a CUDA store needs cuda_event_handle: the 64-byte IPC handle of an event "
-                    "recorded after the compute that wrote the blocks"
+                    f"the worker has used {MAX_EVENTS_PER_WORKER} different compute events; reuse them"
                 )
+            try:
+                copies.events[handle] = torch.cuda.Event.from_ipc_handle(copies.device.index, handle)
+            except RuntimeError as e:
+                raise InvalidArgument(f"cannot open the store's cuda_event_handle: {e}") from None

@@ -209,7 +209,10 @@ class Depot:
         for job in jobs:
             job.worker.transport.abandon(job)
         for worker in session.workers.values():
-            worker.transport.close_worker(worker)
+            try:
+                worker.transport.close_worker(worker)
+            except Exception:  # the other workers' mappings must still be closed
+                log.exception("closing worker %d failed", worker.id)
         del self.sessions[session.id]
         self.sessions_ended += 1
         log.info(
@@ -385,7 +388,7 @@ class Depot:
                 f"{self.pool.num_slots}: split it or start kvdepotd with a larger --pool-size"
             )
         keys = self._check_keys(request.keys)
-        worker.transport.validate_job(request, "store" if isinstance(request, pb.SubmitStoreRequest) else "load")
+        worker.transport.validate_job(worker, request, "store" if isinstance(request, pb.SubmitStoreRequest) else "load")
         num_blocks = worker.layout.num_blocks
         for position, block_id in enumerate(request.block_ids):
             if block_id >= num_blocks:
@@ -400,7 +403,11 @@ class Depot:
         (self.store_clock if job.kind == "store" else self.load_clock).start()
         self._jobs_in_flight += 1
         self._idle.clear()
-        job.worker.transport.start(job)
+        try:
+            job.worker.transport.start(job)
+        except Exception as e:  # a job that cannot start must not stay in flight forever
+            log.exception("%s job %d could not start", job.kind, job.id)
+            self.finish_job(job, ok=False, error=f"the daemon could not start the job: {e}")
 
     def submit_store(self, request: pb.SubmitStoreRequest) -> pb.SubmitStoreResponse:
         session, worker, keys, block_ids = self._job_request(request)
@@ -529,6 +536,10 @@ class Depot:
             return True
         except asyncio.TimeoutError:
             return False
+
+    def shutdown(self) -> None:
+        for transport in self.transports.values():
+            transport.shutdown()
 
     @property
     def jobs_in_flight(self) -> int:

@@ -60,5 +60,6 @@ def process_memory(uuid: str, pid: int | None = None) -> int | None:
         return None
     for info in infos[: count.value]:
         if info.pid == pid:
-            return int(info.usedGpuMemory)
+            # NVML_VALUE_NOT_AVAILABLE where the driver cannot tell (e.g. some VMs)
+            return None if info.usedGpuMemory == 0xFFFFFFFFFFFFFFFF else int(info.usedGpuMemory)
     return None

@@ -239,6 +239,7 @@ async def serve(config: DaemonConfig) -> int:
         )
     await server.stop(grace=1.0)
     housekeeping.cancel()
+    depot.shutdown()  # copies still on the GPU end before the pool is unpinned
     pool.close()
     guard.release()
     log.info("kvdepotd stopped")

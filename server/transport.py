@@ -32,8 +32,11 @@ class Transport:
         """GpuStats of the GPUs the transport uses."""
         return []
 
-    def validate_job(self, request, kind: str) -> None:
+    def validate_job(self, worker: "Worker", request, kind: str) -> None:
         """Refuses a job request this transport cannot run; raises InvalidArgument."""
+
+    def shutdown(self) -> None:
+        """The daemon exits: wait for (or stop) whatever the transport still runs."""
 
     def start(self, job: "Job") -> None:
         """Starts the job's copies. Ordering and completion are the transport's."""
