@@ -41,7 +41,3 @@ def grpc_target(listen: str) -> str:
     if "/" in listen or listen.endswith(".sock"):
         return "unix:" + os.path.abspath(listen)
     return listen
-
-
-def is_unix(listen: str) -> bool:
-    return grpc_target(listen).startswith("unix:")
