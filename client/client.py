@@ -53,6 +53,10 @@ class JobResult:
     job_id: int
     ok: bool
     error: str = ""
+    # Stores: keys left out because they were stored (or being stored) already,
+    # and keys not stored because every slot was pinned by jobs in flight.
+    already_stored: int = 0
+    not_stored: int = 0
 
 
 @dataclass(eq=False)
@@ -173,6 +177,8 @@ class KVDepotClient:
         self._results: OrderedDict[int, JobResult] = OrderedDict()
         # Job ids a wait() is blocked on: take_finished() leaves them to it.
         self._awaited: dict[int, int] = {}
+        # A store's counts from its submit response, until its result exists.
+        self._store_counts: dict[int, tuple[int, int]] = {}
         self._closing = threading.Event()
         self._copies_running = 0
         self._stream_call = None
@@ -507,6 +513,7 @@ class KVDepotClient:
                 response = self._call(connection, "SubmitStore", pb.SubmitStoreRequest(**fields))
                 transfer.block_ids = [block_ids[i] for i in response.copy_indices]
                 transfer.slots = list(response.slots)
+                self._record_store_counts(job_id, response.already_stored, response.not_stored)
             else:
                 response = self._call(connection, "SubmitLoad", pb.SubmitLoadRequest(**fields))
                 transfer.block_ids = block_ids
@@ -535,12 +542,21 @@ class KVDepotClient:
             ok, error = False, f"the daemon did not take the job's completion: {e}"
         self._finish(job_id, ok, error)
 
+    def _record_store_counts(self, job_id: int, already_stored: int, not_stored: int) -> None:
+        with self._lock:
+            result = self._results.get(job_id)
+            if result is not None:  # the daemon's completion came first
+                result.already_stored, result.not_stored = already_stored, not_stored
+            else:
+                self._store_counts[job_id] = (already_stored, not_stored)
+
     def _finish(self, job_id: int, ok: bool, error: str = "") -> None:
         with self._changed:
             if job_id not in self._pending:
                 return
             self._pending.discard(job_id)
-            self._results[job_id] = JobResult(job_id, ok, error)
+            already, not_stored = self._store_counts.pop(job_id, (0, 0))
+            self._results[job_id] = JobResult(job_id, ok, error, already, not_stored)
             self._changed.notify_all()
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, JobResult]:

@@ -76,8 +76,10 @@ def test_stores_that_find_every_slot_pinned_store_what_fits(worker_setup):
     jobs = Jobs()
     store_one_by_one(client, worker, keys[:8], 0, jobs)
     pin_all = client.begin_load(worker, jobs(), keys[:8], list(range(20, 28)))
-    store = client.submit_store(worker, jobs(), keys[8:], [8, 9])
-    assert client.wait([store], 10)[store].ok
+    store = client.submit_store(worker, jobs(), [keys[0], *keys[8:]], [0, 8, 9])
+    result = client.wait([store], 10)[store]
+    # The caller learns what was left out: one key stored already, two without room.
+    assert result.ok and result.already_stored == 1 and result.not_stored == 2
     assert present(client, engine, keys) == [True] * 8 + [False, False]
     pin_all.run()
     assert client.wait([pin_all.job_id], 10)[pin_all.job_id].ok
