@@ -65,6 +65,10 @@ class EngineHandle:
     engine_id: int | None = None
     namespace_name: str = ""
 
+    @property
+    def registered(self) -> bool:
+        return self.engine_id is not None
+
 
 @dataclass(eq=False)
 class WorkerHandle:
@@ -81,6 +85,10 @@ class WorkerHandle:
     compute_fence: object = None
     worker_id: int | None = None
     namespace_name: str = ""
+
+    @property
+    def registered(self) -> bool:
+        return self.worker_id is not None
 
     @property
     def copies_itself(self) -> bool:
@@ -358,8 +366,7 @@ class KVDepotClient:
         try:
             with self._register_lock:
                 connection = self._connection
-                registered = getattr(handle, "engine_id", None) or getattr(handle, "worker_id", None)
-                if connection is not None and registered is None:
+                if connection is not None and not handle.registered:
                     self._register(connection, handle)
         except Unavailable:
             pass  # registered when the daemon is back
