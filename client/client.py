@@ -64,6 +64,9 @@ class EngineHandle:
     namespace: pb.NamespaceSpec
     engine_id: int | None = None
     namespace_name: str = ""
+    # Keys of ready blocks the daemon removed (evicted or cleared) since the
+    # last take_removed().
+    removed: list = field(default_factory=list)
 
     @property
     def registered(self) -> bool:
@@ -262,9 +265,12 @@ class KVDepotClient:
                 self._on_attached(stub, first.started)
                 delay = self._backoff[0]
                 for notification in call:
-                    if notification.WhichOneof("kind") == "job_done":
+                    kind = notification.WhichOneof("kind")
+                    if kind == "job_done":
                         done = notification.job_done
                         self._finish(done.job_id, done.ok, done.error)
+                    elif kind == "blocks_removed":
+                        self._note_removed(notification.blocks_removed)
             except grpc.RpcError as e:
                 reason = f"{e.code().name}: {e.details()}"
                 if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
@@ -474,6 +480,18 @@ class KVDepotClient:
             loading_blocks=response.loading_blocks,
             storing_blocks=response.storing_blocks,
         )
+
+    def _note_removed(self, message: pb.BlocksRemoved) -> None:
+        with self._lock:
+            for engine in self._engines:
+                if engine.engine_id == message.engine_id:
+                    engine.removed.extend(message.keys)
+
+    def take_removed(self, engine: EngineHandle) -> list[bytes]:
+        """Keys of the engine's namespace that the daemon evicted or cleared since the last call."""
+        with self._lock:
+            removed, engine.removed = engine.removed, []
+            return removed
 
     # ------------------------------------------------------------ jobs
 

@@ -18,12 +18,22 @@ class AttachRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class Notification(_message.Message):
-    __slots__ = ("started", "job_done")
+    __slots__ = ("started", "job_done", "blocks_removed")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     JOB_DONE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     started: SessionStarted
     job_done: JobDone
-    def __init__(self, started: _Optional[_Union[SessionStarted, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ...) -> None: ...
+    blocks_removed: BlocksRemoved
+    def __init__(self, started: _Optional[_Union[SessionStarted, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., blocks_removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ...) -> None: ...
+
+class BlocksRemoved(_message.Message):
+    __slots__ = ("engine_id", "keys")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, engine_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SessionStarted(_message.Message):
     __slots__ = ("session_id", "daemon_instance", "pool", "daemon_version")

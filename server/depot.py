@@ -172,6 +172,8 @@ class Depot:
         self._idle = asyncio.Event()
         self._idle.set()
         self._next_id = 1
+        # Namespace id -> keys of ready blocks removed during the current call.
+        self._removed: dict[int, list[bytes]] = {}
 
     def _new_id(self) -> int:
         self._next_id += 1
@@ -425,6 +427,7 @@ class Depot:
             cuda_fence_seq=request.cuda_fence_seq,
         )
         self._begin(job)
+        self._tell_removed()
         if reservation.not_stored:
             log.warning(
                 "store job %d of session %s: %d block(s) not stored, every slot is pinned",
@@ -555,6 +558,26 @@ class Depot:
 
     def _count_eviction(self, block: Block) -> None:
         self._count(None, block.ns, evicted_blocks=1)
+        self._note_removed(block)
+
+    def _note_removed(self, block: Block) -> None:
+        if block.ready:
+            self._removed.setdefault(block.ns.id, []).append(block.key)
+
+    def _tell_removed(self) -> None:
+        """Sends the keys removed during this call to the engines of their namespaces."""
+        if not self._removed:
+            return
+        removed, self._removed = self._removed, {}
+        for session in self.sessions.values():
+            if session.ended:
+                continue
+            for engine_id, ns in session.engines.items():
+                keys = removed.get(ns.id)
+                if keys:
+                    session.notifications.put_nowait(
+                        pb.Notification(blocks_removed=pb.BlocksRemoved(engine_id=engine_id, keys=keys))
+                    )
 
     def stats(self) -> pb.GetStatsResponse:
         used = self.pool.used_slots
@@ -599,6 +622,7 @@ class Depot:
                 known = ", ".join(sorted(ns.name for ns in self.namespaces.values())) or "none"
                 raise NotFound(f"no namespace {namespace_name!r}; known: {known}")
             target = matches[0]
-        cleared, pinned = self.index.clear(target)
+        cleared, pinned = self.index.clear(target, on_drop=self._note_removed)
+        self._tell_removed()
         log.info("cleared %d block(s) of %s; %d pinned kept", cleared, namespace_name or "every namespace", pinned)
         return pb.ClearResponse(cleared_blocks=cleared, pinned_blocks=pinned)

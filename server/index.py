@@ -227,7 +227,7 @@ class BlockIndex:
             block.ns.ready_blocks -= 1
         del self._blocks[block.index_key]
 
-    def clear(self, ns: Namespace | None) -> tuple[int, int]:
+    def clear(self, ns: Namespace | None, on_drop: Callable[[Block], None] | None = None) -> tuple[int, int]:
         """Drops every unpinned block of `ns` (all when None): (dropped, kept pinned)."""
         cleared = pinned = 0
         for block in self.blocks_of(ns):
@@ -236,5 +236,7 @@ class BlockIndex:
                 continue
             self.policy.remove(block.index_key)
             self._drop(block)
+            if on_drop is not None:
+                on_drop(block)
             cleared += 1
         return cleared, pinned

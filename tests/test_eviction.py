@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import wait_until
 from kvcache import attach_worker, block_of, prompt_keys
 
 POOL_SLOTS = 8
@@ -103,3 +104,27 @@ def test_arc_keeps_a_block_used_twice_through_a_scan(small_daemon, worker_setup)
     else:
         assert not survived, "LRU keeps only the most recent blocks"
     assert present(client, engine, scan[-7:]) == [True] * 7
+
+
+def test_engines_of_the_namespace_hear_which_blocks_were_removed(worker_setup, small_daemon, client_factory):
+    client, engine, worker, _ = worker_setup
+    watcher = client_factory(small_daemon, name="watcher")
+    watching = watcher.register_engine(engine.namespace)
+    keys = prompt_keys(12, prompt=5)
+    jobs = Jobs()
+    store_one_by_one(client, worker, keys, 0, jobs)
+
+    def removed_so_far(handle, seen):
+        seen += client.take_removed(handle) if handle is engine else watcher.take_removed(handle)
+        return len(seen) >= 4
+
+    for handle in (engine, watching):
+        seen: list[bytes] = []
+        wait_until(lambda: removed_so_far(handle, seen), what="the eviction notice")
+        assert sorted(seen) == sorted(keys[:4])
+
+    cleared = client.clear(engine.namespace_name).cleared_blocks
+    assert cleared == 8
+    seen = []
+    wait_until(lambda: removed_so_far(watching, seen) and len(seen) == 8, what="the clear notice")
+    assert sorted(seen) == sorted(keys[4:])
