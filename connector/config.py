@@ -1,0 +1,190 @@
+"""The connector's settings, from `kv_connector_extra_config`, and the per-request store policy.
+
+Operator settings are checked when the engine starts and a bad one stops it
+with a message naming the key: a typo in a deployment should not silently turn
+offloading off. Per-request settings (`kv_transfer_params`) come from end users
+through the API server, so a bad one is logged and replaced by the default: it
+must never fail the request or the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvdepot.defaults import default_socket_path
+
+log = logging.getLogger("kvdepot.connector")
+
+# Keys of a request's kv_transfer_params that this connector reads.
+PARAM_STORE = "kvdepot_store"
+PARAM_STORE_DECODE = "kvdepot_store_decode"
+PARAM_LOAD = "kvdepot_load"
+
+MODES = ("eager", "lazy")
+
+
+class ConfigError(ValueError):
+    """A bad `kv_connector_extra_config` value; the message names the key."""
+
+
+@dataclass(frozen=True)
+class StoreAmount:
+    """How much of a prompt to store: everything, nothing, N tokens or a fraction."""
+
+    kind: str  # "prompt", "none", "tokens", "fraction"
+    value: float = 0.0
+
+    def prompt_tokens(self, prompt_len: int) -> int:
+        if self.kind == "prompt":
+            return prompt_len
+        if self.kind == "none":
+            return 0
+        if self.kind == "tokens":
+            return min(prompt_len, int(self.value))
+        return int(math.floor(prompt_len * self.value))
+
+    def __str__(self) -> str:
+        return self.kind if self.kind in ("prompt", "none") else f"{self.kind}={self.value:g}"
+
+
+def parse_store_amount(value: Any) -> StoreAmount:
+    """`"prompt"`, `"none"`, an int >= 0 (tokens) or a float in [0, 1] (fraction of the prompt)."""
+    if isinstance(value, str):
+        if value in ("prompt", "all"):
+            return StoreAmount("prompt")
+        if value == "none":
+            return StoreAmount("none")
+        raise ValueError(f'{value!r} is not "prompt", "none", a token count or a fraction')
+    if isinstance(value, bool):  # bool is an int subclass; True/False are not amounts
+        raise ValueError(f"{value!r} is a bool; use \"prompt\" or \"none\"")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a token count must be >= 0, not {value}")
+        return StoreAmount("tokens", value)
+    if isinstance(value, float):
+        if not (0.0 <= value <= 1.0) or math.isnan(value):
+            raise ValueError(f"a fraction must be between 0 and 1, not {value}")
+        return StoreAmount("fraction", value)
+    raise ValueError(f"{value!r} ({type(value).__name__}) is not a store amount")
+
+
+@dataclass(frozen=True)
+class StorePolicy:
+    """What one request stores: a prefix of its prompt, and maybe its decode tokens."""
+
+    amount: StoreAmount = StoreAmount("prompt")
+    decode: bool = True
+    load: bool = True
+
+    def store_limit_tokens(self, prompt_len: int, total_tokens: int) -> int:
+        """Tokens from the start of the sequence whose whole blocks may be stored."""
+        prompt_part = self.amount.prompt_tokens(prompt_len)
+        if self.decode and prompt_part == prompt_len:
+            return total_tokens
+        return prompt_part
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    socket: str = field(default_factory=default_socket_path)
+    auth_token: str | None = None
+    # eager: store blocks as they are computed; lazy: when the request finishes
+    # or is preempted.
+    mode: str = "eager"
+    default_policy: StorePolicy = StorePolicy()
+    # Requests with a shorter prompt store nothing by default.
+    min_prompt_tokens: int = 0
+    # How long the scheduler waits for a lookup before answering "not yet".
+    lookup_wait_ms: float = 1.0
+    # After this long, a request stops waiting for a load or store of blocks it
+    # shares (it loads what is ready, and computes the rest).
+    max_defer_s: float = 5.0
+    # Unary call timeout towards the daemon.
+    call_timeout_s: float = 10.0
+    # How long engine start-up waits for the daemon; without it, the engine
+    # starts anyway (no offloading) and the client attaches when it can.
+    connect_timeout_s: float = 5.0
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        known = {
+            "socket", "auth_token_file", "mode", "store", "store_decode", "min_prompt_tokens",
+            "lookup_wait_ms", "max_defer_s", "call_timeout_s", "connect_timeout_s",
+        }  # fmt: skip
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config: unknown key(s) {unknown} for KVDepotConnector; known: {sorted(known)}"
+            )
+        fields: dict[str, Any] = {}
+        if "socket" in extra:
+            fields["socket"] = _string(extra, "socket")
+        if "auth_token_file" in extra:
+            path = _string(extra, "auth_token_file")
+            try:
+                with open(path) as f:
+                    fields["auth_token"] = f.read().strip()
+            except OSError as e:
+                raise ConfigError(f"kv_connector_extra_config.auth_token_file: cannot read {path}: {e}") from e
+        if "mode" in extra:
+            mode = extra["mode"]
+            if mode not in MODES:
+                raise ConfigError(f"kv_connector_extra_config.mode must be one of {MODES}, not {mode!r}")
+            fields["mode"] = mode
+        amount, decode = StoreAmount("prompt"), True
+        if "store" in extra:
+            try:
+                amount = parse_store_amount(extra["store"])
+            except ValueError as e:
+                raise ConfigError(f"kv_connector_extra_config.store: {e}") from e
+        if "store_decode" in extra:
+            if not isinstance(extra["store_decode"], bool):
+                raise ConfigError(f"kv_connector_extra_config.store_decode must be true or false, not {extra['store_decode']!r}")
+            decode = extra["store_decode"]
+        fields["default_policy"] = StorePolicy(amount, decode)
+        for key, minimum in (("min_prompt_tokens", 0), ("lookup_wait_ms", 0), ("max_defer_s", 0), ("call_timeout_s", 0.1), ("connect_timeout_s", 0)):
+            if key in extra:
+                value = extra[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+                    raise ConfigError(f"kv_connector_extra_config.{key} must be a number >= {minimum}, not {value!r}")
+                fields[key] = int(value) if key == "min_prompt_tokens" else float(value)
+        return cls(**fields)
+
+    def policy_for(self, request_id: str, prompt_len: int, params: Mapping[str, Any] | None) -> StorePolicy:
+        """The request's policy: its kv_transfer_params over the configured default.
+
+        Bad values are logged and ignored, so one malformed request cannot fail.
+        """
+        policy = self.default_policy
+        if prompt_len < self.min_prompt_tokens:
+            policy = StorePolicy(StoreAmount("none"), False, policy.load)
+        if not params:
+            return policy
+        amount, decode, load = policy.amount, policy.decode, policy.load
+        if PARAM_STORE in params:
+            try:
+                amount = parse_store_amount(params[PARAM_STORE])
+            except ValueError as e:
+                log.warning("request %s: ignoring kv_transfer_params.%s: %s", request_id, PARAM_STORE, e)
+        for key in (PARAM_STORE_DECODE, PARAM_LOAD):
+            if key in params:
+                value = params[key]
+                if isinstance(value, bool):
+                    if key == PARAM_LOAD:
+                        load = value
+                    else:
+                        decode = value
+                else:
+                    log.warning("request %s: ignoring kv_transfer_params.%s: %r is not true or false", request_id, key, value)
+        return StorePolicy(amount, decode, load)
+
+
+def _string(extra: Mapping[str, Any], key: str) -> str:
+    value = extra[key]
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a non-empty string, not {value!r}")
+    return value

@@ -1,0 +1,158 @@
+"""Block keys and namespaces of a vLLM engine.
+
+vLLM's own block hashes start from a random seed unless PYTHONHASHSEED is
+set, so they differ between processes and restarts. kvdepot keys are SHA-256
+chained over explicit bytes: the token ids of each block and vLLM's per-block
+extra keys (LoRA adapter, multimodal inputs, cache salt, prompt embeddings), so
+the same prompt gives the same keys in every engine, every time.
+
+What must match for engines to share blocks at all (model, dtype, block size,
+layout, TP size) goes into the namespace, not the keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from kvdepot.defaults import KEY_BYTES
+from kvdepot.proto import kvdepot_pb2 as pb
+
+_ROOT = hashlib.sha256(b"kvdepot-vllm-v1" + b"\0" * KEY_BYTES).digest()
+
+
+def encode_extra(value: Any) -> bytes:
+    """A canonical, type-tagged encoding of vLLM's extra keys (tuples of str, bytes, int...)."""
+    if value is None:
+        return b"n"
+    if isinstance(value, bool):
+        return b"T" if value else b"F"
+    if isinstance(value, int):
+        text = str(value).encode()
+        return b"i" + struct.pack("<I", len(text)) + text
+    if isinstance(value, float):
+        return b"f" + struct.pack("<d", value)
+    if isinstance(value, str):
+        data = value.encode()
+        return b"s" + struct.pack("<I", len(data)) + data
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        return b"b" + struct.pack("<I", len(data)) + data
+    if isinstance(value, (tuple, list)):
+        return b"t" + struct.pack("<I", len(value)) + b"".join(encode_extra(v) for v in value)
+    # Anything else (a future vLLM extra-key type): its repr is stable for
+    # value types, and a change only costs cache misses, never wrong blocks.
+    data = repr(value).encode()
+    return b"r" + struct.pack("<I", len(data)) + data
+
+
+def chain_key(parent: bytes | None, token_ids: Sequence[int], extra: Any = None) -> bytes:
+    digest = hashlib.sha256(parent or _ROOT)
+    digest.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+    digest.update(encode_extra(extra))
+    return digest.digest()
+
+
+class RequestKeys:
+    """The keys of a request's whole blocks, extended as its tokens grow."""
+
+    def __init__(self, request, block_size: int):
+        self._request = request
+        self._block_size = block_size
+        self._keys: list[bytes] = []
+        self._next_mm_index = 0
+
+    def upto(self, num_blocks: int) -> list[bytes]:
+        """Keys of blocks [0, num_blocks); num_blocks must be whole blocks of the request."""
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+        request, size = self._request, self._block_size
+        if num_blocks * size > request.num_tokens:
+            raise ValueError(f"request {request.request_id} has no block {num_blocks - 1} yet")
+        tokens = request.all_token_ids
+        while len(self._keys) < num_blocks:
+            start = len(self._keys) * size
+            extra, self._next_mm_index = generate_block_hash_extra_keys(request, start, start + size, self._next_mm_index)
+            parent = self._keys[-1] if self._keys else None
+            self._keys.append(chain_key(parent, tokens[start : start + size], extra))
+        return self._keys[:num_blocks]
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One KV-cache group that kvdepot offloads."""
+
+    group_idx: int
+    kind: str  # "full", "sliding_window", "mla"
+    block_size: int
+    # Blocks a sliding-window group needs before a position: ceil(window / block).
+    window_blocks: int | None
+    layer_names: tuple[str, ...]
+    namespace: pb.NamespaceSpec
+
+
+def offloaded_groups(vllm_config, kv_cache_config) -> list[GroupInfo]:
+    """The groups to offload, each with the namespace its engines share.
+
+    Raises ValueError for a group kind kvdepot cannot offload (Mamba state,
+    cross-attention, ...), rather than offloading a model half-way.
+    """
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype == "auto":
+        cache_dtype = str(model_config.dtype).removeprefix("torch.")
+    device = vllm_config.device_config.device_type
+    groups = []
+    for idx, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            specs = list(spec.kv_cache_specs.values())
+            spec = specs[0]
+            if not all(type(s) is type(spec) and s == spec for s in specs):
+                raise ValueError(f"KV-cache group {idx} mixes layer specs; kvdepot needs uniform groups")
+        window_blocks = None
+        if isinstance(spec, MLAAttentionSpec):
+            kind = "mla"
+        elif isinstance(spec, SlidingWindowSpec):
+            kind = "sliding_window"
+            # As vLLM counts a sliding-window hit: the blocks the next token attends to.
+            window_blocks = -(-(spec.sliding_window - 1) // spec.block_size)
+        elif isinstance(spec, FullAttentionSpec):
+            kind = "full"
+        else:
+            raise ValueError(
+                f"KV-cache group {idx} is {type(spec).__name__}; kvdepot offloads full attention, "
+                "sliding-window attention and MLA only"
+            )
+        shape = f"heads={spec.num_kv_heads},head_size={spec.head_size}"
+        if kind == "sliding_window":
+            shape += f",window={spec.sliding_window}"
+        namespace = pb.NamespaceSpec(
+            model=str(model_config.model),
+            revision=str(model_config.revision or ""),
+            kv_dtype=cache_dtype,
+            block_size=spec.block_size,
+            layout=f"vllm/{device}/{kind}",
+            # Every rank of the engine holds a shard (TP) or a stage (PP): a
+            # block is ready once all of them stored theirs.
+            tp_size=parallel.world_size,
+            kv_group=idx,
+            extra=f"{shape},layers={len(group.layer_names)},tp={parallel.tensor_parallel_size},pp={parallel.pipeline_parallel_size}",
+        )
+        groups.append(GroupInfo(idx, kind, spec.block_size, window_blocks, tuple(group.layer_names), namespace))
+    if not groups:
+        raise ValueError("the model has no KV-cache group kvdepot can offload")
+    sizes = {g.block_size for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"KV-cache groups have different block sizes {sorted(sizes)}; kvdepot needs one")
+    return groups

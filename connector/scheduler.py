@@ -1,0 +1,481 @@
+"""The connector's scheduler side: lookups, load and store planning, completion bookkeeping.
+
+It never touches KV data. Each step it turns the scheduler's decisions into
+transfer jobs for the workers (`build_connector_meta`) and learns from the
+workers' answers which jobs are done (`update_connector_output`).
+
+Rules it keeps:
+- A lookup never blocks a step for long: it runs on a thread, and a request
+  whose lookup has not answered within `lookup_wait_ms` is asked again next step.
+- A hit never covers the last prompt token (vLLM must compute one for logits),
+  and counts whole blocks only.
+- Blocks this engine is loading already are not loaded twice: a request whose
+  hit overlaps an in-flight load waits for it and then finds those blocks in
+  the GPU prefix cache. Requests whose hits do not overlap are not held back.
+- A GPU block that a store job still reads is never handed to another request
+  before the workers flushed that job; a finished request keeps its blocks
+  until its stores are done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from kvdepot.client import KVDepotClient
+from kvdepot.connector.config import ConnectorConfig, StorePolicy
+from kvdepot.connector.keys import GroupInfo, RequestKeys
+from kvdepot.connector.metadata import GroupTransfer, KVDepotMetadata, KVDepotWorkerMetadata, TransferJob
+
+log = logging.getLogger("kvdepot.connector")
+
+
+@dataclass(frozen=True)
+class LookupAnswer:
+    ready_blocks: int
+    not_yet: bool
+    available: bool
+
+
+@dataclass(eq=False)
+class RequestState:
+    request: object
+    keys: RequestKeys
+    policy: StorePolicy
+    # GPU block ids of each offloaded group (same order as the groups).
+    block_ids: list[list[int]]
+    # Blocks [0, stored_upto) are in the daemon already or in a store job.
+    stored_upto: int = 0
+    # Tokens whose KV exists once the last scheduled step has run.
+    num_computed: int = 0
+    # Tokens the GPU prefix cache had at the last lookup.
+    num_local: int = 0
+    jobs: set[int] = field(default_factory=set)
+    lookup: Future | None = None
+    deferred_since: float | None = None
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class StoredRun:
+    """Blocks [start, end) of one request inside a store job, for the KV events."""
+
+    req_id: str
+    start: int
+    end: int
+    keys: list[bytes]
+    block_hashes: list
+    parent_hash: object
+    token_ids: list[int]
+    lora_name: str | None
+    lora_id: int | None
+
+
+@dataclass(eq=False)
+class JobState:
+    job: TransferJob
+    req_ids: list[str]
+    # Workers that have not reported the job yet.
+    pending: int
+    failed: bool = False
+    loading_keys: list[bytes] = field(default_factory=list)
+    runs: list[StoredRun] = field(default_factory=list)
+    fenced_blocks: list[int] = field(default_factory=list)
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, vllm_config, groups: list[GroupInfo]):
+        self.config = config
+        self.groups = groups
+        self.block_size = groups[0].block_size
+        self.num_workers = vllm_config.parallel_config.world_size
+        self.client = KVDepotClient(
+            config.socket,
+            name=f"vllm-scheduler-{os.getpid()}",
+            auth_token=config.auth_token,
+            call_timeout=config.call_timeout_s,
+        )
+        if not self.client.wait_connected(config.connect_timeout_s):
+            log.warning(
+                "kvdepotd is not answering on %s; the engine runs without offloading until it does", config.socket
+            )
+        self.engines = [self.client.register_engine(g.namespace) for g in groups]
+        self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdepot-lookup")
+        self._reqs: dict[str, RequestState] = {}
+        self._jobs: dict[int, JobState] = {}
+        self._next_job_id = 1
+        # Keys of blocks this engine is loading now -> number of loads.
+        self._loading: dict[bytes, int] = {}
+        # GPU block id -> store jobs that still read it.
+        self._fences: dict[int, set[int]] = {}
+        self._new_loads: list[TransferJob] = []
+        self._new_stores: list[TransferJob] = []
+        self._new_flush: set[int] = set()
+        self._await_stores: dict[str, list[int]] = {}
+        self._events: list = []
+        # Key -> vLLM block hash of the blocks this engine announced as stored.
+        self._stored_hashes: dict[bytes, object] = {}
+        self.counters = {"lookups": 0, "hit_tokens": 0, "deferred": 0, "loads": 0, "stores": 0, "flushed": 0}
+
+    # ------------------------------------------------------------ requests
+
+    def _state(self, request) -> RequestState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            policy = self.config.policy_for(
+                request.request_id, request.num_prompt_tokens, getattr(request, "kv_transfer_params", None)
+            )
+            st = RequestState(request, RequestKeys(request, self.block_size), policy, [[] for _ in self.groups])
+            self._reqs[request.request_id] = st
+        return st
+
+    def on_new_request(self, request) -> None:
+        self._state(request)
+
+    # ------------------------------------------------------------ lookups
+
+    def _lookup(self, keys: list[bytes]) -> LookupAnswer:
+        """Runs on the lookup thread: the leading blocks every group can serve."""
+        ready, not_yet = len(keys), False
+        for group, engine in zip(self.groups, self.engines):
+            answer = self.client.lookup(engine, keys[:ready])
+            if not answer.available:
+                return LookupAnswer(0, False, False)
+            n = answer.ready_blocks
+            not_yet |= answer.not_yet
+            if group.kind == "sliding_window" and n < ready:
+                # A sliding-window group needs only the window before the hit.
+                low = max(0, ready - group.window_blocks)
+                if low > n:
+                    window = self.client.lookup(engine, keys[low:ready])
+                    if window.available and window.ready_blocks == ready - low:
+                        n = ready
+            ready = min(ready, n)
+        return LookupAnswer(ready, not_yet, True)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        if st.jobs:
+            # Its own stores (a preemption flush) or load are still in flight.
+            return self._defer(st)
+        if not st.policy.load or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        start = num_computed_tokens // bs
+        st.num_local = num_computed_tokens
+        if start >= max_blocks:
+            return self._answer(st, 0)
+        keys = st.keys.upto(max_blocks)
+        if st.lookup is None:
+            st.lookup = self._lookup_pool.submit(self._lookup, keys)
+            self.counters["lookups"] += 1
+        try:
+            answer = st.lookup.result(timeout=self.config.lookup_wait_ms / 1000)
+        except FutureTimeout:
+            return self._defer(st)
+        except Exception:
+            log.exception("kvdepot lookup failed; computing request %s", request.request_id)
+            st.lookup = None
+            return self._answer(st, 0)
+        st.lookup = None
+        if not answer.available:
+            return self._answer(st, 0)
+        st.stored_upto = max(st.stored_upto, min(answer.ready_blocks, max_blocks))
+        hit = min(answer.ready_blocks, max_blocks)
+        if answer.not_yet and hit < max_blocks and not self._waited_too_long(st):
+            # The next blocks are being stored (by this engine or another):
+            # wait for them rather than compute them again.
+            return self._defer(st)
+        if hit <= start:
+            return self._answer(st, 0)
+        if not self._waited_too_long(st) and any(k in self._loading for k in keys[start:hit]):
+            # This engine is loading some of these blocks for another request:
+            # once that lands they are GPU prefix-cache hits, one transfer in all.
+            return self._defer(st)
+        return self._answer(st, (hit - start) * bs)
+
+    def _defer(self, st: RequestState) -> tuple[None, bool]:
+        if st.deferred_since is None:
+            st.deferred_since = time.monotonic()
+        self.counters["deferred"] += 1
+        return None, False
+
+    def _waited_too_long(self, st: RequestState) -> bool:
+        return st.deferred_since is not None and time.monotonic() - st.deferred_since > self.config.max_defer_s
+
+    def _answer(self, st: RequestState, tokens: int) -> tuple[int, bool]:
+        st.deferred_since = None
+        self.counters["hit_tokens"] += tokens
+        return tokens, tokens > 0
+
+    # ------------------------------------------------------------ loads
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        st = self._state(request)
+        bs = self.block_size
+        start = st.num_local // bs
+        end = start + num_external_tokens // bs
+        keys = st.keys.upto(end)[start:end]
+        transfers = []
+        for group in self.groups:
+            group_blocks = blocks.blocks[group.group_idx][start:end]
+            pairs = [(k, b.block_id) for k, b in zip(keys, group_blocks) if not b.is_null]
+            transfers.append(GroupTransfer(group.group_idx, [k for k, _ in pairs], [b for _, b in pairs]))
+        job = TransferJob(self._job_id(), False, transfers, request.request_id)
+        self._jobs[job.job_id] = JobState(job, [request.request_id], self.num_workers, loading_keys=keys)
+        for k in keys:
+            self._loading[k] = self._loading.get(k, 0) + 1
+        st.jobs.add(job.job_id)
+        st.stored_upto = max(st.stored_upto, end)
+        self._new_loads.append(job)
+        self.counters["loads"] += 1
+
+    def _job_id(self) -> int:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        return job_id
+
+    # ------------------------------------------------------------ each step
+
+    def build_connector_meta(self, scheduler_output) -> KVDepotMetadata:
+        new_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+        allocated: set[int] = set()
+        for req_id, group_block_ids, resumed in _scheduled_block_ids(scheduler_output):
+            st = self._reqs.get(req_id)
+            if st is None or group_block_ids is None:
+                continue
+            for pos, group in enumerate(self.groups):
+                ids = list(group_block_ids[group.group_idx])
+                if resumed or req_id in new_ids:
+                    st.block_ids[pos] = ids
+                else:
+                    st.block_ids[pos].extend(ids)
+                allocated.update(b for b in ids if b)
+
+        for req_id in scheduler_output.preempted_req_ids or ():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            if self.config.mode == "lazy":
+                job = self._store_job([st])
+                if job is not None:
+                    self._new_flush.add(job.job_id)
+            self._new_flush.update(j for j in st.jobs if self._jobs[j].job.is_store)
+            st.block_ids = [[] for _ in self.groups]
+            st.num_computed = 0
+
+        # Blocks freed and given to a request in this very step (sliding
+        # windows, and anything vLLM frees early): flush the stores reading them.
+        for block_id in allocated & self._fences.keys():
+            self._new_flush.update(self._fences[block_id])
+
+        if self.config.mode == "eager":
+            scheduled = []
+            for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+                st = self._reqs.get(req_id)
+                if st is None:
+                    continue
+                st.num_computed = st.request.num_computed_tokens + num_tokens
+                scheduled.append(st)
+            self._store_job(scheduled)
+        else:
+            for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+                st = self._reqs.get(req_id)
+                if st is not None:
+                    st.num_computed = st.request.num_computed_tokens + num_tokens
+
+        self.counters["flushed"] += len(self._new_flush)
+        meta = KVDepotMetadata(
+            loads=self._new_loads,
+            stores=self._new_stores,
+            flush=sorted(self._new_flush),
+            await_stores=self._await_stores,
+        )
+        self._new_loads, self._new_stores, self._new_flush, self._await_stores = [], [], set(), {}
+        return meta
+
+    def _store_job(self, states: Iterable[RequestState]) -> TransferJob | None:
+        """One store job for the newly computed whole blocks of these requests."""
+        bs = self.block_size
+        keys: list[list[bytes]] = [[] for _ in self.groups]
+        block_ids: list[list[int]] = [[] for _ in self.groups]
+        runs: list[StoredRun] = []
+        members: list[RequestState] = []
+        for st in states:
+            request = st.request
+            limit = st.policy.store_limit_tokens(request.num_prompt_tokens, st.num_computed)
+            end = min(st.num_computed, limit, request.num_tokens) // bs
+            end = min([end] + [len(ids) for ids in st.block_ids])
+            start = st.stored_upto
+            if end <= start:
+                continue
+            run_keys = st.keys.upto(end)[start:end]
+            for pos in range(len(self.groups)):
+                for k, b in zip(run_keys, st.block_ids[pos][start:end]):
+                    if b:
+                        keys[pos].append(k)
+                        block_ids[pos].append(b)
+            runs.append(_stored_run(request, start, end, bs, run_keys))
+            st.stored_upto = end
+            members.append(st)
+        if not members:
+            return None
+        transfers = [GroupTransfer(g.group_idx, keys[pos], block_ids[pos]) for pos, g in enumerate(self.groups)]
+        job = TransferJob(self._job_id(), True, transfers)
+        fenced = sorted({b for ids in block_ids for b in ids})
+        state = JobState(job, [st.request.request_id for st in members], self.num_workers, runs=runs, fenced_blocks=fenced)
+        self._jobs[job.job_id] = state
+        for b in fenced:
+            self._fences.setdefault(b, set()).add(job.job_id)
+        for st in members:
+            st.jobs.add(job.job_id)
+        self._new_stores.append(job)
+        self.counters["stores"] += 1
+        return job
+
+    # ------------------------------------------------------------ completion
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, KVDepotWorkerMetadata):
+            return
+        for job_id, count in meta.done.items():
+            state = self._jobs.get(job_id)
+            if state is None:
+                continue
+            state.pending -= count
+            state.failed |= meta.failed.get(job_id, 0) > 0
+            if state.pending <= 0:
+                self._job_finished(state)
+
+    def _job_finished(self, state: JobState) -> None:
+        job = state.job
+        del self._jobs[job.job_id]
+        for b in state.fenced_blocks:
+            jobs = self._fences.get(b)
+            if jobs is not None:
+                jobs.discard(job.job_id)
+                if not jobs:
+                    del self._fences[b]
+        for k in state.loading_keys:
+            left = self._loading.get(k, 0) - 1
+            if left > 0:
+                self._loading[k] = left
+            else:
+                self._loading.pop(k, None)
+        if job.is_store and not state.failed:
+            for run in state.runs:
+                self._events.append(_stored_event(run, self.block_size))
+                self._stored_hashes.update(zip(run.keys, run.block_hashes))
+        for req_id in state.req_ids:
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            st.jobs.discard(job.job_id)
+            if st.finished and not st.jobs:
+                del self._reqs[req_id]
+
+    def request_finished(self, request) -> tuple[bool, None]:
+        """True (keep the GPU blocks) while store jobs still read them."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return False, None
+        st.finished = True
+        if st.lookup is not None:
+            st.lookup.cancel()
+            st.lookup = None
+        if self.config.mode == "lazy":
+            st.num_computed = request.num_computed_tokens
+            self._store_job([st])
+        stores = sorted(j for j in st.jobs if self._jobs[j].job.is_store)
+        if stores:
+            self._await_stores[request.request_id] = stores
+            return True, None
+        if not st.jobs:
+            del self._reqs[request.request_id]
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        # Stores are submitted at the start of the next step: keep the engine
+        # stepping until every job is done, or finished requests never free.
+        return bool(self._jobs or self._new_stores or self._new_loads or self._await_stores)
+
+    def take_events(self) -> list:
+        """vLLM KV events, medium CPU: blocks this engine stored, and those the daemon dropped since."""
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
+
+        events, self._events = self._events, []
+        # Hashes are known for the blocks this engine stored; a block another
+        # engine stored was never announced by this one, so it is not retracted.
+        removed = [self._stored_hashes.pop(k) for k in self.client.take_removed(self.engines[0]) if k in self._stored_hashes]
+        if removed:
+            events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM_CPU))
+        return events
+
+    def reset_cache(self) -> bool:
+        """Drops this engine's namespaces from the daemon (every engine sharing them loses them too)."""
+        ok = True
+        for engine in self.engines:
+            if not engine.namespace_name:
+                continue
+            try:
+                self.client.clear(engine.namespace_name)
+            except Exception as e:
+                log.warning("kvdepot: clearing %s failed: %s", engine.namespace_name, e)
+                ok = False
+        return ok
+
+    def shutdown(self) -> None:
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close(timeout=5)
+
+
+def _scheduled_block_ids(scheduler_output):
+    """(req_id, new block ids per group or None, resumed) for every scheduled request."""
+    for req in scheduler_output.scheduled_new_reqs:
+        yield req.req_id, req.block_ids, False
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", set())
+    for req_id, ids in zip(cached.req_ids, cached.new_block_ids):
+        yield req_id, ids, req_id in resumed
+
+
+def _stored_run(request, start: int, end: int, block_size: int, keys: list[bytes]) -> StoredRun:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    hashes = list(request.block_hashes[start:end]) if len(request.block_hashes) >= end else []
+    parent = request.block_hashes[start - 1] if start > 0 and len(request.block_hashes) >= start else None
+    lora = request.lora_request
+    return StoredRun(
+        req_id=request.request_id,
+        start=start,
+        end=end,
+        keys=keys,
+        block_hashes=[maybe_convert_block_hash(h) for h in hashes],
+        parent_hash=maybe_convert_block_hash(parent) if parent is not None else None,
+        token_ids=list(request.all_token_ids[start * block_size : end * block_size]),
+        lora_name=lora.lora_name if lora else None,
+        lora_id=lora.lora_int_id if lora else None,
+    )
+
+
+def _stored_event(run: StoredRun, block_size: int):
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+
+    return BlockStored(
+        block_hashes=run.block_hashes,
+        parent_block_hash=run.parent_hash,
+        token_ids=run.token_ids,
+        block_size=block_size,
+        lora_id=run.lora_id,
+        medium=MEDIUM_CPU,
+        lora_name=run.lora_name,
+    )

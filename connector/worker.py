@@ -1,0 +1,234 @@
+"""The connector's worker side: registers the KV caches and runs the jobs the scheduler planned.
+
+Per step, in the order vLLM calls it:
+- `handle_preemptions` (before the step's inputs are prepared): submit the
+  stores queued last step, then submit and wait for the jobs to flush, whose
+  GPU blocks this step is about to give to other requests.
+- `start_load_kv`: submit this step's loads.
+- `wait_for_save` (after the forward pass): queue this step's stores. They are
+  submitted at the start of the next step, after the sampled tokens' copy,
+  and each waits for the compute that wrote its blocks (the client records an
+  interprocess event on the current stream at submit).
+- `get_finished` / `build_connector_worker_meta`: report finished jobs.
+
+Each job becomes one daemon job per KV-cache group. With the shared-memory
+transport (CPU engines) this process copies, in the calling thread: torch
+copies from a second thread deadlocked against vLLM's CPU worker (OpenMP)
+here. With CUDA the daemon copies on its own streams and submit returns at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from kvdepot.client import KVDepotClient
+from kvdepot.connector.config import ConnectorConfig
+from kvdepot.connector.keys import GroupInfo
+from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata, TransferJob
+from kvdepot.errors import KVDepotError
+
+log = logging.getLogger("kvdepot.connector")
+
+# Daemon job ids are the scheduler's job id times this, plus the group index.
+MAX_GROUPS = 16
+FLUSH_TIMEOUT_S = 60.0
+
+
+@dataclass(eq=False)
+class WorkerJob:
+    job: TransferJob
+    pending: set[int] = field(default_factory=set)
+    failed: bool = False
+
+
+def block_dim(tensor, num_blocks: int, name: str) -> int:
+    """The dimension that indexes blocks: of those as long as the block count, the outermost."""
+    dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
+    if not dims:
+        raise ValueError(
+            f"KV cache {name} has shape {tuple(tensor.shape)}: no dimension of {num_blocks} blocks "
+            "(kernel block splitting is not supported by kvdepot)"
+        )
+    return max(dims, key=lambda d: tensor.stride(d))
+
+
+def world_rank(vllm_config) -> int:
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return get_world_group().rank_in_group
+    except Exception:  # no distributed state: a single in-process worker
+        return vllm_config.parallel_config.rank
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, vllm_config, kv_cache_config, groups: list[GroupInfo]):
+        if len(groups) > MAX_GROUPS or max(g.group_idx for g in groups) >= MAX_GROUPS:
+            raise ValueError(f"kvdepot handles at most {MAX_GROUPS} KV-cache groups")
+        self.config = config
+        self.groups = groups
+        self.num_blocks = kv_cache_config.num_blocks
+        self.rank = world_rank(vllm_config)
+        self.client = KVDepotClient(
+            config.socket,
+            name=f"vllm-worker-{self.rank}-{os.getpid()}",
+            auth_token=config.auth_token,
+            call_timeout=config.call_timeout_s,
+        )
+        if not self.client.wait_connected(config.connect_timeout_s):
+            log.warning(
+                "kvdepotd is not answering on %s; the engine runs without offloading until it does", config.socket
+            )
+        self.workers: dict[int, object] = {}
+        self._unsubmitted: list[TransferJob] = []
+        self._inflight: dict[int, WorkerJob] = {}
+        self._daemon_jobs: dict[int, int] = {}
+        self._awaiting: dict[str, set[int]] = {}
+        self._step_meta: KVDepotMetadata | None = None
+        self._report = KVDepotWorkerMetadata()
+        self._finished_loads: set[str] = set()
+        self._failed_loads: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        for group in self.groups:
+            tensors, dims, names, seen = [], [], [], set()
+            for name in group.layer_names:
+                tensor = kv_caches[name]
+                # Layers that share another layer's cache appear twice.
+                ident = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+                if ident in seen:
+                    continue
+                seen.add(ident)
+                tensors.append(tensor)
+                dims.append(block_dim(tensor, self.num_blocks, name))
+                names.append(name)
+            self.workers[group.group_idx] = self.client.register_worker(
+                group.namespace, rank=self.rank, tensors=tensors, block_dim=dims, names=names
+            )
+
+    # ------------------------------------------------------------ each step
+
+    def _begin_step(self, meta: KVDepotMetadata) -> None:
+        """Once per step, whichever hook comes first: submit last step's stores."""
+        if self._step_meta is meta:
+            return
+        self._step_meta = meta
+        flush = set(meta.flush)
+        queued, self._unsubmitted = self._unsubmitted, []
+        for job in queued:
+            self._submit(job)
+        for job in meta.stores:
+            if job.job_id in flush:
+                self._submit(job)
+        for req_id, job_ids in meta.await_stores.items():
+            self._awaiting[req_id] = set(job_ids)
+        if flush:
+            self._flush(flush)
+
+    def handle_preemptions(self, meta: KVDepotMetadata) -> None:
+        self._begin_step(meta)
+
+    def start_load_kv(self, meta: KVDepotMetadata) -> None:
+        self._begin_step(meta)
+        for job in meta.loads:
+            self._submit(job)
+
+    def wait_for_save(self, meta: KVDepotMetadata) -> None:
+        self._begin_step(meta)
+        flush = set(meta.flush)
+        self._unsubmitted.extend(job for job in meta.stores if job.job_id not in flush)
+
+    def _submit(self, job: TransferJob) -> None:
+        state = WorkerJob(job)
+        self._inflight[job.job_id] = state
+        for transfer in job.groups:
+            if not transfer.keys:
+                continue
+            daemon_id = job.job_id * MAX_GROUPS + transfer.group_idx
+            worker = self.workers[transfer.group_idx]
+            begin = self.client.begin_store if job.is_store else self.client.begin_load
+            try:
+                handle = begin(worker, daemon_id, transfer.keys, transfer.block_ids)
+            except KVDepotError as e:
+                log.warning("kvdepot refused %s job %d: %s", "store" if job.is_store else "load", job.job_id, e)
+                state.failed = True
+                continue
+            self._daemon_jobs[daemon_id] = job.job_id
+            state.pending.add(daemon_id)
+            if not handle.done:
+                _run(handle)
+        if not state.pending:
+            self._job_done(state)
+
+    def _flush(self, job_ids: set[int]) -> None:
+        daemon_ids = [d for j in job_ids if j in self._inflight for d in self._inflight[j].pending]
+        if not daemon_ids:
+            return
+        try:
+            results = self.client.wait(daemon_ids, timeout=FLUSH_TIMEOUT_S)
+        except TimeoutError as e:
+            log.error("kvdepot: preemption flush timed out (%s); the blocks are reused anyway", e)
+            return
+        self._collect(results.values())
+
+    def _collect(self, results) -> None:
+        for result in results:
+            job_id = self._daemon_jobs.pop(result.job_id, None)
+            state = self._inflight.get(job_id) if job_id is not None else None
+            if state is None:
+                continue
+            state.pending.discard(result.job_id)
+            if not result.ok:
+                state.failed = True
+                log.debug("kvdepot job %d failed: %s", job_id, result.error)
+            if not state.pending:
+                self._job_done(state)
+
+    def _job_done(self, state: WorkerJob) -> None:
+        job = state.job
+        del self._inflight[job.job_id]
+        self._report.done[job.job_id] = 1
+        if state.failed:
+            self._report.failed[job.job_id] = 1
+        if not job.is_store:
+            self._finished_loads.add(job.req_id)
+            if state.failed:
+                self._failed_loads.add(job.req_id)
+                self._load_errors.update(b for t in job.groups for b in t.block_ids)
+
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(stores done of finished requests, loads done, loads failed) since the last call."""
+        self._collect(self.client.take_finished())
+        open_jobs = set(self._inflight) | {j.job_id for j in self._unsubmitted}
+        sending = {req_id for req_id, jobs in self._awaiting.items() if not jobs & open_jobs}
+        for req_id in sending:
+            del self._awaiting[req_id]
+        recving, self._finished_loads = self._finished_loads, set()
+        failed, self._failed_loads = self._failed_loads, set()
+        return sending, recving, failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> KVDepotWorkerMetadata | None:
+        if not self._report.done:
+            return None
+        report, self._report = self._report, KVDepotWorkerMetadata()
+        return report
+
+    def shutdown(self) -> None:
+        queued, self._unsubmitted = self._unsubmitted, []
+        for job in queued:
+            self._submit(job)
+        self.client.close(timeout=30)
+
+
+def _run(transfer) -> None:
+    try:
+        transfer.run()
+    except Exception:
+        log.exception("kvdepot copy failed")

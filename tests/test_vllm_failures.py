@@ -1,0 +1,135 @@
+"""The engine keeps serving when kvdepot fails: failed loads are recomputed, a dead or
+restarted daemon means no offloading (logged once), never an error, and it comes back."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from conftest import wait_until
+from vllm_engine import BLOCK, DAEMON_OPTIONS, make_engine, prompt
+
+from kvdepot.client import KVDepotClient
+
+pytestmark = pytest.mark.vllm
+
+
+def stats(daemon):
+    with KVDepotClient(daemon.socket, name="test-stats") as client:
+        return client.connect(10).stats().totals
+
+
+def scheduled_computed(engine, req_id):
+    """Steps (without computing) until `req_id` is scheduled; its computed tokens at that point."""
+    for _ in range(100):
+        so = engine.step(compute=False).scheduler_output
+        for req in so.scheduled_new_reqs:
+            if req.req_id == req_id:
+                return req.num_computed_tokens
+    raise AssertionError(f"{req_id} never scheduled")
+
+
+def test_a_load_that_fails_is_recomputed(start_daemon):
+    daemon = start_daemon(**DAEMON_OPTIONS)
+    engine = make_engine(daemon)
+    try:
+        tokens = prompt(70, 80)
+        engine.add("a", tokens, max_tokens=1)
+        engine.run()
+        engine.reset_gpu_cache()
+        engine.add("b", tokens, max_tokens=1)
+        planned = engine.scheduler.schedule()
+        assert [job.req_id for job in planned.kv_connector_metadata.loads] == ["b"]
+        # The blocks vanish between the lookup and the load.
+        with KVDepotClient(daemon.socket, name="operator") as operator:
+            assert operator.connect(10).clear("").cleared_blocks == 5  # 80 tokens: 5 whole blocks
+        kv_output, _ = engine.worker.execute_model(planned, compute=False)
+        assert kv_output.failed_recving == {"b"}
+        assert len(engine.worker.connector.get_block_ids_with_load_errors() | kv_output.invalid_block_ids) == 4
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        engine.scheduler.update_from_output(planned, ModelRunnerOutput.with_kv_conn_output_only(kv_output))
+        # vLLM computes the whole prompt instead, and the request completes.
+        assert scheduled_computed(engine, "b") == 0
+        engine.run()
+    finally:
+        engine.close()
+
+
+def test_daemon_killed_mid_run_then_restarted(start_daemon, caplog):
+    caplog.set_level(logging.WARNING, logger="kvdepot.client")
+    daemon = start_daemon(**DAEMON_OPTIONS)
+    engine = make_engine(daemon, {"call_timeout_s": 2})
+    try:
+        engine.add("a", prompt(80, 40), max_tokens=30)
+        engine.add("b", prompt(81, 40), max_tokens=30)
+        for _ in range(5):
+            engine.step()
+        daemon.kill()
+        for i in range(10):
+            engine.add(f"late{i}", prompt(90 + i, 50), max_tokens=2)
+        engine.run()  # everything finishes: no offloading, no error
+        gone = [r for r in caplog.records if "not available" in r.getMessage()]
+        # Once per client (the scheduler's and the worker's), not once per step.
+        assert 1 <= len(gone) <= 2
+
+        daemon.start()
+        wait_until(lambda: engine.side.client.connected and engine.worker.connector._worker.client.connected,
+                   what="both clients reconnected")
+        engine.add("after", prompt(99, 70), max_tokens=1)
+        engine.run()
+        assert stats(daemon).stored_blocks == 4
+    finally:
+        engine.close()
+
+
+def test_engine_starts_without_the_daemon_and_attaches_later(start_daemon, tmp_path):
+    daemon = start_daemon(wait=False, **DAEMON_OPTIONS)
+    daemon.kill()
+    engine = make_engine(daemon, {"connect_timeout_s": 0.2})
+    try:
+        engine.add("early", prompt(100, 70), max_tokens=1)
+        engine.run()
+        daemon.start()
+        wait_until(lambda: engine.worker.connector._worker.client.connected, what="the worker attached")
+        wait_until(lambda: engine.side.client.connected, what="the scheduler attached")
+        engine.add("later", prompt(101, 70), max_tokens=1)
+        engine.run()
+        assert stats(daemon).stored_blocks == 4
+    finally:
+        engine.close()
+
+
+def test_engines_of_another_namespace_share_nothing(start_daemon):
+    daemon = start_daemon(**DAEMON_OPTIONS)
+    first = make_engine(daemon)
+    other = make_engine(daemon, block_size=32)
+    try:
+        tokens = prompt(110, 100)
+        first.add("a", tokens, max_tokens=1)
+        first.run()
+        other.add("b", tokens, max_tokens=1)
+        assert scheduled_computed(other, "b") == 0
+        other.run()
+    finally:
+        first.close()
+        other.close()
+
+
+@pytest.mark.parametrize("groups", ["hybrid", "mla"])
+def test_hybrid_and_mla_round_trip(start_daemon, groups):
+    daemon = start_daemon(pool_size="8MiB", slot_size="64KiB")
+    engine = make_engine(daemon, groups=groups)
+    try:
+        tokens = prompt(120, 100)  # 6 whole blocks
+        engine.add("a", tokens, max_tokens=1)
+        engine.run()
+        engine.reset_gpu_cache()
+        engine.add("b", tokens, max_tokens=1)
+        assert scheduled_computed(engine, "b") == 6 * BLOCK
+        # Every layer's blocks the request holds are the stored bytes (the
+        # sliding-window layers hold only the window; the rest are null blocks).
+        assert engine.worker.check_request_tokens("b", 0, 6 * BLOCK) == []
+        engine.run()
+    finally:
+        engine.close()

@@ -1,0 +1,291 @@
+"""KVDepotConnector inside vLLM's real Scheduler, with a real daemon, steps driven by the test.
+
+The worker side runs the connector's worker hooks against real CPU KV tensors
+(tests/vllm_harness.py); "compute" writes a known value per (layer, token,
+position), so a block that comes back from kvdepot can be checked bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from vllm_engine import BLOCK, DAEMON_OPTIONS, make_engine, prompt
+
+from kvdepot.client import KVDepotClient
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def daemon(start_daemon):
+    return start_daemon(**DAEMON_OPTIONS)
+
+
+@pytest.fixture
+def engines(daemon):
+    made = []
+
+    def make(extra=None, **options):
+        engine = make_engine(daemon, extra, **options)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def totals(daemon):
+    with KVDepotClient(daemon.socket, name="test-stats") as client:
+        return client.connect(10).stats().totals
+
+
+def first_scheduled(engine, req_id, max_steps=100):
+    """Steps without computing until `req_id` is scheduled; returns that step's scheduler output."""
+    for _ in range(max_steps):
+        result = engine.step(compute=False)
+        if req_id in result.scheduled:
+            return result.scheduler_output
+        time.sleep(0.01)  # a real step takes milliseconds; let a pending lookup answer
+    raise AssertionError(f"{req_id} was never scheduled")
+
+
+def computed_before(scheduler_output, req_id):
+    for req in scheduler_output.scheduled_new_reqs:
+        if req.req_id == req_id:
+            return req.num_computed_tokens
+    cached = scheduler_output.scheduled_cached_reqs
+    return cached.num_computed_tokens[cached.req_ids.index(req_id)]
+
+
+def test_store_then_load_exact_blocks_and_bytes(engines, daemon):
+    engine = engines()
+    tokens = prompt(1, 70)  # 4 whole blocks and 6 tokens
+    engine.add("a", tokens, max_tokens=2)
+    engine.run()
+    # Whole blocks only: 71 tokens have KV (70 + one decode), 4 blocks.
+    assert totals(daemon).stored_blocks == 4
+
+    engine.reset_gpu_cache()
+    engine.add("b", tokens, max_tokens=2)
+    out = first_scheduled(engine, "b")
+    assert computed_before(out, "b") == 4 * BLOCK
+    assert totals(daemon).loaded_blocks == 4
+    assert engine.worker.check_request_tokens("b", 0, 4 * BLOCK) == []
+    engine.run()
+
+
+def test_partial_hit_never_covers_last_token_and_keys_chain(engines, daemon):
+    engine = engines()
+    base = prompt(2, 64)
+    engine.add("a", base + prompt(3, 20), max_tokens=1)
+    engine.run()
+    engine.reset_gpu_cache()
+
+    # Same first 40 tokens: 2 whole blocks shared.
+    engine.add("partial", base[:40] + prompt(4, 30), max_tokens=1)
+    assert computed_before(first_scheduled(engine, "partial"), "partial") == 2 * BLOCK
+    engine.run()
+    engine.reset_gpu_cache()
+
+    # Exactly 4 stored blocks long: the last token must be computed, so 3 blocks.
+    engine.add("exact", base, max_tokens=1)
+    assert computed_before(first_scheduled(engine, "exact"), "exact") == 3 * BLOCK
+    engine.run()
+    engine.reset_gpu_cache()
+
+    # Differs only in its last token: every earlier whole block is shared.
+    changed = base + prompt(3, 20)
+    changed[-1] = (changed[-1] + 1) % 500 + 3
+    engine.add("last", changed, max_tokens=1)
+    assert computed_before(first_scheduled(engine, "last"), "last") == 5 * BLOCK
+    engine.run()
+
+
+def test_load_starts_after_gpu_prefix_hit(engines, daemon):
+    engine = engines()
+    tokens = prompt(5, 100)  # 6 whole blocks
+    engine.add("a", tokens, max_tokens=1)
+    engine.run()
+    engine.reset_gpu_cache()
+    engine.add("short", tokens[:40], max_tokens=1)  # puts 2 blocks back in the GPU cache
+    engine.run()
+    loaded = totals(daemon).loaded_blocks
+    assert loaded == 2
+
+    engine.add("b", tokens, max_tokens=1)
+    out = first_scheduled(engine, "b")
+    assert computed_before(out, "b") == 6 * BLOCK
+    assert totals(daemon).loaded_blocks - loaded == 4  # blocks 2..5 only
+    engine.run()
+
+
+def test_pending_lookup_answers_not_yet(engines, daemon):
+    engine = engines({"lookup_wait_ms": 0})
+    tokens = prompt(12, 80)
+    engine.add("a", tokens, max_tokens=1)
+    engine.run()
+    engine.reset_gpu_cache()
+    engine.add("b", tokens, max_tokens=1)
+    first = engine.step(compute=False)
+    # The lookup runs on a thread; the step did not wait for it.
+    assert "b" not in first.scheduled
+    out = first_scheduled(engine, "b")
+    assert computed_before(out, "b") == 4 * BLOCK
+    engine.run()
+
+
+def test_concurrent_same_prefix_loads_once(engines, daemon):
+    engine = engines()
+    tokens = prompt(6, 80)
+    engine.add("a", tokens, max_tokens=1)
+    engine.run()
+    engine.reset_gpu_cache()
+
+    engine.add("r1", tokens, max_tokens=1)
+    engine.add("r2", tokens, max_tokens=1)
+    engine.run()
+    stats = totals(daemon)
+    assert stats.loaded_blocks == 4  # one transfer, not two
+    assert engine.side.counters["deferred"] >= 1
+
+
+def test_disjoint_prefixes_load_in_the_same_step(engines, daemon):
+    engine = engines()
+    first, second = prompt(7, 80), prompt(8, 80)
+    engine.add("a", first, max_tokens=1)
+    engine.add("b", second, max_tokens=1)
+    engine.run()
+    engine.reset_gpu_cache()
+
+    engine.add("ra", first, max_tokens=1)
+    engine.add("rb", second, max_tokens=1)
+    out = engine.scheduler.schedule()
+    meta = out.kv_connector_metadata
+    assert sorted(job.req_id for job in meta.loads) == ["ra", "rb"]
+    assert engine.side.counters["deferred"] == 0
+    kv_out, order = engine.worker.execute_model(out, compute=False)
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    engine.scheduler.update_from_output(out, ModelRunnerOutput.with_kv_conn_output_only(kv_out))
+    engine.run()
+    assert totals(daemon).loaded_blocks == 8
+
+
+def test_abort_during_load_keeps_blocks_until_done(engines, daemon):
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    import vllm_harness as h
+
+    engine = engines()
+    tokens = prompt(9, 80)
+    engine.add("a", tokens, max_tokens=1)
+    engine.run()
+    engine.reset_gpu_cache()
+
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    engine.add("r", tokens, max_tokens=1)
+    out = engine.scheduler.schedule()
+    assert [job.req_id for job in out.kv_connector_metadata.loads] == ["r"]
+    h.abort(engine.scheduler, "r")
+    # The load has not run yet: its destination blocks stay allocated.
+    assert pool.get_num_free_blocks() < free_before
+    kv_out, _ = engine.worker.execute_model(out, compute=False)
+    assert kv_out.finished_recving == {"r"}
+    engine.scheduler.update_from_output(out, ModelRunnerOutput.with_kv_conn_output_only(kv_out))
+    engine.run()
+    assert pool.get_num_free_blocks() == free_before
+
+
+def test_preemption_flushes_stores_and_resumes_from_them(engines, daemon):
+    # 10 GPU blocks; two requests that grow past what fits force a preemption.
+    engine = engines(num_blocks=10, max_num_seqs=2)
+    engine.add("p0", prompt(10, 60), max_tokens=40)
+    engine.add("p1", prompt(11, 60), max_tokens=40)
+    flushed_jobs, preempted = [], set()
+    for _ in range(300):
+        if not engine.scheduler.has_requests() and not engine.side.has_pending_push_work():
+            break
+        result = engine.step()
+        meta = result.scheduler_output.kv_connector_metadata
+        if result.preempted_req_ids:
+            preempted |= result.preempted_req_ids
+            flushed_jobs += meta.flush
+    assert preempted, "the test needs a preemption"
+    assert flushed_jobs, "the preempted request's stores were not flushed"
+    stats = totals(daemon)
+    # The resumed request loaded (some of) what was flushed, rather than recomputing it all.
+    assert stats.loaded_blocks > 0
+    assert stats.failed_jobs == 0
+
+
+def test_selective_offload(engines, daemon):
+    engine = engines({"min_prompt_tokens": 20})
+    engine.add("none", prompt(20, 70), max_tokens=1, kv_transfer_params={"kvdepot_store": "none"})
+    engine.add("tokens", prompt(21, 70), max_tokens=1, kv_transfer_params={"kvdepot_store": 40})
+    engine.add("half", prompt(22, 70), max_tokens=1, kv_transfer_params={"kvdepot_store": 0.5})
+    engine.add("short", prompt(23, 19), max_tokens=1)
+    engine.add("bad", prompt(24, 70), max_tokens=1, kv_transfer_params={"kvdepot_store": "lots"})
+    engine.run()
+    # none: 0; 40 tokens: 2 blocks; half of 70: 35 tokens, 2 blocks; short: 0
+    # (below min_prompt_tokens); a bad value falls back to the whole prompt: 4.
+    assert totals(daemon).stored_blocks == 0 + 2 + 2 + 0 + 4
+
+
+def test_decode_tokens_stored_only_when_asked(engines, daemon):
+    engine = engines()
+    engine.add("decode", prompt(30, 40), max_tokens=30)  # 70 tokens of KV: 4 blocks
+    engine.add("nodecode", prompt(31, 40), max_tokens=30, kv_transfer_params={"kvdepot_store_decode": False})
+    engine.run()
+    assert totals(daemon).stored_blocks == 4 + 2
+
+
+def test_lazy_mode_stores_at_finish(engines, daemon):
+    engine = engines({"mode": "lazy"})
+    engine.add("a", prompt(40, 70), max_tokens=5)
+    engine.step()
+    engine.step()
+    assert totals(daemon).stored_blocks == 0
+    engine.run()
+    assert totals(daemon).stored_blocks == 4
+
+
+class RecordingPublisher:
+    """Stands in for vLLM's ZMQ event publisher: keeps what the Scheduler publishes."""
+
+    def __init__(self):
+        self.events = []
+
+    def publish(self, batch):
+        self.events.extend(batch.events)
+
+    def shutdown(self):
+        pass
+
+
+def test_store_events_and_removal_events(engines, daemon):
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    engine = engines()
+    publisher = engine.scheduler.kv_event_publisher = RecordingPublisher()
+    request = engine.add("a", prompt(50, 70), max_tokens=1)
+    engine.run()
+    stored = [e for e in publisher.events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    # The hashes vLLM gives the same blocks in its own (GPU) events, so a router can match them.
+    expected = [maybe_convert_block_hash(h) for h in request.block_hashes[:4]]
+    assert [h for e in stored for h in e.block_hashes] == expected
+    assert all(e.block_size == BLOCK for e in stored)
+
+    with KVDepotClient(daemon.socket, name="operator") as operator:
+        operator.connect(10).clear("")
+    # The daemon tells the engine over its session stream; the next step publishes it.
+    deadline = time.monotonic() + 10
+    removed = []
+    while time.monotonic() < deadline and not removed:
+        engine.step()
+        removed = [e for e in publisher.events if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+        time.sleep(0.05)
+    assert removed and sorted(removed[0].block_hashes) == sorted(expected)

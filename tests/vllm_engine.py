@@ -1,0 +1,79 @@
+"""A scheduler + worker pair running KVDepotConnector against a real daemon, for the vLLM tests."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import vllm_harness as h
+
+BLOCK = 16
+# The tiny model's block: 2 layers x 2 KV heads x 16 tokens x (64 K + 64 V) float32.
+DAEMON_OPTIONS = {"pool_size": "8MiB", "slot_size": "64KiB"}
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(length)]  # 2 is EOS
+
+
+@dataclass
+class Engine:
+    config: object
+    kv_cache_config: object
+    scheduler: object
+    worker: h.WorkerSide
+
+    @property
+    def side(self):
+        """The connector's scheduler side (its bookkeeping)."""
+        return self.scheduler.connector._scheduler
+
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 3, **kw):
+        request = h.make_request(req_id, tokens, max_tokens=max_tokens, vllm_config=self.config, **kw)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, **kw) -> h.StepResult:
+        return h.step(self.scheduler, self.worker, **kw)
+
+    def run(self, max_steps: int = 200, **kw) -> list[h.StepResult]:
+        """Steps until every request finished and every transfer is done."""
+        results = []
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests() and not self.side.has_pending_push_work():
+                return results
+            result = self.step(**kw)
+            if not result.scheduled:
+                # A real step takes milliseconds, and the connector's lookup
+                # thread gets the GIL meanwhile; an empty one here takes none.
+                time.sleep(0.002)
+            results.append(result)
+        raise AssertionError(f"not done after {max_steps} steps")
+
+    def reset_gpu_cache(self) -> None:
+        """Forget the GPU prefix cache and zero the KV tensors: what is found next comes from kvdepot."""
+        assert self.scheduler.reset_prefix_cache()
+        for tensor in self.worker.kv_caches.values():
+            tensor.zero_()
+
+    def close(self) -> None:
+        self.worker.close()
+        self.scheduler.connector.shutdown()
+
+
+def make_engine(daemon, extra: dict | None = None, *, num_blocks: int = 64, groups: str = "full", **options) -> Engine:
+    config = h.make_vllm_config(
+        "kvdepot.connector",
+        "KVDepotConnector",
+        # Lookups answer within the step unless a test says otherwise.
+        {"socket": daemon.socket, "lookup_wait_ms": 5000, **(extra or {})},
+        num_gpu_blocks=num_blocks,
+        kv_load_failure_policy="recompute",
+        **options,
+    )
+    kv_cache_config = h.make_kv_cache_config(config, num_blocks=num_blocks, groups=groups)
+    scheduler = h.make_scheduler(config, kv_cache_config)
+    worker = h.WorkerSide(config, kv_cache_config)
+    return Engine(config, kv_cache_config, scheduler, worker)
