@@ -11,6 +11,7 @@ each worker (role WORKER); each delegates to its side. Load it out of tree:
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -25,6 +26,8 @@ from kvdepot.connector.config import ConnectorConfig
 from kvdepot.connector.keys import offloaded_groups
 from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata
 
+log = logging.getLogger("kvdepot.connector")
+
 
 # SupportsHMA: full-attention plus sliding-window models are stored per group
 # (offloaded_groups refuses Mamba and other group kinds at start-up).
@@ -37,6 +40,15 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from kvdepot.connector.scheduler import SchedulerSide
+
+            # A cache can always be recomputed: a block that fails to load
+            # (evicted meanwhile, daemon gone) must not fail the request, which
+            # is what vLLM's default "fail" policy, made for P/D hand-offs, does.
+            # The Scheduler reads the policy after creating its connector.
+            transfer = self._kv_transfer_config
+            if transfer.kv_load_failure_policy != "recompute":
+                log.info("kvdepot: kv_load_failure_policy %r -> 'recompute'", transfer.kv_load_failure_policy)
+                transfer.kv_load_failure_policy = "recompute"
 
             self._scheduler = SchedulerSide(config, vllm_config, groups)
         else:

@@ -37,7 +37,9 @@ log = logging.getLogger("kvdepot.connector")
 
 @dataclass(frozen=True)
 class LookupAnswer:
-    ready_blocks: int
+    # The block the lookup started from, and the first one it could not serve.
+    start: int
+    hit_blocks: int
     not_yet: bool
     available: bool
 
@@ -57,6 +59,7 @@ class RequestState:
     num_local: int = 0
     jobs: set[int] = field(default_factory=set)
     lookup: Future | None = None
+    lookup_start: int = 0
     deferred_since: float | None = None
     finished: bool = False
 
@@ -139,24 +142,30 @@ class SchedulerSide:
 
     # ------------------------------------------------------------ lookups
 
-    def _lookup(self, keys: list[bytes]) -> LookupAnswer:
-        """Runs on the lookup thread: the leading blocks every group can serve."""
-        ready, not_yet = len(keys), False
+    def _lookup(self, keys: list[bytes], start: int) -> LookupAnswer:
+        """Runs on the lookup thread: how far past `start` every group can serve.
+
+        Keys are chained, so asking from `start` (the GPU prefix-cache hit) is
+        exact and skips blocks the GPU has anyway.
+        """
+        hit, not_yet = len(keys), False
         for group, engine in zip(self.groups, self.engines):
-            answer = self.client.lookup(engine, keys[:ready])
+            if hit <= start:
+                break
+            if group.kind == "sliding_window":
+                # It needs only the blocks of the window before the hit.
+                low = max(start, hit - group.window_blocks)
+                window = self.client.lookup(engine, keys[low:hit])
+                if not window.available:
+                    return LookupAnswer(start, 0, False, False)
+                if window.ready_blocks == hit - low:
+                    continue
+            answer = self.client.lookup(engine, keys[start:hit])
             if not answer.available:
-                return LookupAnswer(0, False, False)
-            n = answer.ready_blocks
+                return LookupAnswer(start, 0, False, False)
             not_yet |= answer.not_yet
-            if group.kind == "sliding_window" and n < ready:
-                # A sliding-window group needs only the window before the hit.
-                low = max(0, ready - group.window_blocks)
-                if low > n:
-                    window = self.client.lookup(engine, keys[low:ready])
-                    if window.available and window.ready_blocks == ready - low:
-                        n = ready
-            ready = min(ready, n)
-        return LookupAnswer(ready, not_yet, True)
+            hit = start + answer.ready_blocks
+        return LookupAnswer(start, max(hit, start), not_yet, True)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
@@ -172,8 +181,11 @@ class SchedulerSide:
         if start >= max_blocks:
             return self._answer(st, 0)
         keys = st.keys.upto(max_blocks)
+        if st.lookup is not None and st.lookup.done() and st.lookup_start > start:
+            st.lookup = None  # asked from further on than the GPU cache now reaches
         if st.lookup is None:
-            st.lookup = self._lookup_pool.submit(self._lookup, keys)
+            st.lookup = self._lookup_pool.submit(self._lookup, keys, start)
+            st.lookup_start = start
             self.counters["lookups"] += 1
         try:
             answer = st.lookup.result(timeout=self.config.lookup_wait_ms / 1000)
@@ -184,10 +196,11 @@ class SchedulerSide:
             st.lookup = None
             return self._answer(st, 0)
         st.lookup = None
-        if not answer.available:
+        if not answer.available or answer.start > start:
             return self._answer(st, 0)
-        st.stored_upto = max(st.stored_upto, min(answer.ready_blocks, max_blocks))
-        hit = min(answer.ready_blocks, max_blocks)
+        hit = min(answer.hit_blocks, max_blocks)
+        if answer.start == 0:
+            st.stored_upto = max(st.stored_upto, hit)
         if answer.not_yet and hit < max_blocks and not self._waited_too_long(st):
             # The next blocks are being stored (by this engine or another):
             # wait for them rather than compute them again.

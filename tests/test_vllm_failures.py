@@ -31,8 +31,10 @@ def scheduled_computed(engine, req_id):
 
 def test_a_load_that_fails_is_recomputed(start_daemon):
     daemon = start_daemon(**DAEMON_OPTIONS)
-    engine = make_engine(daemon)
+    engine = make_engine(daemon)  # vLLM's default kv_load_failure_policy, "fail"
     try:
+        # A cache miss must never fail a request: the connector asks for recompute.
+        assert engine.scheduler.recompute_kv_load_failures
         tokens = prompt(70, 80)
         engine.add("a", tokens, max_tokens=1)
         engine.run()

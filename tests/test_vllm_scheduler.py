@@ -151,6 +151,30 @@ def test_concurrent_same_prefix_loads_once(engines, daemon):
     assert engine.side.counters["deferred"] >= 1
 
 
+def test_blocks_another_engine_is_storing_are_waited_for_not_recomputed(engines, daemon):
+    writer, reader = engines(), engines()
+    tokens = prompt(13, 80)
+    writer.add("w", tokens, max_tokens=1)
+    writer.step()  # prefill: its store job is queued in the worker, to go at the next step
+    side = writer.worker.connector._worker
+    (job,) = side._unsubmitted
+    (group,) = job.groups
+    # Submit it by hand and hold the copy: the daemon sees a store in flight.
+    transfer = side.client.begin_store(side.workers[0], 990_001, group.keys, group.block_ids)
+
+    reader.add("r", tokens, max_tokens=1)
+    for _ in range(5):
+        assert "r" not in reader.step(compute=False).scheduled
+        time.sleep(0.01)
+    assert reader.side.counters["deferred"] >= 5
+    transfer.run()
+    assert computed_before(first_scheduled(reader, "r"), "r") == 4 * BLOCK
+    assert reader.worker.check_request_tokens("r", 0, 4 * BLOCK) == []
+    assert totals(daemon).loaded_blocks == 4
+    reader.run()
+    writer.run()
+
+
 def test_disjoint_prefixes_load_in_the_same_step(engines, daemon):
     engine = engines()
     first, second = prompt(7, 80), prompt(8, 80)

@@ -70,7 +70,6 @@ def make_engine(daemon, extra: dict | None = None, *, num_blocks: int = 64, grou
         # Lookups answer within the step unless a test says otherwise.
         {"socket": daemon.socket, "lookup_wait_ms": 5000, **(extra or {})},
         num_gpu_blocks=num_blocks,
-        kv_load_failure_policy="recompute",
         **options,
     )
     kv_cache_config = h.make_kv_cache_config(config, num_blocks=num_blocks, groups=groups)

@@ -1,0 +1,162 @@
+"""End to end with real vLLM (CPU build): LLM() and the OpenAI server with KVDepotConnector.
+
+Each vLLM run is a subprocess (tests/vllm_generate.py), one at a time. Greedy
+output with the connector must be token for token the output without it, and
+the daemon's counters show where the KV came from.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import REPO, subprocess_env
+from vllm_generate import kvdepot_kv_transfer_config, make_prompts, openai_server_argv, vllm_env
+
+import vllm_harness as h
+from kvdepot.client import KVDepotClient
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+GENERATE = str(REPO / "tests" / "vllm_generate.py")
+# Blocks of the tiny model at vLLM's CPU block size (32 tokens): 2 layers x 32 KiB.
+DAEMON_OPTIONS = {"pool_size": "64MiB", "slot_size": "64KiB"}
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return h.make_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.json"
+    # 4 prompts of 200 tokens, the first 64 shared: 6 whole blocks each.
+    path.write_text(json.dumps(make_prompts(4, 200, seed=7, shared_prefix=64)))
+    return path
+
+
+def generate(model, prompts, workdir: Path, *options: str, timeout: float = 600) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / "out.json"
+    argv = [sys.executable, GENERATE, "--model", model, "--prompts", str(prompts), "--out", str(out)]
+    argv += ["--max-tokens", str(MAX_TOKENS), *options]
+    env = vllm_env(workdir, base=subprocess_env())
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    (workdir / "vllm.log").write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, f"vLLM run failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def with_kvdepot(daemon) -> list[str]:
+    return ["--kv-transfer-config", json.dumps(kvdepot_kv_transfer_config(socket=daemon.socket))]
+
+
+def totals(daemon):
+    with KVDepotClient(daemon.socket, name="test-stats") as client:
+        return client.connect(10).stats().totals
+
+
+@pytest.fixture(scope="module")
+def baseline(model, prompts, tmp_path_factory):
+    """The outputs without any connector."""
+    return generate(model, prompts, tmp_path_factory.mktemp("baseline"))["rounds"][0]["outputs"]
+
+
+def test_second_round_after_reset_loads_from_kvdepot(model, prompts, baseline, start_daemon, tmp_path):
+    daemon = start_daemon(**DAEMON_OPTIONS)
+    result = generate(model, prompts, tmp_path / "run", "--repeat-after-reset", *with_kvdepot(daemon))
+    first, second = result["rounds"]
+    assert first["outputs"] == baseline
+    assert second["outputs"] == baseline
+    # Round 2 found its prompts in kvdepot, not in vLLM's reset prefix cache:
+    # 6 whole blocks of each 200-token prompt.
+    assert second["num_cached_tokens"] == [192] * 4
+    stats = totals(daemon)
+    assert stats.loaded_blocks >= 4 * 6 - 2 * 3  # the shared 2 blocks may come from the GPU cache
+    assert stats.hit_blocks > 0
+
+
+def test_a_new_engine_process_gets_the_blocks_of_one_that_exited(model, prompts, baseline, start_daemon, tmp_path):
+    daemon = start_daemon(**DAEMON_OPTIONS)
+    first = generate(model, prompts, tmp_path / "first", *with_kvdepot(daemon))
+    assert first["rounds"][0]["outputs"] == baseline
+    loaded_before = totals(daemon).loaded_blocks
+    second = generate(model, prompts, tmp_path / "second", *with_kvdepot(daemon))
+    assert second["rounds"][0]["outputs"] == baseline
+    assert second["rounds"][0]["num_cached_tokens"] == [192] * 4
+    assert totals(daemon).loaded_blocks > loaded_before
+
+
+def test_killing_the_daemon_mid_run_changes_no_output(model, prompts, baseline, start_daemon, tmp_path):
+    daemon = start_daemon(**DAEMON_OPTIONS)
+    pid_file = tmp_path / "daemon.pid"
+    pid_file.write_text(str(daemon.proc.pid))
+    result = generate(
+        model, prompts, tmp_path / "run", "--repeat-after-reset", "--kill-pid-file", str(pid_file),
+        "--kill-after-requests", "5", *with_kvdepot(daemon),
+    )  # fmt: skip
+    assert result["killed_pid"] == daemon.proc.pid
+    first, second = result["rounds"]
+    assert first["outputs"] == baseline and second["outputs"] == baseline
+    # Request 5 (round 2's first) was served from kvdepot; after the kill,
+    # the others were computed.
+    assert second["num_cached_tokens"][0] == 192
+    assert daemon.proc.wait(10) != 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_server_serves_completions_through_the_connector(model, start_daemon, tmp_path):
+    daemon = start_daemon(**DAEMON_OPTIONS)
+    port = free_port()
+    argv = openai_server_argv(model, port, kvdepot_kv_transfer_config(socket=daemon.socket))
+    log = open(tmp_path / "server.log", "wb")
+    server = subprocess.Popen(argv, env=vllm_env(tmp_path, base=subprocess_env()), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.5)
+        body = {"model": model, "prompt": make_prompts(1, 150, seed=3)[0], "max_tokens": 8, "temperature": 0}
+        answers = []
+        for _ in range(2):
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=120) as r:
+                assert r.status == 200
+                answers.append(json.loads(r.read())["choices"][0]["text"])
+        assert answers[0] == answers[1]
+        # 150 tokens: 4 whole blocks of 32 went to kvdepot.
+        deadline = time.monotonic() + 30
+        while totals(daemon).stored_blocks < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert totals(daemon).stored_blocks >= 4
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
