@@ -11,6 +11,7 @@ typed errors of kvdepot.errors.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import random
@@ -96,6 +97,41 @@ class WorkerHandle:
     @property
     def copies_itself(self) -> bool:
         return self.copier is not None
+
+
+class PendingLookup:
+    """A lookup in flight (KVDepotClient.lookup_async)."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def result(self, timeout: float | None = None) -> LookupResult:
+        """The answer; `available=False` when the daemon could not answer."""
+        if self._future is None:
+            return LookupResult(0, available=False)
+        try:
+            response = self._future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError("the lookup has not answered yet") from None
+        except concurrent.futures.CancelledError:
+            return LookupResult(0, available=False)
+        except grpc.RpcError as e:
+            if e.code() not in _GONE and e.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning("lookup failed: %s", from_rpc_error(e))
+            return LookupResult(0, available=False)
+        return LookupResult(
+            ready_blocks=response.ready_blocks,
+            not_yet=response.status == pb.LookupResponse.NOT_YET,
+            loading_blocks=response.loading_blocks,
+            storing_blocks=response.storing_blocks,
+        )
+
+    def cancel(self) -> None:
+        if self._future is not None:
+            self._future.cancel()
 
 
 @dataclass
@@ -193,6 +229,7 @@ class KVDepotClient:
         self._closing = threading.Event()
         self._copies_running = 0
         self._stream_call = None
+        self._lookups = None  # AsyncLookups, started by the first lookup_async
         self._said_gone = False
         self.reconnects = 0
         self._thread = threading.Thread(target=self._stream_loop, name="kvdepot-client", daemon=True)
@@ -229,6 +266,8 @@ class KVDepotClient:
         if call is not None:
             call.cancel()
         self._thread.join(timeout=5)
+        if self._lookups is not None:
+            self._lookups.close()
 
     def __enter__(self) -> "KVDepotClient":
         return self
@@ -492,6 +531,19 @@ class KVDepotClient:
         with self._lock:
             removed, engine.removed = engine.removed, []
             return removed
+
+    def lookup_async(self, engine: EngineHandle, keys: Sequence[bytes]) -> "PendingLookup":
+        """Starts a lookup and returns at once (see aio_lookup.py)."""
+        connection, engine_id = self._connection, engine.engine_id
+        if connection is None or engine_id is None:
+            return PendingLookup(None)
+        with self._lock:
+            if self._lookups is None:
+                from kvdepot.client.aio_lookup import AsyncLookups
+
+                self._lookups = AsyncLookups(self.target, self._metadata, self.call_timeout)
+            lookups = self._lookups
+        return PendingLookup(lookups.submit(connection.session_id, engine_id, keys))
 
     # ------------------------------------------------------------ jobs
 

@@ -25,6 +25,12 @@ PARAM_LOAD = "kvdepot_load"
 
 MODES = ("eager", "lazy")
 
+# Every key of kv_connector_extra_config (the README documents each).
+EXTRA_CONFIG_KEYS = (
+    "socket", "auth_token_file", "mode", "store", "store_decode", "min_prompt_tokens",
+    "lookup_wait_ms", "max_defer_s", "call_timeout_s", "connect_timeout_s",
+)  # fmt: skip
+
 
 class ConfigError(ValueError):
     """A bad `kv_connector_extra_config` value; the message names the key."""
@@ -98,7 +104,7 @@ class ConnectorConfig:
     # Requests with a shorter prompt store nothing by default.
     min_prompt_tokens: int = 0
     # How long the scheduler waits for a lookup before answering "not yet".
-    lookup_wait_ms: float = 1.0
+    lookup_wait_ms: float = 0.0
     # After this long, a request stops waiting for a load or store of blocks it
     # shares (it loads what is ready, and computes the rest).
     max_defer_s: float = 5.0
@@ -111,14 +117,11 @@ class ConnectorConfig:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
         extra = dict(extra or {})
-        known = {
-            "socket", "auth_token_file", "mode", "store", "store_decode", "min_prompt_tokens",
-            "lookup_wait_ms", "max_defer_s", "call_timeout_s", "connect_timeout_s",
-        }  # fmt: skip
-        unknown = sorted(set(extra) - known)
+        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
         if unknown:
             raise ConfigError(
-                f"kv_connector_extra_config: unknown key(s) {unknown} for KVDepotConnector; known: {sorted(known)}"
+                f"kv_connector_extra_config: unknown key(s) {unknown} for KVDepotConnector; "
+                f"known: {list(EXTRA_CONFIG_KEYS)}"
             )
         fields: dict[str, Any] = {}
         if "socket" in extra:

@@ -56,12 +56,27 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._worker = WorkerSide(config, vllm_config, kv_cache_config, groups)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        # vLLM 0.33 asks this when enable_sleep_mode is set (the base class says
+        # True). The daemon holds this worker's KV-cache registration (CUDA IPC
+        # handles, or the CPU tensors' addresses), which sleep frees and wake-up
+        # remaps, and there is no unregister_kv_caches/restore_kv_caches here:
+        # refuse at config time rather than copy into stale memory. 0.32 never
+        # calls it.
+        return False
+
     @property
     def requires_kv_delivery(self) -> bool:
         # A cache: a dropped store is a later miss, not lost data.
         return False
 
     # ------------------------------------------------------------ scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        # Store jobs read a request's block ids from it when they are needed.
+        self._scheduler.kv_cache_manager = kv_cache_manager
 
     def on_new_request(self, request) -> None:
         self._scheduler.on_new_request(request)

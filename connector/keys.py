@@ -63,21 +63,40 @@ class RequestKeys:
         self._block_size = block_size
         self._keys: list[bytes] = []
         self._next_mm_index = 0
+        # Most requests have no extra keys at all; they skip vLLM's per-block scan.
+        self._plain = not (
+            request.lora_request
+            or getattr(request, "mm_features", None)
+            or getattr(request, "prompt_embeds", None) is not None
+        )
 
     def upto(self, num_blocks: int) -> list[bytes]:
         """Keys of blocks [0, num_blocks); num_blocks must be whole blocks of the request."""
+        self.extend(num_blocks)
+        return self._keys[:num_blocks]
+
+    def range(self, start: int, end: int) -> list[bytes]:
+        self.extend(end)
+        return self._keys[start:end]
+
+    def extend(self, num_blocks: int) -> None:
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-        request, size = self._request, self._block_size
+        request, size, keys = self._request, self._block_size, self._keys
+        if len(keys) >= num_blocks:
+            return
         if num_blocks * size > request.num_tokens:
             raise ValueError(f"request {request.request_id} has no block {num_blocks - 1} yet")
         tokens = request.all_token_ids
-        while len(self._keys) < num_blocks:
-            start = len(self._keys) * size
-            extra, self._next_mm_index = generate_block_hash_extra_keys(request, start, start + size, self._next_mm_index)
-            parent = self._keys[-1] if self._keys else None
-            self._keys.append(chain_key(parent, tokens[start : start + size], extra))
-        return self._keys[:num_blocks]
+        while len(keys) < num_blocks:
+            start = len(keys) * size
+            if self._plain and (start > 0 or not request.cache_salt):
+                extra = None
+            else:
+                extra, self._next_mm_index = generate_block_hash_extra_keys(
+                    request, start, start + size, self._next_mm_index
+                )
+            keys.append(chain_key(keys[-1] if keys else None, tokens[start : start + size], extra))
 
 
 @dataclass(frozen=True)

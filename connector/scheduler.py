@@ -5,8 +5,11 @@ transfer jobs for the workers (`build_connector_meta`) and learns from the
 workers' answers which jobs are done (`update_connector_output`).
 
 Rules it keeps:
-- A lookup never blocks a step for long: it runs on a thread, and a request
-  whose lookup has not answered within `lookup_wait_ms` is asked again next step.
+- A lookup never blocks a step for long: it starts when the request arrives
+  (grpc carries it on its own threads), and a request whose lookup has not
+  answered within `lookup_wait_ms` is asked again next step.
+- Per-step work is proportional to what changed: a running request costs one
+  comparison unless it completed a block this step.
 - A hit never covers the last prompt token (vLLM must compute one for logits),
   and counts whole blocks only.
 - Blocks this engine is loading already are not loaded twice: a request whose
@@ -20,10 +23,9 @@ Rules it keeps:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -45,21 +47,40 @@ class LookupAnswer:
 
 
 @dataclass(eq=False)
+class Lookup:
+    """A lookup in flight: one call per group, then maybe one per sliding-window group."""
+
+    start: int
+    end: int
+    calls: list  # (group position, PendingLookup)
+    started: float
+    # Second phase: the full-attention hit, waiting for sliding-window groups'
+    # windows below it; their own leading counts as the fallback.
+    hit: int | None = None
+    not_yet: bool = False
+    fallback: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
 class RequestState:
     request: object
     keys: RequestKeys
     policy: StorePolicy
-    # GPU block ids of each offloaded group (same order as the groups).
+    # Whole blocks the policy lets this request store; None: no limit.
+    limit_blocks: int | None
+    # GPU block ids of each offloaded group, kept only where the KV-cache
+    # manager cannot tell them later (lazy mode, sliding windows).
     block_ids: list[list[int]]
     # Blocks [0, stored_upto) are in the daemon already or in a store job.
     stored_upto: int = 0
+    # Tokens computed when the next block can be stored (inf: nothing more).
+    next_store_at: float = 0
     # Tokens whose KV exists once the last scheduled step has run.
     num_computed: int = 0
     # Tokens the GPU prefix cache had at the last lookup.
     num_local: int = 0
     jobs: set[int] = field(default_factory=set)
-    lookup: Future | None = None
-    lookup_start: int = 0
+    lookup: Lookup | None = None
     deferred_since: float | None = None
     finished: bool = False
 
@@ -108,7 +129,14 @@ class SchedulerSide:
                 "kvdepotd is not answering on %s; the engine runs without offloading until it does", config.socket
             )
         self.engines = [self.client.register_engine(g.namespace) for g in groups]
-        self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdepot-lookup")
+        # Lazy stores at preemption need the blocks vLLM has just freed, and a
+        # sliding window frees blocks while its request runs: only then does
+        # this side follow each request's block ids step by step.
+        self._track_blocks = config.mode == "lazy" or any(g.kind == "sliding_window" for g in groups)
+        self._has_windows = any(g.kind == "sliding_window" for g in groups)
+        events = getattr(vllm_config, "kv_events_config", None)
+        self._events_enabled = bool(events and events.enable_kv_cache_events)
+        self.kv_cache_manager = None  # bound by the connector (bind_kv_cache_manager)
         self._reqs: dict[str, RequestState] = {}
         self._jobs: dict[int, JobState] = {}
         self._next_job_id = 1
@@ -130,42 +158,79 @@ class SchedulerSide:
     def _state(self, request) -> RequestState:
         st = self._reqs.get(request.request_id)
         if st is None:
+            bs = self.block_size
             policy = self.config.policy_for(
                 request.request_id, request.num_prompt_tokens, getattr(request, "kv_transfer_params", None)
             )
-            st = RequestState(request, RequestKeys(request, self.block_size), policy, [[] for _ in self.groups])
+            limit = policy.store_limit_tokens(request.num_prompt_tokens, math.inf)
+            limit_blocks = None if limit == math.inf else int(limit) // bs
+            st = RequestState(
+                request, RequestKeys(request, bs), policy, limit_blocks, [[] for _ in self.groups], next_store_at=bs
+            )
+            if limit_blocks == 0:
+                st.next_store_at = math.inf
             self._reqs[request.request_id] = st
         return st
 
+    def _set_stored(self, st: RequestState, blocks: int) -> None:
+        st.stored_upto = blocks
+        done = st.limit_blocks is not None and blocks >= st.limit_blocks
+        st.next_store_at = math.inf if done else (blocks + 1) * self.block_size
+
     def on_new_request(self, request) -> None:
-        self._state(request)
+        """Hashes the prompt and starts its lookup, so the answer is there by scheduling time."""
+        st = self._state(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if max_blocks > 0 and st.policy.load and not getattr(request, "skip_reading_prefix_cache", False):
+            st.lookup = self._start_lookup(st.keys.upto(max_blocks), 0)
 
     # ------------------------------------------------------------ lookups
 
-    def _lookup(self, keys: list[bytes], start: int) -> LookupAnswer:
-        """Runs on the lookup thread: how far past `start` every group can serve.
+    def _start_lookup(self, keys: list[bytes], start: int) -> Lookup:
+        """Asks every group from `start` (keys are chained, so that is exact)."""
+        self.counters["lookups"] += 1
+        calls = [(pos, self.client.lookup_async(engine, keys[start:])) for pos, engine in enumerate(self.engines)]
+        return Lookup(start, len(keys), calls, time.monotonic())
 
-        Keys are chained, so asking from `start` (the GPU prefix-cache hit) is
-        exact and skips blocks the GPU has anyway.
-        """
-        hit, not_yet = len(keys), False
-        for group, engine in zip(self.groups, self.engines):
-            if hit <= start:
-                break
-            if group.kind == "sliding_window":
-                # It needs only the blocks of the window before the hit.
-                low = max(start, hit - group.window_blocks)
-                window = self.client.lookup(engine, keys[low:hit])
-                if not window.available:
-                    return LookupAnswer(start, 0, False, False)
-                if window.ready_blocks == hit - low:
+    def _lookup_answer(self, lookup: Lookup, keys: list[bytes], wait: float) -> LookupAnswer | None:
+        """The answer once every call returned; None while one is in flight."""
+        deadline = time.monotonic() + wait
+        for _, call in lookup.calls:
+            if not call.done():
+                try:
+                    call.result(timeout=max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    return None
+        start = lookup.start
+        if lookup.hit is None:
+            hit, not_yet, short = lookup.end, False, {}
+            for pos, call in lookup.calls:
+                answer = call.result()
+                if not answer.available:
+                    return LookupAnswer(start, start, False, False)
+                n = start + answer.ready_blocks
+                if self.groups[pos].kind == "sliding_window":
+                    short[pos] = n
                     continue
-            answer = self.client.lookup(engine, keys[start:hit])
-            if not answer.available:
-                return LookupAnswer(start, 0, False, False)
-            not_yet |= answer.not_yet
-            hit = start + answer.ready_blocks
-        return LookupAnswer(start, max(hit, start), not_yet, True)
+                if n < hit:
+                    hit, not_yet = n, answer.not_yet
+            short = {pos: n for pos, n in short.items() if n < hit}
+            if not short:
+                return LookupAnswer(start, hit, not_yet, True)
+            # A sliding-window group needs only the window below the hit.
+            lookup.hit, lookup.not_yet, lookup.fallback = hit, not_yet, short
+            lookup.calls = []
+            for pos in short:
+                low = max(start, hit - self.groups[pos].window_blocks)
+                lookup.calls.append((pos, self.client.lookup_async(self.engines[pos], keys[low:hit])))
+            return self._lookup_answer(lookup, keys, max(0.0, deadline - time.monotonic()))
+        hit = lookup.hit
+        for pos, call in lookup.calls:
+            answer = call.result()
+            low = max(start, lookup.hit - self.groups[pos].window_blocks)
+            if not (answer.available and answer.ready_blocks == lookup.hit - low):
+                hit = min(hit, lookup.fallback[pos])
+        return LookupAnswer(start, hit, lookup.not_yet and hit == lookup.hit, True)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
@@ -179,35 +244,32 @@ class SchedulerSide:
         start = num_computed_tokens // bs
         st.num_local = num_computed_tokens
         if start >= max_blocks:
-            return self._answer(st, 0)
-        keys = st.keys.upto(max_blocks)
-        if st.lookup is not None and st.lookup.done() and st.lookup_start > start:
-            st.lookup = None  # asked from further on than the GPU cache now reaches
-        if st.lookup is None:
-            st.lookup = self._lookup_pool.submit(self._lookup, keys, start)
-            st.lookup_start = start
-            self.counters["lookups"] += 1
-        try:
-            answer = st.lookup.result(timeout=self.config.lookup_wait_ms / 1000)
-        except FutureTimeout:
-            return self._defer(st)
-        except Exception:
-            log.exception("kvdepot lookup failed; computing request %s", request.request_id)
             st.lookup = None
             return self._answer(st, 0)
+        keys = st.keys.upto(max_blocks)
+        lookup = st.lookup
+        if lookup is None or lookup.start > start or lookup.end > max_blocks:
+            lookup = st.lookup = self._start_lookup(keys, start)
+        answer = self._lookup_answer(lookup, keys, self.config.lookup_wait_ms / 1000)
+        if answer is None:
+            if time.monotonic() - lookup.started > self.config.max_defer_s:
+                log.warning("kvdepot lookup for %s unanswered after %.1f s; computing it", request.request_id, self.config.max_defer_s)
+                st.lookup = None
+                return self._answer(st, 0)
+            return self._defer(st)
         st.lookup = None
-        if not answer.available or answer.start > start:
+        if not answer.available:
             return self._answer(st, 0)
         hit = min(answer.hit_blocks, max_blocks)
-        if answer.start == 0:
-            st.stored_upto = max(st.stored_upto, hit)
+        if answer.start == 0 and hit > st.stored_upto:
+            self._set_stored(st, hit)
         if answer.not_yet and hit < max_blocks and not self._waited_too_long(st):
             # The next blocks are being stored (by this engine or another):
             # wait for them rather than compute them again.
             return self._defer(st)
         if hit <= start:
             return self._answer(st, 0)
-        if not self._waited_too_long(st) and any(k in self._loading for k in keys[start:hit]):
+        if self._loading and not self._waited_too_long(st) and any(k in self._loading for k in keys[start:hit]):
             # This engine is loading some of these blocks for another request:
             # once that lands they are GPU prefix-cache hits, one transfer in all.
             return self._defer(st)
@@ -236,7 +298,7 @@ class SchedulerSide:
         bs = self.block_size
         start = st.num_local // bs
         end = start + num_external_tokens // bs
-        keys = st.keys.upto(end)[start:end]
+        keys = st.keys.range(start, end)
         transfers = []
         for group in self.groups:
             group_blocks = blocks.blocks[group.group_idx][start:end]
@@ -247,7 +309,8 @@ class SchedulerSide:
         for k in keys:
             self._loading[k] = self._loading.get(k, 0) + 1
         st.jobs.add(job.job_id)
-        st.stored_upto = max(st.stored_upto, end)
+        if end > st.stored_upto:
+            self._set_stored(st, end)
         self._new_loads.append(job)
         self.counters["loads"] += 1
 
@@ -259,6 +322,54 @@ class SchedulerSide:
     # ------------------------------------------------------------ each step
 
     def build_connector_meta(self, scheduler_output) -> KVDepotMetadata:
+        if self.kv_cache_manager is None and not self._track_blocks:
+            # A vLLM that does not bind its KV-cache manager to connectors.
+            self._track_blocks = True
+        if self._track_blocks:
+            self._track_block_ids(scheduler_output)
+
+        for req_id in scheduler_output.preempted_req_ids or ():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            if self.config.mode == "lazy":
+                job = self._store_job([(st, st.num_computed)])
+                if job is not None:
+                    self._new_flush.add(job.job_id)
+            self._new_flush.update(j for j in st.jobs if self._jobs[j].job.is_store)
+            st.block_ids = [[] for _ in self.groups]
+            st.num_computed = 0
+
+        reqs = self._reqs
+        if self.config.mode == "eager":
+            # A request costs one comparison here unless it completed a block.
+            ready = []
+            for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+                st = reqs.get(req_id)
+                if st is not None:
+                    computed = st.request.num_computed_tokens + num_tokens
+                    if computed >= st.next_store_at:
+                        ready.append((st, computed))
+            if ready:
+                self._store_job(ready)
+        else:
+            for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+                st = reqs.get(req_id)
+                if st is not None:
+                    st.num_computed = st.request.num_computed_tokens + num_tokens
+
+        if self._new_flush:
+            self.counters["flushed"] += len(self._new_flush)
+        meta = KVDepotMetadata(
+            loads=self._new_loads,
+            stores=self._new_stores,
+            flush=sorted(self._new_flush),
+            await_stores=self._await_stores,
+        )
+        self._new_loads, self._new_stores, self._new_flush, self._await_stores = [], [], set(), {}
+        return meta
+
+    def _track_block_ids(self, scheduler_output) -> None:
         new_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
         allocated: set[int] = set()
         for req_id, group_block_ids, resumed in _scheduled_block_ids(scheduler_output):
@@ -272,82 +383,57 @@ class SchedulerSide:
                 else:
                     st.block_ids[pos].extend(ids)
                 allocated.update(b for b in ids if b)
+        if self._has_windows:
+            # Blocks a sliding window freed and vLLM gave to a request in this
+            # very step: flush the stores that still read them.
+            for block_id in allocated & self._fences.keys():
+                self._new_flush.update(self._fences[block_id])
 
-        for req_id in scheduler_output.preempted_req_ids or ():
-            st = self._reqs.get(req_id)
-            if st is None:
-                continue
-            if self.config.mode == "lazy":
-                job = self._store_job([st])
-                if job is not None:
-                    self._new_flush.add(job.job_id)
-            self._new_flush.update(j for j in st.jobs if self._jobs[j].job.is_store)
-            st.block_ids = [[] for _ in self.groups]
-            st.num_computed = 0
+    def _block_ids_of(self, st: RequestState) -> list[list[int]]:
+        if self._track_blocks or self.kv_cache_manager is None:
+            return st.block_ids
+        ids = self.kv_cache_manager.get_block_ids(st.request.request_id)
+        return [ids[g.group_idx] for g in self.groups]
 
-        # Blocks freed and given to a request in this very step (sliding
-        # windows, and anything vLLM frees early): flush the stores reading them.
-        for block_id in allocated & self._fences.keys():
-            self._new_flush.update(self._fences[block_id])
-
-        if self.config.mode == "eager":
-            scheduled = []
-            for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-                st = self._reqs.get(req_id)
-                if st is None:
-                    continue
-                st.num_computed = st.request.num_computed_tokens + num_tokens
-                scheduled.append(st)
-            self._store_job(scheduled)
-        else:
-            for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-                st = self._reqs.get(req_id)
-                if st is not None:
-                    st.num_computed = st.request.num_computed_tokens + num_tokens
-
-        self.counters["flushed"] += len(self._new_flush)
-        meta = KVDepotMetadata(
-            loads=self._new_loads,
-            stores=self._new_stores,
-            flush=sorted(self._new_flush),
-            await_stores=self._await_stores,
-        )
-        self._new_loads, self._new_stores, self._new_flush, self._await_stores = [], [], set(), {}
-        return meta
-
-    def _store_job(self, states: Iterable[RequestState]) -> TransferJob | None:
+    def _store_job(self, ready: Iterable[tuple[RequestState, int]]) -> TransferJob | None:
         """One store job for the newly computed whole blocks of these requests."""
         bs = self.block_size
         keys: list[list[bytes]] = [[] for _ in self.groups]
         block_ids: list[list[int]] = [[] for _ in self.groups]
         runs: list[StoredRun] = []
         members: list[RequestState] = []
-        for st in states:
+        for st, computed in ready:
             request = st.request
-            limit = st.policy.store_limit_tokens(request.num_prompt_tokens, st.num_computed)
-            end = min(st.num_computed, limit, request.num_tokens) // bs
-            end = min([end] + [len(ids) for ids in st.block_ids])
+            end = min(computed, request.num_tokens) // bs
+            if st.limit_blocks is not None:
+                end = min(end, st.limit_blocks)
             start = st.stored_upto
             if end <= start:
                 continue
-            run_keys = st.keys.upto(end)[start:end]
-            for pos in range(len(self.groups)):
-                for k, b in zip(run_keys, st.block_ids[pos][start:end]):
+            group_ids = self._block_ids_of(st)
+            end = min([end] + [len(ids) for ids in group_ids])
+            if end <= start:
+                continue
+            run_keys = st.keys.range(start, end)
+            for pos, ids in enumerate(group_ids):
+                for k, b in zip(run_keys, ids[start:end]):
                     if b:
                         keys[pos].append(k)
                         block_ids[pos].append(b)
-            runs.append(_stored_run(request, start, end, bs, run_keys))
-            st.stored_upto = end
+            if self._events_enabled:
+                runs.append(_stored_run(request, start, end, bs, run_keys))
+            self._set_stored(st, end)
             members.append(st)
         if not members:
             return None
         transfers = [GroupTransfer(g.group_idx, keys[pos], block_ids[pos]) for pos, g in enumerate(self.groups)]
         job = TransferJob(self._job_id(), True, transfers)
-        fenced = sorted({b for ids in block_ids for b in ids})
-        state = JobState(job, [st.request.request_id for st in members], self.num_workers, runs=runs, fenced_blocks=fenced)
+        state = JobState(job, [st.request.request_id for st in members], self.num_workers, runs=runs)
+        if self._has_windows:
+            state.fenced_blocks = sorted({b for ids in block_ids for b in ids})
+            for b in state.fenced_blocks:
+                self._fences.setdefault(b, set()).add(job.job_id)
         self._jobs[job.job_id] = state
-        for b in fenced:
-            self._fences.setdefault(b, set()).add(job.job_id)
         for st in members:
             st.jobs.add(job.job_id)
         self._new_stores.append(job)
@@ -403,11 +489,11 @@ class SchedulerSide:
             return False, None
         st.finished = True
         if st.lookup is not None:
-            st.lookup.cancel()
+            for _, call in st.lookup.calls:
+                call.cancel()
             st.lookup = None
         if self.config.mode == "lazy":
-            st.num_computed = request.num_computed_tokens
-            self._store_job([st])
+            self._store_job([(st, request.num_computed_tokens)])
         stores = sorted(j for j in st.jobs if self._jobs[j].job.is_store)
         if stores:
             self._await_stores[request.request_id] = stores
@@ -425,6 +511,8 @@ class SchedulerSide:
         """vLLM KV events, medium CPU: blocks this engine stored, and those the daemon dropped since."""
         from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
 
+        if not self._events_enabled:
+            return []
         events, self._events = self._events, []
         # Hashes are known for the blocks this engine stored; a block another
         # engine stored was never announced by this one, so it is not retracted.
@@ -447,7 +535,6 @@ class SchedulerSide:
         return ok
 
     def shutdown(self) -> None:
-        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self.client.close(timeout=5)
 
 

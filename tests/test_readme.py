@@ -14,6 +14,16 @@ def test_readme_documents_every_daemon_option():
         assert f"`{option.flag}`" in readme, f"README.md does not document {option.flag}"
 
 
+def test_readme_documents_every_connector_setting():
+    from kvdepot.connector.config import EXTRA_CONFIG_KEYS, PARAM_LOAD, PARAM_STORE, PARAM_STORE_DECODE
+
+    readme = (REPO / "README.md").read_text()
+    for key in EXTRA_CONFIG_KEYS:
+        assert f"| `{key}` |" in readme, f"README.md does not document the connector setting {key}"
+    for param in (PARAM_STORE, PARAM_STORE_DECODE, PARAM_LOAD):
+        assert f'"{param}"' in readme, f"README.md does not document the request parameter {param}"
+
+
 def test_readme_set_up_commands_are_make_targets_and_ci_runs_the_test_one():
     readme = (REPO / "README.md").read_text()
     makefile = (REPO / "Makefile").read_text()

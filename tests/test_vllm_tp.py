@@ -30,8 +30,10 @@ def tp_engine(start_daemon):
         {"socket": daemon.socket, "lookup_wait_ms": 5000},
         num_gpu_blocks=64,
         tp_size=2,
-        kv_load_failure_policy="recompute",
     )
+    from vllm.config import KVEventsConfig
+
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     kv_cache_config = h.make_kv_cache_config(config, num_blocks=64)
     scheduler = h.make_scheduler(config, kv_cache_config)
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -58,7 +60,11 @@ def model_output(scheduler_output, workers, kv_outputs, order):
     from vllm.v1.outputs import ModelRunnerOutput
 
     if scheduler_output.total_num_scheduled_tokens == 0:
-        return [ModelRunnerOutput.with_kv_conn_output_only(kv) for kv in kv_outputs]
+        # Copies: for an empty KV output vLLM returns its module-level
+        # EMPTY_MODEL_RUNNER_OUTPUT, and KVOutputAggregator.aggregate assigns the
+        # aggregated kv_connector_output onto outputs[0]; without the copy that
+        # output (finished_sending={"c"}) leaks into every later test's empty step.
+        return [copy.copy(ModelRunnerOutput.with_kv_conn_output_only(kv)) for kv in kv_outputs]
     sampled = []
     for req_id in order:
         if workers[0].wants_sample(scheduler_output, req_id):

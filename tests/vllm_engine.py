@@ -63,7 +63,9 @@ class Engine:
         self.scheduler.connector.shutdown()
 
 
-def make_engine(daemon, extra: dict | None = None, *, num_blocks: int = 64, groups: str = "full", **options) -> Engine:
+def make_engine(
+    daemon, extra: dict | None = None, *, num_blocks: int = 64, groups: str = "full", kv_events: bool = False, **options
+) -> Engine:
     config = h.make_vllm_config(
         "kvdepot.connector",
         "KVDepotConnector",
@@ -72,6 +74,11 @@ def make_engine(daemon, extra: dict | None = None, *, num_blocks: int = 64, grou
         num_gpu_blocks=num_blocks,
         **options,
     )
+    if kv_events:
+        from vllm.config import KVEventsConfig
+
+        # Events on, published nowhere: a test puts its own recorder in.
+        config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     kv_cache_config = h.make_kv_cache_config(config, num_blocks=num_blocks, groups=groups)
     scheduler = h.make_scheduler(config, kv_cache_config)
     worker = h.WorkerSide(config, kv_cache_config)

@@ -430,13 +430,20 @@ def make_kv_cache_config(
     """
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_utils import (
-        _get_kv_cache_bytes_per_block,
-        get_kv_cache_config_from_groups,
-        get_kv_cache_groups,
-        resolve_cache_hit_alignment_tokens,
-        resolve_kv_cache_block_sizes,
-    )
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
+
+    try:  # vLLM 0.33 moved the KV-cache planning out of kv_cache_utils
+        from vllm.v1.core.kv_cache_planning import (
+            _get_kv_cache_bytes_per_block,
+            get_kv_cache_config_from_groups,
+            get_kv_cache_groups,
+        )
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import (
+            _get_kv_cache_bytes_per_block,
+            get_kv_cache_config_from_groups,
+            get_kv_cache_groups,
+        )
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 
     cache_config = vllm_config.cache_config
