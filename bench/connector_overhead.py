@@ -503,7 +503,7 @@ def main() -> int:
     ap.add_argument("--pool-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                     help="where the daemon's pool file goes (a temp folder is made inside; default /dev/shm)")
     ap.add_argument("--connector-config", default="{}", metavar="JSON",
-                    help='more kv_connector_extra_config for KVDepotConnector, e.g. \'{"lookup_wait_ms": 0}\'')
+                    help='more kv_connector_extra_config for KVDepotConnector, e.g. \'{"mode": "lazy"}\'')
     ap.add_argument("--json", nargs="?", const="-", metavar="PATH", help="also write JSON (to stdout with no PATH)")
     args = ap.parse_args()
     counts = [int(x) for x in args.running.split(",") if x.strip()]

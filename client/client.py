@@ -11,7 +11,6 @@ typed errors of kvdepot.errors.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import random
@@ -65,8 +64,12 @@ class EngineHandle:
     namespace: pb.NamespaceSpec
     engine_id: int | None = None
     namespace_name: str = ""
-    # Keys of ready blocks the daemon removed (evicted or cleared) since the
-    # last take_removed().
+    # The namespace's ready and storing keys, as the daemon reports them
+    # (BlocksChanged): cached_lookup() answers from them without a call.
+    ready: set = field(default_factory=set)
+    storing: set = field(default_factory=set)
+    # Keys that were ready and are gone (evicted, cleared, daemon lost) since
+    # the last take_removed().
     removed: list = field(default_factory=list)
 
     @property
@@ -97,41 +100,6 @@ class WorkerHandle:
     @property
     def copies_itself(self) -> bool:
         return self.copier is not None
-
-
-class PendingLookup:
-    """A lookup in flight (KVDepotClient.lookup_async)."""
-
-    def __init__(self, future):
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future is None or self._future.done()
-
-    def result(self, timeout: float | None = None) -> LookupResult:
-        """The answer; `available=False` when the daemon could not answer."""
-        if self._future is None:
-            return LookupResult(0, available=False)
-        try:
-            response = self._future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError("the lookup has not answered yet") from None
-        except concurrent.futures.CancelledError:
-            return LookupResult(0, available=False)
-        except grpc.RpcError as e:
-            if e.code() not in _GONE and e.code() != grpc.StatusCode.NOT_FOUND:
-                log.warning("lookup failed: %s", from_rpc_error(e))
-            return LookupResult(0, available=False)
-        return LookupResult(
-            ready_blocks=response.ready_blocks,
-            not_yet=response.status == pb.LookupResponse.NOT_YET,
-            loading_blocks=response.loading_blocks,
-            storing_blocks=response.storing_blocks,
-        )
-
-    def cancel(self) -> None:
-        if self._future is not None:
-            self._future.cancel()
 
 
 @dataclass
@@ -229,7 +197,9 @@ class KVDepotClient:
         self._closing = threading.Event()
         self._copies_running = 0
         self._stream_call = None
-        self._lookups = None  # AsyncLookups, started by the first lookup_async
+        # BlocksChanged for an engine whose RegisterEngine answer is still on
+        # its way, by (session, engine id).
+        self._early_changes: dict[tuple[str, int], list] = {}
         self._said_gone = False
         self.reconnects = 0
         self._thread = threading.Thread(target=self._stream_loop, name="kvdepot-client", daemon=True)
@@ -266,8 +236,6 @@ class KVDepotClient:
         if call is not None:
             call.cancel()
         self._thread.join(timeout=5)
-        if self._lookups is not None:
-            self._lookups.close()
 
     def __enter__(self) -> "KVDepotClient":
         return self
@@ -308,8 +276,8 @@ class KVDepotClient:
                     if kind == "job_done":
                         done = notification.job_done
                         self._finish(done.job_id, done.ok, done.error)
-                    elif kind == "blocks_removed":
-                        self._note_removed(notification.blocks_removed)
+                    elif kind == "blocks_changed":
+                        self._note_changes(notification.blocks_changed)
             except grpc.RpcError as e:
                 reason = f"{e.code().name}: {e.details()}"
                 if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
@@ -351,8 +319,12 @@ class KVDepotClient:
         with self._changed:
             was_connected = self._connection is not None
             self._connection = None
+            self._early_changes.clear()
             for engine in self._engines:
                 engine.engine_id = None
+                # The daemon's blocks are unknown until it sends them again.
+                engine.removed.extend(engine.ready)
+                engine.ready, engine.storing = set(), set()
             for worker in self._workers:
                 worker.worker_id = None
             pending = list(self._pending)
@@ -432,8 +404,12 @@ class KVDepotClient:
             "RegisterEngine",
             pb.RegisterEngineRequest(session_id=connection.session_id, namespace=engine.namespace),
         )
-        engine.engine_id = response.engine_id
-        engine.namespace_name = response.namespace_name
+        with self._lock:
+            engine.engine_id = response.engine_id
+            engine.namespace_name = response.namespace_name
+            # The namespace's snapshot may have come in before this response.
+            for message in self._early_changes.pop((connection.session_id, response.engine_id), []):
+                self._apply_changes(engine, message)
 
     def register_worker(
         self,
@@ -520,30 +496,70 @@ class KVDepotClient:
             storing_blocks=response.storing_blocks,
         )
 
-    def _note_removed(self, message: pb.BlocksRemoved) -> None:
+    def _note_changes(self, message: pb.BlocksChanged) -> None:
         with self._lock:
-            for engine in self._engines:
-                if engine.engine_id == message.engine_id:
-                    engine.removed.extend(message.keys)
+            engine = next((e for e in self._engines if e.engine_id == message.engine_id), None)
+            if engine is None:
+                connection = self._connection
+                session = connection.session_id if connection else ""
+                self._early_changes.setdefault((session, message.engine_id), []).append(message)
+                return
+            self._apply_changes(engine, message)
+
+    @staticmethod
+    def _apply_changes(engine: EngineHandle, message: pb.BlocksChanged) -> None:
+        ready, storing = engine.ready, engine.storing
+        for key in message.storing:
+            storing.add(key)
+        for key in message.ready:
+            storing.discard(key)
+            ready.add(key)
+        for key in message.dropped:
+            storing.discard(key)
+            if key in ready:
+                ready.remove(key)
+                engine.removed.append(key)
+
+    def cached_lookup(self, engine: EngineHandle, keys: Sequence[bytes], start: int = 0) -> LookupResult:
+        """Lookup answered from the engine's copy of the namespace: no call, no wait.
+
+        Leading ready keys from `start`; not_yet when the next one is being
+        stored. The copy lags the daemon by a notification: a block it calls
+        ready may be gone by the time it is loaded (the load then fails).
+        """
+        if self._connection is None or engine.engine_id is None:
+            return LookupResult(0, available=False)
+        ready = engine.ready
+        n = start
+        end = len(keys)
+        while n < end and keys[n] in ready:
+            n += 1
+        not_yet = n < end and keys[n] in engine.storing
+        return LookupResult(ready_blocks=n - start, not_yet=not_yet)
+
+    def report_lookups(self, engine: EngineHandle, lookups: int, hit_blocks: int, miss_blocks: int) -> bool:
+        """Adds cached lookups to the daemon's stats; False when it could not be told."""
+        connection, engine_id = self._connection, engine.engine_id
+        if connection is None or engine_id is None:
+            return False
+        request = pb.ReportLookupsRequest(
+            session_id=connection.session_id,
+            engine_id=engine_id,
+            lookups=lookups,
+            hit_blocks=hit_blocks,
+            miss_blocks=miss_blocks,
+        )
+        try:
+            self._call(connection, "ReportLookups", request)
+        except KVDepotError:
+            return False
+        return True
 
     def take_removed(self, engine: EngineHandle) -> list[bytes]:
         """Keys of the engine's namespace that the daemon evicted or cleared since the last call."""
         with self._lock:
             removed, engine.removed = engine.removed, []
             return removed
-
-    def lookup_async(self, engine: EngineHandle, keys: Sequence[bytes]) -> "PendingLookup":
-        """Starts a lookup and returns at once (see aio_lookup.py)."""
-        connection, engine_id = self._connection, engine.engine_id
-        if connection is None or engine_id is None:
-            return PendingLookup(None)
-        with self._lock:
-            if self._lookups is None:
-                from kvdepot.client.aio_lookup import AsyncLookups
-
-                self._lookups = AsyncLookups(self.target, self._metadata, self.call_timeout)
-            lookups = self._lookups
-        return PendingLookup(lookups.submit(connection.session_id, engine_id, keys))
 
     # ------------------------------------------------------------ jobs
 

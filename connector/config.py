@@ -28,7 +28,7 @@ MODES = ("eager", "lazy")
 # Every key of kv_connector_extra_config (the README documents each).
 EXTRA_CONFIG_KEYS = (
     "socket", "auth_token_file", "mode", "store", "store_decode", "min_prompt_tokens",
-    "lookup_wait_ms", "max_defer_s", "call_timeout_s", "connect_timeout_s",
+    "max_defer_s", "call_timeout_s", "connect_timeout_s",
 )  # fmt: skip
 
 
@@ -103,8 +103,6 @@ class ConnectorConfig:
     default_policy: StorePolicy = StorePolicy()
     # Requests with a shorter prompt store nothing by default.
     min_prompt_tokens: int = 0
-    # How long the scheduler waits for a lookup before answering "not yet".
-    lookup_wait_ms: float = 0.0
     # After this long, a request stops waiting for a load or store of blocks it
     # shares (it loads what is ready, and computes the rest).
     max_defer_s: float = 5.0
@@ -149,7 +147,7 @@ class ConnectorConfig:
                 raise ConfigError(f"kv_connector_extra_config.store_decode must be true or false, not {extra['store_decode']!r}")
             decode = extra["store_decode"]
         fields["default_policy"] = StorePolicy(amount, decode)
-        for key, minimum in (("min_prompt_tokens", 0), ("lookup_wait_ms", 0), ("max_defer_s", 0), ("call_timeout_s", 0.1), ("connect_timeout_s", 0)):
+        for key, minimum in (("min_prompt_tokens", 0), ("max_defer_s", 0), ("call_timeout_s", 0.1), ("connect_timeout_s", 0)):
             if key in extra:
                 value = extra[key]
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:

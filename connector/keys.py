@@ -48,11 +48,18 @@ def encode_extra(value: Any) -> bytes:
     return b"r" + struct.pack("<I", len(data)) + data
 
 
+_TOKEN_FORMATS: dict[int, struct.Struct] = {}
+_NO_EXTRA = encode_extra(None)
+
+
 def chain_key(parent: bytes | None, token_ids: Sequence[int], extra: Any = None) -> bytes:
-    digest = hashlib.sha256(parent or _ROOT)
-    digest.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
-    digest.update(encode_extra(extra))
-    return digest.digest()
+    """SHA-256 of the parent key, the block's token count and ids (int64 LE), and its extra keys."""
+    n = len(token_ids)
+    fmt = _TOKEN_FORMATS.get(n)
+    if fmt is None:
+        fmt = _TOKEN_FORMATS[n] = struct.Struct(f"<I{n}q")
+    tail = _NO_EXTRA if extra is None else encode_extra(extra)
+    return hashlib.sha256((parent or _ROOT) + fmt.pack(n, *token_ids) + tail).digest()
 
 
 class RequestKeys:

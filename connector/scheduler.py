@@ -5,9 +5,10 @@ transfer jobs for the workers (`build_connector_meta`) and learns from the
 workers' answers which jobs are done (`update_connector_output`).
 
 Rules it keeps:
-- A lookup never blocks a step for long: it starts when the request arrives
-  (grpc carries it on its own threads), and a request whose lookup has not
-  answered within `lookup_wait_ms` is asked again next step.
+- A lookup never waits for the daemon: the daemon keeps this process's copy
+  of each namespace's ready and storing keys up to date (BlocksChanged), and
+  lookups are answered from it; their counts reach the daemon's stats once a
+  second.
 - Per-step work is proportional to what changed: a running request costs one
   comparison unless it completed a block this step.
 - A hit never covers the last prompt token (vLLM must compute one for logits),
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -36,29 +38,7 @@ from kvdepot.connector.metadata import GroupTransfer, KVDepotMetadata, KVDepotWo
 
 log = logging.getLogger("kvdepot.connector")
 
-
-@dataclass(frozen=True)
-class LookupAnswer:
-    # The block the lookup started from, and the first one it could not serve.
-    start: int
-    hit_blocks: int
-    not_yet: bool
-    available: bool
-
-
-@dataclass(eq=False)
-class Lookup:
-    """A lookup in flight: one call per group, then maybe one per sliding-window group."""
-
-    start: int
-    end: int
-    calls: list  # (group position, PendingLookup)
-    started: float
-    # Second phase: the full-attention hit, waiting for sliding-window groups'
-    # windows below it; their own leading counts as the fallback.
-    hit: int | None = None
-    not_yet: bool = False
-    fallback: dict = field(default_factory=dict)
+REPORT_INTERVAL_S = 1.0
 
 
 @dataclass(eq=False)
@@ -80,7 +60,6 @@ class RequestState:
     # Tokens the GPU prefix cache had at the last lookup.
     num_local: int = 0
     jobs: set[int] = field(default_factory=set)
-    lookup: Lookup | None = None
     deferred_since: float | None = None
     finished: bool = False
 
@@ -137,6 +116,11 @@ class SchedulerSide:
         events = getattr(vllm_config, "kv_events_config", None)
         self._events_enabled = bool(events and events.enable_kv_cache_events)
         self.kv_cache_manager = None  # bound by the connector (bind_kv_cache_manager)
+        # Lookups are answered here; the daemon's stats learn of them once a second.
+        self._report = {"lookups": 0, "hit_blocks": 0, "miss_blocks": 0}
+        self._closing = threading.Event()
+        self._reporter = threading.Thread(target=self._report_lookups, name="kvdepot-report", daemon=True)
+        self._reporter.start()
         self._reqs: dict[str, RequestState] = {}
         self._jobs: dict[int, JobState] = {}
         self._next_job_id = 1
@@ -178,59 +162,37 @@ class SchedulerSide:
         st.next_store_at = math.inf if done else (blocks + 1) * self.block_size
 
     def on_new_request(self, request) -> None:
-        """Hashes the prompt and starts its lookup, so the answer is there by scheduling time."""
+        """Hashes the prompt now, outside the scheduling step."""
         st = self._state(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        if max_blocks > 0 and st.policy.load and not getattr(request, "skip_reading_prefix_cache", False):
-            st.lookup = self._start_lookup(st.keys.upto(max_blocks), 0)
+        if max_blocks > 0 and st.policy.load:
+            st.keys.extend(max_blocks)
 
     # ------------------------------------------------------------ lookups
 
-    def _start_lookup(self, keys: list[bytes], start: int) -> Lookup:
-        """Asks every group from `start` (keys are chained, so that is exact)."""
-        self.counters["lookups"] += 1
-        calls = [(pos, self.client.lookup_async(engine, keys[start:])) for pos, engine in enumerate(self.engines)]
-        return Lookup(start, len(keys), calls, time.monotonic())
+    def _lookup(self, keys: list[bytes], start: int) -> tuple[int, bool, bool]:
+        """(first block past `start` every group can serve, "being stored", available).
 
-    def _lookup_answer(self, lookup: Lookup, keys: list[bytes], wait: float) -> LookupAnswer | None:
-        """The answer once every call returned; None while one is in flight."""
-        deadline = time.monotonic() + wait
-        for _, call in lookup.calls:
-            if not call.done():
-                try:
-                    call.result(timeout=max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    return None
-        start = lookup.start
-        if lookup.hit is None:
-            hit, not_yet, short = lookup.end, False, {}
-            for pos, call in lookup.calls:
-                answer = call.result()
-                if not answer.available:
-                    return LookupAnswer(start, start, False, False)
-                n = start + answer.ready_blocks
-                if self.groups[pos].kind == "sliding_window":
-                    short[pos] = n
-                    continue
-                if n < hit:
-                    hit, not_yet = n, answer.not_yet
-            short = {pos: n for pos, n in short.items() if n < hit}
-            if not short:
-                return LookupAnswer(start, hit, not_yet, True)
+        Answered from the copy of each namespace that the daemon keeps this
+        process up to date with, so it costs no call and never waits.
+        """
+        hit, not_yet = len(keys), False
+        windows = []
+        for group, engine in zip(self.groups, self.engines):
+            answer = self.client.cached_lookup(engine, keys[:hit], start)
+            if not answer.available:
+                return start, False, False
+            if group.kind == "sliding_window":
+                windows.append((group, engine, start + answer.ready_blocks))
+                continue
+            if start + answer.ready_blocks < hit or answer.not_yet:
+                hit, not_yet = start + answer.ready_blocks, answer.not_yet
+        for group, engine, leading in windows:
             # A sliding-window group needs only the window below the hit.
-            lookup.hit, lookup.not_yet, lookup.fallback = hit, not_yet, short
-            lookup.calls = []
-            for pos in short:
-                low = max(start, hit - self.groups[pos].window_blocks)
-                lookup.calls.append((pos, self.client.lookup_async(self.engines[pos], keys[low:hit])))
-            return self._lookup_answer(lookup, keys, max(0.0, deadline - time.monotonic()))
-        hit = lookup.hit
-        for pos, call in lookup.calls:
-            answer = call.result()
-            low = max(start, lookup.hit - self.groups[pos].window_blocks)
-            if not (answer.available and answer.ready_blocks == lookup.hit - low):
-                hit = min(hit, lookup.fallback[pos])
-        return LookupAnswer(start, hit, lookup.not_yet and hit == lookup.hit, True)
+            low = max(start, hit - group.window_blocks)
+            if leading < hit and not all(k in engine.ready for k in keys[low:hit]):
+                hit, not_yet = leading, False
+        return hit, not_yet, True
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
@@ -244,26 +206,16 @@ class SchedulerSide:
         start = num_computed_tokens // bs
         st.num_local = num_computed_tokens
         if start >= max_blocks:
-            st.lookup = None
             return self._answer(st, 0)
         keys = st.keys.upto(max_blocks)
-        lookup = st.lookup
-        if lookup is None or lookup.start > start or lookup.end > max_blocks:
-            lookup = st.lookup = self._start_lookup(keys, start)
-        answer = self._lookup_answer(lookup, keys, self.config.lookup_wait_ms / 1000)
-        if answer is None:
-            if time.monotonic() - lookup.started > self.config.max_defer_s:
-                log.warning("kvdepot lookup for %s unanswered after %.1f s; computing it", request.request_id, self.config.max_defer_s)
-                st.lookup = None
-                return self._answer(st, 0)
-            return self._defer(st)
-        st.lookup = None
-        if not answer.available:
+        hit, not_yet, available = self._lookup(keys, start)
+        if not available:
             return self._answer(st, 0)
-        hit = min(answer.hit_blocks, max_blocks)
-        if answer.start == 0 and hit > st.stored_upto:
-            self._set_stored(st, hit)
-        if answer.not_yet and hit < max_blocks and not self._waited_too_long(st):
+        if st.deferred_since is None:  # count each request's lookup once, not every deferred step
+            self._report["lookups"] += 1
+            self._report["hit_blocks"] += hit - start
+            self._report["miss_blocks"] += max_blocks - hit
+        if not_yet and not self._waited_too_long(st):
             # The next blocks are being stored (by this engine or another):
             # wait for them rather than compute them again.
             return self._defer(st)
@@ -389,11 +341,24 @@ class SchedulerSide:
             for block_id in allocated & self._fences.keys():
                 self._new_flush.update(self._fences[block_id])
 
-    def _block_ids_of(self, st: RequestState) -> list[list[int]]:
+    def _block_ids_of(self, st: RequestState, start: int, end: int) -> list[list[int]]:
+        """GPU block ids [start, end) of each group (fewer where the request has fewer)."""
         if self._track_blocks or self.kv_cache_manager is None:
-            return st.block_ids
-        ids = self.kv_cache_manager.get_block_ids(st.request.request_id)
-        return [ids[g.group_idx] for g in self.groups]
+            return [ids[start:end] for ids in st.block_ids]
+        req_id = st.request.request_id
+        managers = self._block_lists
+        if managers is not None:
+            # The manager's own lists: no copy of every block of the request.
+            return [[b.block_id for b in managers[g.group_idx].req_to_blocks.get(req_id, ())[start:end]] for g in self.groups]
+        ids = self.kv_cache_manager.get_block_ids(req_id)
+        return [ids[g.group_idx][start:end] for g in self.groups]
+
+    @property
+    def _block_lists(self):
+        managers = getattr(getattr(self.kv_cache_manager, "coordinator", None), "single_type_managers", None)
+        if managers is None or not all(hasattr(m, "req_to_blocks") for m in managers):
+            return None
+        return managers
 
     def _store_job(self, ready: Iterable[tuple[RequestState, int]]) -> TransferJob | None:
         """One store job for the newly computed whole blocks of these requests."""
@@ -410,13 +375,13 @@ class SchedulerSide:
             start = st.stored_upto
             if end <= start:
                 continue
-            group_ids = self._block_ids_of(st)
-            end = min([end] + [len(ids) for ids in group_ids])
+            group_ids = self._block_ids_of(st, start, end)
+            end = start + min(len(ids) for ids in group_ids)
             if end <= start:
                 continue
             run_keys = st.keys.range(start, end)
             for pos, ids in enumerate(group_ids):
-                for k, b in zip(run_keys, ids[start:end]):
+                for k, b in zip(run_keys, ids):
                     if b:
                         keys[pos].append(k)
                         block_ids[pos].append(b)
@@ -488,10 +453,6 @@ class SchedulerSide:
         if st is None:
             return False, None
         st.finished = True
-        if st.lookup is not None:
-            for _, call in st.lookup.calls:
-                call.cancel()
-            st.lookup = None
         if self.config.mode == "lazy":
             self._store_job([(st, request.num_computed_tokens)])
         stores = sorted(j for j in st.jobs if self._jobs[j].job.is_store)
@@ -534,7 +495,21 @@ class SchedulerSide:
                 ok = False
         return ok
 
+    def _report_lookups(self) -> None:
+        while not self._closing.wait(REPORT_INTERVAL_S):
+            self._send_report()
+
+    def _send_report(self) -> None:
+        report, self._report = self._report, {"lookups": 0, "hit_blocks": 0, "miss_blocks": 0}
+        if report["lookups"] and not self.client.report_lookups(self.engines[0], **report):
+            # Not told (daemon away): keep the counts for the next report.
+            for name, value in report.items():
+                self._report[name] += value
+
     def shutdown(self) -> None:
+        self._closing.set()
+        self._reporter.join(timeout=5)
+        self._send_report()
         self.client.close(timeout=5)
 
 

@@ -18,22 +18,26 @@ class AttachRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class Notification(_message.Message):
-    __slots__ = ("started", "job_done", "blocks_removed")
+    __slots__ = ("started", "job_done", "blocks_changed")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     JOB_DONE_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_CHANGED_FIELD_NUMBER: _ClassVar[int]
     started: SessionStarted
     job_done: JobDone
-    blocks_removed: BlocksRemoved
-    def __init__(self, started: _Optional[_Union[SessionStarted, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., blocks_removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ...) -> None: ...
+    blocks_changed: BlocksChanged
+    def __init__(self, started: _Optional[_Union[SessionStarted, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., blocks_changed: _Optional[_Union[BlocksChanged, _Mapping]] = ...) -> None: ...
 
-class BlocksRemoved(_message.Message):
-    __slots__ = ("engine_id", "keys")
+class BlocksChanged(_message.Message):
+    __slots__ = ("engine_id", "ready", "storing", "dropped")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STORING_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     engine_id: int
-    keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, engine_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    ready: _containers.RepeatedScalarFieldContainer[bytes]
+    storing: _containers.RepeatedScalarFieldContainer[bytes]
+    dropped: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, engine_id: _Optional[int] = ..., ready: _Optional[_Iterable[bytes]] = ..., storing: _Optional[_Iterable[bytes]] = ..., dropped: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SessionStarted(_message.Message):
     __slots__ = ("session_id", "daemon_instance", "pool", "daemon_version")
@@ -206,6 +210,24 @@ class LookupResponse(_message.Message):
     loading_blocks: int
     storing_blocks: int
     def __init__(self, status: _Optional[_Union[LookupResponse.Status, str]] = ..., ready_blocks: _Optional[int] = ..., loading_blocks: _Optional[int] = ..., storing_blocks: _Optional[int] = ...) -> None: ...
+
+class ReportLookupsRequest(_message.Message):
+    __slots__ = ("session_id", "engine_id", "lookups", "hit_blocks", "miss_blocks")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    engine_id: int
+    lookups: int
+    hit_blocks: int
+    miss_blocks: int
+    def __init__(self, session_id: _Optional[str] = ..., engine_id: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ...) -> None: ...
+
+class ReportLookupsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class SubmitStoreRequest(_message.Message):
     __slots__ = ("session_id", "worker_id", "job_id", "keys", "block_ids", "cuda_event_handle", "cuda_fence_seq")

@@ -55,6 +55,11 @@ class KVDepotStub:
                 request_serializer=kvdepot_dot_proto_dot_kvdepot__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_proto_dot_kvdepot__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.ReportLookups = channel.unary_unary(
+                '/kvdepot.v1.KVDepot/ReportLookups',
+                request_serializer=kvdepot_dot_proto_dot_kvdepot__pb2.ReportLookupsRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_proto_dot_kvdepot__pb2.ReportLookupsResponse.FromString,
+                _registered_method=True)
         self.SubmitStore = channel.unary_unary(
                 '/kvdepot.v1.KVDepot/SubmitStore',
                 request_serializer=kvdepot_dot_proto_dot_kvdepot__pb2.SubmitStoreRequest.SerializeToString,
@@ -110,6 +115,13 @@ class KVDepotServicer:
 
     def Lookup(self, request, context):
         """How many leading keys are ready to load, or "not yet".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportLookups(self, request, context):
+        """Counts of lookups an engine answered itself (from BlocksChanged), for stats.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,6 +185,11 @@ def add_KVDepotServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=kvdepot_dot_proto_dot_kvdepot__pb2.LookupRequest.FromString,
                     response_serializer=kvdepot_dot_proto_dot_kvdepot__pb2.LookupResponse.SerializeToString,
+            ),
+            'ReportLookups': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportLookups,
+                    request_deserializer=kvdepot_dot_proto_dot_kvdepot__pb2.ReportLookupsRequest.FromString,
+                    response_serializer=kvdepot_dot_proto_dot_kvdepot__pb2.ReportLookupsResponse.SerializeToString,
             ),
             'SubmitStore': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitStore,
@@ -309,6 +326,33 @@ class KVDepot:
             '/kvdepot.v1.KVDepot/Lookup',
             kvdepot_dot_proto_dot_kvdepot__pb2.LookupRequest.SerializeToString,
             kvdepot_dot_proto_dot_kvdepot__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportLookups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.KVDepot/ReportLookups',
+            kvdepot_dot_proto_dot_kvdepot__pb2.ReportLookupsRequest.SerializeToString,
+            kvdepot_dot_proto_dot_kvdepot__pb2.ReportLookupsResponse.FromString,
             options,
             channel_credentials,
             insecure,

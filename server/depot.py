@@ -43,6 +43,8 @@ log = logging.getLogger("kvdepot.depot")
 # Job ids a session finished recently, still refused as duplicates: a client
 # that reuses one that fast has lost track of its jobs.
 RECENT_JOB_IDS = 4096
+# Keys per BlocksChanged message of a registration snapshot (1 MiB of keys).
+SNAPSHOT_CHUNK_KEYS = 32768
 
 # Slots of a store abandoned by a client that went away are reused only once
 # its process is gone (a live one could still be writing them), or after this.
@@ -156,7 +158,7 @@ class Depot:
         self.store_clock = BusyClock()
         self.load_clock = BusyClock()
         self.policy = make_policy(eviction, pool.num_slots)
-        self.index = BlockIndex(pool, self.policy, self._count_eviction)
+        self.index = BlockIndex(pool, self.policy, self._count_eviction, self._note_change)
         self.transports: dict[str, Transport] = {"shared_memory": SharedMemoryTransport(self)}
         if pool.pinned:
             # Only a pinned pool can be copied to by the GPU; torch is loaded already.
@@ -172,8 +174,8 @@ class Depot:
         self._idle = asyncio.Event()
         self._idle.set()
         self._next_id = 1
-        # Namespace id -> keys of ready blocks removed during the current call.
-        self._removed: dict[int, list[bytes]] = {}
+        # Namespace id -> {key: latest state} of blocks changed in the current call.
+        self._changes: dict[int, dict[bytes, str]] = {}
 
     def _new_id(self) -> int:
         self._next_id += 1
@@ -256,6 +258,7 @@ class Depot:
         ns = self._namespace(spec)
         engine_id = self._new_id()
         session.engines[engine_id] = ns
+        self._send_snapshot(session, engine_id, ns)
         return engine_id, ns
 
     def register_worker(self, request: pb.RegisterWorkerRequest) -> Worker:
@@ -427,7 +430,7 @@ class Depot:
             cuda_fence_seq=request.cuda_fence_seq,
         )
         self._begin(job)
-        self._tell_removed()
+        self._tell_changes()
         if reservation.not_stored:
             log.warning(
                 "store job %d of session %s: %d block(s) not stored, every slot is pinned",
@@ -462,9 +465,12 @@ class Depot:
                 f"job {job.id} is copied by the daemon ({job.worker.transport.name}); "
                 "only shared-memory jobs are completed by the client"
             )
-        self.finish_job(job, ok=request.ok, error=request.error)
+        # The client learns the outcome from this call's answer: no JobDone.
+        self.finish_job(job, ok=request.ok, error=request.error, notify=False)
 
-    def finish_job(self, job: Job, ok: bool, error: str = "", writer_may_live: bool = False) -> None:
+    def finish_job(
+        self, job: Job, ok: bool, error: str = "", writer_may_live: bool = False, notify: bool = True
+    ) -> None:
         """Commits or rolls back a job whose copies have ended, and notifies its client.
 
         writer_may_live: the client went away without finishing a store; its
@@ -503,10 +509,11 @@ class Depot:
         self._jobs_in_flight -= 1
         if self._jobs_in_flight == 0:
             self._idle.set()
-        if not session.ended:
+        if notify and not session.ended:
             session.notifications.put_nowait(
                 pb.Notification(job_done=pb.JobDone(job_id=job.id, ok=ok, error=error))
             )
+        self._tell_changes()
 
     def release_quarantine(self, now: float | None = None) -> int:
         """Returns quarantined slots whose writer is gone (or waited out) to the pool."""
@@ -558,26 +565,54 @@ class Depot:
 
     def _count_eviction(self, block: Block) -> None:
         self._count(None, block.ns, evicted_blocks=1)
-        self._note_removed(block)
 
-    def _note_removed(self, block: Block) -> None:
-        if block.ready:
-            self._removed.setdefault(block.ns.id, []).append(block.key)
+    def _note_change(self, block: Block, state: str) -> None:
+        self._changes.setdefault(block.ns.id, {})[block.key] = state
 
-    def _tell_removed(self) -> None:
-        """Sends the keys removed during this call to the engines of their namespaces."""
-        if not self._removed:
+    def _tell_changes(self) -> None:
+        """Sends this call's block changes to the engines of their namespaces."""
+        if not self._changes:
             return
-        removed, self._removed = self._removed, {}
+        changes, self._changes = self._changes, {}
+        messages = {}
+        for ns_id, states in changes.items():
+            lists: dict[str, list[bytes]] = {"ready": [], "storing": [], "dropped": []}
+            for key, state in states.items():
+                lists[state].append(key)
+            messages[ns_id] = lists
         for session in self.sessions.values():
             if session.ended:
                 continue
             for engine_id, ns in session.engines.items():
-                keys = removed.get(ns.id)
-                if keys:
+                lists = messages.get(ns.id)
+                if lists:
                     session.notifications.put_nowait(
-                        pb.Notification(blocks_removed=pb.BlocksRemoved(engine_id=engine_id, keys=keys))
+                        pb.Notification(blocks_changed=pb.BlocksChanged(engine_id=engine_id, **lists))
                     )
+
+    def _send_snapshot(self, session: Session, engine_id: int, ns: Namespace) -> None:
+        """Every ready and storing key of the namespace, for an engine's local lookups."""
+        ready = [b.key for b in self.index.blocks_of(ns) if b.ready]
+        storing = [b.key for b in self.index.blocks_of(ns) if not b.ready and b.writers]
+        for start in range(0, max(len(ready), len(storing)), SNAPSHOT_CHUNK_KEYS):
+            session.notifications.put_nowait(
+                pb.Notification(
+                    blocks_changed=pb.BlocksChanged(
+                        engine_id=engine_id,
+                        ready=ready[start : start + SNAPSHOT_CHUNK_KEYS],
+                        storing=storing[start : start + SNAPSHOT_CHUNK_KEYS],
+                    )
+                )
+            )
+
+    def report_lookups(self, request: pb.ReportLookupsRequest) -> None:
+        session = self._session(request.session_id)
+        ns = session.engines.get(request.engine_id)
+        if ns is None:
+            raise NotFound(f"unknown engine {request.engine_id} in this session: register it first")
+        self._count(
+            session, ns, lookups=request.lookups, hit_blocks=request.hit_blocks, miss_blocks=request.miss_blocks
+        )
 
     def stats(self) -> pb.GetStatsResponse:
         used = self.pool.used_slots
@@ -622,7 +657,7 @@ class Depot:
                 known = ", ".join(sorted(ns.name for ns in self.namespaces.values())) or "none"
                 raise NotFound(f"no namespace {namespace_name!r}; known: {known}")
             target = matches[0]
-        cleared, pinned = self.index.clear(target, on_drop=self._note_removed)
-        self._tell_removed()
+        cleared, pinned = self.index.clear(target)
+        self._tell_changes()
         log.info("cleared %d block(s) of %s; %d pinned kept", cleared, namespace_name or "every namespace", pinned)
         return pb.ClearResponse(cleared_blocks=cleared, pinned_blocks=pinned)

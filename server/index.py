@@ -73,10 +73,19 @@ class StoreReservation:
 
 
 class BlockIndex:
-    def __init__(self, pool: HostPool, policy, on_evict: Callable[[Block], None]):
+    def __init__(
+        self,
+        pool: HostPool,
+        policy,
+        on_evict: Callable[[Block], None],
+        on_change: Callable[[Block, str], None] = lambda block, state: None,
+    ):
         self.pool = pool
         self.policy = policy
         self._on_evict = on_evict
+        # Told "storing", "ready" or "dropped" whenever a block's state as
+        # Lookup reports it changes.
+        self._on_change = on_change
         self._blocks: dict[tuple[int, bytes], Block] = {}
         self._pinned: set[Block] = set()
 
@@ -144,7 +153,10 @@ class BlockIndex:
             if created:
                 self._blocks[index_key] = block
             block.slots[rank] = slot
+            starts_storing = not block.writers
             block.writers[rank] = job_id
+            if starts_storing:
+                self._on_change(block, "storing")
             ns.used_slots += 1
             writes.append((position, block))
         return StoreReservation(writes, already, 0)
@@ -156,6 +168,8 @@ class BlockIndex:
         del block.writers[rank]
         self._unpin(block)
         if not ok:
+            if not block.writers:
+                self._on_change(block, "dropped")
             return self._drop_shard(block, rank, release_slot)
         if not block.committed:
             self.policy.insert(block.index_key)
@@ -163,6 +177,9 @@ class BlockIndex:
         if len(block.committed) == block.ns.tp_size:
             block.ready = True
             block.ns.ready_blocks += 1
+            self._on_change(block, "ready")
+        elif not block.writers:
+            self._on_change(block, "dropped")  # waits for other ranks, no store in flight
         return None
 
     def _drop_shard(self, block: Block, rank: int, release_slot: bool) -> int | None:
@@ -210,6 +227,7 @@ class BlockIndex:
                 return None
             self._drop(victim)
             self._on_evict(victim)
+            self._on_change(victim, "dropped")
             slot = self.pool.allocate()
         return slot
 
@@ -227,7 +245,7 @@ class BlockIndex:
             block.ns.ready_blocks -= 1
         del self._blocks[block.index_key]
 
-    def clear(self, ns: Namespace | None, on_drop: Callable[[Block], None] | None = None) -> tuple[int, int]:
+    def clear(self, ns: Namespace | None) -> tuple[int, int]:
         """Drops every unpinned block of `ns` (all when None): (dropped, kept pinned)."""
         cleared = pinned = 0
         for block in self.blocks_of(ns):
@@ -236,7 +254,6 @@ class BlockIndex:
                 continue
             self.policy.remove(block.index_key)
             self._drop(block)
-            if on_drop is not None:
-                on_drop(block)
+            self._on_change(block, "dropped")
             cleared += 1
         return cleared, pinned

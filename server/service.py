@@ -77,6 +77,11 @@ class KVDepotService(pb_grpc.KVDepotServicer):
         return self.depot.lookup(request.session_id, request.engine_id, request.keys)
 
     @_unary
+    def ReportLookups(self, request, context):
+        self.depot.report_lookups(request)
+        return pb.ReportLookupsResponse()
+
+    @_unary
     def SubmitStore(self, request, context):
         return self.depot.submit_store(request)
 

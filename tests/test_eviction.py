@@ -106,25 +106,32 @@ def test_arc_keeps_a_block_used_twice_through_a_scan(small_daemon, worker_setup)
     assert present(client, engine, scan[-7:]) == [True] * 7
 
 
-def test_engines_of_the_namespace_hear_which_blocks_were_removed(worker_setup, small_daemon, client_factory):
+def test_engines_of_the_namespace_keep_a_copy_of_its_blocks(worker_setup, small_daemon, client_factory):
     client, engine, worker, _ = worker_setup
-    watcher = client_factory(small_daemon, name="watcher")
-    watching = watcher.register_engine(engine.namespace)
     keys = prompt_keys(12, prompt=5)
     jobs = Jobs()
-    store_one_by_one(client, worker, keys, 0, jobs)
+    store_one_by_one(client, worker, keys[:2], 0, jobs)
+    # A second engine registered later gets the blocks stored so far, then every change.
+    watcher = client_factory(small_daemon, name="watcher")
+    watching = watcher.register_engine(engine.namespace)
+    wait_until(lambda: watcher.cached_lookup(watching, keys).ready_blocks == 2, what="the snapshot")
+    store_one_by_one(client, worker, keys[2:], 2, jobs)  # 12 blocks into 8 slots: 4 evicted
 
-    def removed_so_far(handle, seen):
-        seen += client.take_removed(handle) if handle is engine else watcher.take_removed(handle)
-        return len(seen) >= 4
+    for owner, handle in ((client, engine), (watcher, watching)):
+        wait_until(lambda: handle.ready == set(keys[4:]), what="the copy to follow the evictions")
+        assert owner.cached_lookup(handle, keys).ready_blocks == 0  # block 0 was evicted
+        assert owner.cached_lookup(handle, keys, start=4).ready_blocks == 8
+        assert sorted(owner.take_removed(handle)) == sorted(keys[:4])
 
-    for handle in (engine, watching):
-        seen: list[bytes] = []
-        wait_until(lambda: removed_so_far(handle, seen), what="the eviction notice")
-        assert sorted(seen) == sorted(keys[:4])
+    # A store in flight shows as "not yet"; the copy agrees with the daemon.
+    more = prompt_keys(2, prompt=6)
+    transfer = client.begin_store(worker, jobs(), more, [0, 1])
+    wait_until(lambda: watcher.cached_lookup(watching, more).not_yet, what="storing")
+    assert client.lookup(engine, more).not_yet
+    transfer.run()
+    wait_until(lambda: watcher.cached_lookup(watching, more).ready_blocks == 2, what="ready")
 
-    cleared = client.clear(engine.namespace_name).cleared_blocks
-    assert cleared == 8
-    seen = []
-    wait_until(lambda: removed_so_far(watching, seen) and len(seen) == 8, what="the clear notice")
-    assert sorted(seen) == sorted(keys[4:])
+    # The pool holds 8: the 2 new blocks evicted 2 more. Then everything is cleared.
+    assert client.clear(engine.namespace_name).cleared_blocks == 8
+    wait_until(lambda: not watching.ready, what="the clear")
+    assert len(watcher.take_removed(watching)) == 2 + 8

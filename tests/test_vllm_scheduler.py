@@ -14,6 +14,7 @@ import time
 import pytest
 from vllm_engine import BLOCK, DAEMON_OPTIONS, make_engine, prompt
 
+from conftest import wait_until
 from kvdepot.client import KVDepotClient
 
 pytestmark = pytest.mark.vllm
@@ -123,23 +124,44 @@ def test_load_starts_after_gpu_prefix_hit(engines, daemon):
     engine.run()
 
 
-def test_pending_lookup_answers_not_yet(engines, daemon):
-    engine = engines({"lookup_wait_ms": 0})
+def test_lookups_never_wait_for_the_daemon(engines, daemon):
+    engine = engines()
     tokens = prompt(12, 80)
     engine.add("a", tokens, max_tokens=1)
     engine.run()
     engine.reset_gpu_cache()
-    os.kill(daemon.proc.pid, signal.SIGSTOP)  # the daemon cannot answer for now
+    os.kill(daemon.proc.pid, signal.SIGSTOP)  # the daemon cannot answer anything now
     try:
         engine.add("b", tokens, max_tokens=1)
-        for _ in range(3):
-            # The step does not wait for the daemon: "not yet", ask again.
-            assert "b" not in engine.step(compute=False).scheduled
+        started = time.monotonic()
+        out = engine.scheduler.schedule()
+        # Answered from the engine's copy of the namespace, at once.
+        assert time.monotonic() - started < 0.5
+        assert [(job.req_id, len(job.groups[0].keys)) for job in out.kv_connector_metadata.loads] == [("b", 4)]
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
-    out = first_scheduled(engine, "b")
-    assert computed_before(out, "b") == 4 * BLOCK
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    kv_output, _ = engine.worker.execute_model(out, compute=False)
+    engine.scheduler.update_from_output(out, ModelRunnerOutput.with_kv_conn_output_only(kv_output))
+    assert computed_before(first_scheduled(engine, "b"), "b") == 4 * BLOCK
+    assert engine.worker.check_request_tokens("b", 0, 4 * BLOCK) == []
     engine.run()
+
+
+def test_lookup_counts_reach_the_daemon_stats(engines, daemon):
+    engine = engines()
+    tokens = prompt(14, 80)
+    engine.add("a", tokens, max_tokens=1)
+    engine.run()
+    engine.reset_gpu_cache()
+    engine.add("b", tokens, max_tokens=1)
+    engine.run()
+    engine.side.shutdown()  # sends what the once-a-second report has not yet
+    stats = totals(daemon)
+    assert stats.lookups == 2
+    assert stats.hit_blocks == 4  # b: its 4 loadable blocks; a found nothing
+    assert stats.miss_blocks == 4  # a: 4 blocks
 
 
 def test_blocks_another_engine_is_storing_are_waited_for_not_recomputed(engines, daemon):
@@ -152,6 +174,8 @@ def test_blocks_another_engine_is_storing_are_waited_for_not_recomputed(engines,
     (group,) = job.groups
     # Submit it by hand and hold the copy: the daemon sees a store in flight.
     transfer = side.client.begin_store(side.workers[0], 990_001, group.keys, group.block_ids)
+    # The daemon tells every engine of the namespace (BlocksChanged).
+    wait_until(lambda: reader.side.client.cached_lookup(reader.side.engines[0], group.keys).not_yet, what="storing")
 
     reader.add("r", tokens, max_tokens=1)
     for _ in range(5):

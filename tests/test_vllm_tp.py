@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from vllm_engine import BLOCK, DAEMON_OPTIONS, prompt
+from vllm_engine import BLOCK, DAEMON_OPTIONS, prompt, wait_for_copy
 
 import vllm_harness as h
 
@@ -27,7 +27,7 @@ def tp_engine(start_daemon):
     config = h.make_vllm_config(
         "kvdepot.connector",
         "KVDepotConnector",
-        {"socket": daemon.socket, "lookup_wait_ms": 5000},
+        {"socket": daemon.socket},
         num_gpu_blocks=64,
         tp_size=2,
     )
@@ -114,6 +114,7 @@ def test_each_rank_stores_and_loads_its_own_shard(tp_engine):
     scheduler.add_request(h.make_request("a", tokens, max_tokens=1))
     run(scheduler, workers)
     assert scheduler.reset_prefix_cache()
+    wait_for_copy(scheduler)
     for worker in workers:
         for tensor in worker.kv_caches.values():
             tensor.zero_()

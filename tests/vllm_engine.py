@@ -57,10 +57,28 @@ class Engine:
         assert self.scheduler.reset_prefix_cache()
         for tensor in self.worker.kv_caches.values():
             tensor.zero_()
+        wait_for_copy(self.scheduler)
 
     def close(self) -> None:
         self.worker.close()
         self.scheduler.connector.shutdown()
+
+
+def wait_for_copy(scheduler, timeout: float = 10.0) -> None:
+    """Waits until the scheduler's copy of its namespaces holds every block the daemon has ready.
+
+    The copy follows the daemon by a notification; a test that looks blocks up
+    right after storing them waits for it, as an engine would simply miss.
+    """
+    side = scheduler.connector._scheduler
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = {ns.name: ns.ready_blocks for ns in side.client.stats().namespaces}
+        if all(len(e.ready) == stats.get(e.namespace_name, 0) for e in side.engines):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine's copy did not catch up: {stats}")
+        time.sleep(0.01)
 
 
 def make_engine(
@@ -69,8 +87,7 @@ def make_engine(
     config = h.make_vllm_config(
         "kvdepot.connector",
         "KVDepotConnector",
-        # Lookups answer within the step unless a test says otherwise.
-        {"socket": daemon.socket, "lookup_wait_ms": 5000, **(extra or {})},
+        {"socket": daemon.socket, **(extra or {})},
         num_gpu_blocks=num_blocks,
         **options,
     )
