@@ -71,9 +71,12 @@ class ComputeFence:
         self.handle = cuda_handles([self.tensor])[0].cuda_ipc
 
     def mark(self) -> tuple[bytes, int]:
-        with self._lock, torch.cuda.device(self.device):
+        # No device guard: the fill runs on the current stream of the tensor's
+        # device (the engine's compute stream), and the record names that stream.
+        stream = torch.cuda.current_stream(self.device)
+        with self._lock:
             self.seq += 1
             slot = self.seq % self.RING
             self.tensor.fill_(self.seq)
-            self.events[slot].record(torch.cuda.current_stream(self.device))
+            self.events[slot].record(stream)
             return self.handles[slot], self.seq

@@ -57,6 +57,8 @@ class _Stream:
         self.stream = torch.cuda.Stream(device=device)
         # Rows of one pool slot each; only copies on this stream use them, in order.
         self.staging = torch.empty(staging_shape, dtype=torch.uint8, device=device) if staging_shape else None
+        # Staging row i holds the i-th block of a job: made once, not per job.
+        self.positions = torch.arange(staging_shape[0], dtype=torch.int64, device=device) if staging_shape else None
         self._loop = loop
         self._on_done = on_done
         self._pending: queue.Queue = queue.Queue()
@@ -85,6 +87,13 @@ class _Stream:
 
     def stop(self) -> None:
         self._pending.put(None)
+
+
+def _completed(event: torch.cuda.Event) -> bool:
+    try:
+        return event.query()
+    except RuntimeError:  # the gate reports it as the job's failure
+        return False
 
 
 class _Gate:
@@ -190,7 +199,8 @@ class CudaTransport(Transport):
         self._mappings: dict[tuple[int, bytes], _Mapping] = {}
         self._workers: dict[int, _WorkerCopies] = {}
         self._skip_event_wait = os.environ.get(SKIP_EVENT_WAIT_ENV) == "1"
-        self._gate = _Gate(self._loop, self._launch, self._fail)
+        self._gate = _Gate(self._loop, self._gate_opened, self._gate_failed)
+        self._held_at_gate = 0
         if COPY_MODE not in ("dma", "kernel"):
             raise ValueError(f"KVDEPOT_COPY_MODE must be dma or kernel, not {COPY_MODE!r}")
         # The pool as rows of slots, for the copy engines: registered with CUDA,
@@ -344,10 +354,21 @@ class CudaTransport(Transport):
         copies.in_flight += 1
         if not job.blocks:
             self._loop.call_soon(self._finished, job, True, "")
-        elif gated:
+        elif gated and (self._held_at_gate or not _completed(event)):
+            self._held_at_gate += 1
             self._gate.hold(job, event)
         else:
+            # Most stores arrive after their compute ended: no trip through the
+            # gate, unless stores wait there (they go first, in order).
             self._launch(job)
+
+    def _gate_opened(self, job) -> None:
+        self._held_at_gate -= 1
+        self._launch(job)
+
+    def _gate_failed(self, job, reason: str) -> None:
+        self._held_at_gate -= 1
+        self._fail(job, reason)
 
     def _fail(self, job, reason: str) -> None:
         self._finished(job, False, reason)
@@ -395,7 +416,7 @@ class CudaTransport(Transport):
         pool slots by the copy engines, one copy per run of consecutive slots."""
         staging = stream.staging
         rows = staging.shape[0]
-        positions = torch.arange(rows, dtype=torch.int64, device=f"cuda:{index}")
+        positions = stream.positions
         keep = []
         for first in range(0, len(block_ids), rows):
             chunk_blocks = block_ids[first : first + rows]
