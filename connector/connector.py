@@ -76,7 +76,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         # Store jobs read a request's block ids from it when they are needed.
-        self._scheduler.kv_cache_manager = kv_cache_manager
+        self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def on_new_request(self, request) -> None:
         self._scheduler.on_new_request(request)

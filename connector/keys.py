@@ -87,11 +87,10 @@ class RequestKeys:
         return self._keys[start:end]
 
     def extend(self, num_blocks: int) -> None:
-        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
-
-        request, size, keys = self._request, self._block_size, self._keys
+        keys = self._keys
         if len(keys) >= num_blocks:
             return
+        request, size = self._request, self._block_size
         if num_blocks * size > request.num_tokens:
             raise ValueError(f"request {request.request_id} has no block {num_blocks - 1} yet")
         tokens = request.all_token_ids
@@ -100,6 +99,8 @@ class RequestKeys:
             if self._plain and (start > 0 or not request.cache_salt):
                 extra = None
             else:
+                from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
                 extra, self._next_mm_index = generate_block_hash_extra_keys(
                     request, start, start + size, self._next_mm_index
                 )

@@ -116,6 +116,7 @@ class SchedulerSide:
         events = getattr(vllm_config, "kv_events_config", None)
         self._events_enabled = bool(events and events.enable_kv_cache_events)
         self.kv_cache_manager = None  # bound by the connector (bind_kv_cache_manager)
+        self._block_lists = None
         # Lookups are answered here; the daemon's stats learn of them once a second.
         self._report = {"lookups": 0, "hit_blocks": 0, "miss_blocks": 0}
         self._closing = threading.Event()
@@ -212,6 +213,7 @@ class SchedulerSide:
         if not available:
             return self._answer(st, 0)
         if st.deferred_since is None:  # count each request's lookup once, not every deferred step
+            self.counters["lookups"] += 1
             self._report["lookups"] += 1
             self._report["hit_blocks"] += hit - start
             self._report["miss_blocks"] += max_blocks - hit
@@ -295,13 +297,12 @@ class SchedulerSide:
         reqs = self._reqs
         if self.config.mode == "eager":
             # A request costs one comparison here unless it completed a block.
-            ready = []
-            for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-                st = reqs.get(req_id)
-                if st is not None:
-                    computed = st.request.num_computed_tokens + num_tokens
-                    if computed >= st.next_store_at:
-                        ready.append((st, computed))
+            ready = [
+                (st, computed)
+                for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items()
+                if (st := reqs.get(req_id)) is not None
+                and (computed := st.request.num_computed_tokens + num_tokens) >= st.next_store_at
+            ]
             if ready:
                 self._store_job(ready)
         else:
@@ -341,24 +342,23 @@ class SchedulerSide:
             for block_id in allocated & self._fences.keys():
                 self._new_flush.update(self._fences[block_id])
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        managers = getattr(getattr(kv_cache_manager, "coordinator", None), "single_type_managers", None)
+        # The per-group managers' own block lists (vLLM 0.32 and 0.33): reading
+        # a few entries there beats copying every block id of the request.
+        if managers is not None and all(hasattr(m, "req_to_blocks") for m in managers):
+            self._block_lists = [managers[g.group_idx].req_to_blocks for g in self.groups]
+
     def _block_ids_of(self, st: RequestState, start: int, end: int) -> list[list[int]]:
         """GPU block ids [start, end) of each group (fewer where the request has fewer)."""
-        if self._track_blocks or self.kv_cache_manager is None:
+        if self._track_blocks:
             return [ids[start:end] for ids in st.block_ids]
         req_id = st.request.request_id
-        managers = self._block_lists
-        if managers is not None:
-            # The manager's own lists: no copy of every block of the request.
-            return [[b.block_id for b in managers[g.group_idx].req_to_blocks.get(req_id, ())[start:end]] for g in self.groups]
+        if self._block_lists is not None:
+            return [[b.block_id for b in lists.get(req_id, ())[start:end]] for lists in self._block_lists]
         ids = self.kv_cache_manager.get_block_ids(req_id)
         return [ids[g.group_idx][start:end] for g in self.groups]
-
-    @property
-    def _block_lists(self):
-        managers = getattr(getattr(self.kv_cache_manager, "coordinator", None), "single_type_managers", None)
-        if managers is None or not all(hasattr(m, "req_to_blocks") for m in managers):
-            return None
-        return managers
 
     def _store_job(self, ready: Iterable[tuple[RequestState, int]]) -> TransferJob | None:
         """One store job for the newly computed whole blocks of these requests."""
@@ -376,7 +376,7 @@ class SchedulerSide:
             if end <= start:
                 continue
             group_ids = self._block_ids_of(st, start, end)
-            end = start + min(len(ids) for ids in group_ids)
+            end = start + (len(group_ids[0]) if len(group_ids) == 1 else min(len(ids) for ids in group_ids))
             if end <= start:
                 continue
             run_keys = st.keys.range(start, end)
