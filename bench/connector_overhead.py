@@ -1,7 +1,10 @@
 """What KVDepotConnector costs vLLM's scheduler and worker per engine step, against no connector.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/connector_overhead.py [--steps 2000] [--running 64,128,256]
-        [--forward-ms MS] [--connector-config JSON] [--compute] [--json [PATH]]
+        [--forward-ms MS] [--connector kvdepot|null] [--connector-config JSON] [--compute] [--json [PATH]]
+
+`--connector null` runs a connector that does nothing instead, which measures what vLLM itself
+spends on having a connector at all.
 
 Starts a real `kvdepotd` (256 MiB pool in /dev/shm, 64 KiB slots, unpinned) in a temp dir and drives vLLM's
 REAL v1 `Scheduler` step by step through `tests/vllm_harness.py` (no model: the harness's
@@ -382,13 +385,64 @@ def summarize(values: list[int]) -> dict:
     return {"p50_us": pct(us, 0.5), "mean_us": statistics.fmean(us), "p99_us": pct(us, 0.99), "max_us": max(us)}
 
 
+def _null_connector_class():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        SupportsHMA,
+    )
+
+    class NullMetadata(KVConnectorMetadata):
+        pass
+
+    class NullConnector(KVConnectorBase_V1, SupportsHMA):
+        """Finds nothing and moves nothing: vLLM's own cost of calling a connector."""
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return 0, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            pass
+
+        def build_connector_meta(self, scheduler_output):
+            return NullMetadata()
+
+        def start_load_kv(self, forward_context, **kwargs):
+            pass
+
+        def wait_for_layer_load(self, layer_name):
+            pass
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            pass
+
+        def wait_for_save(self):
+            pass
+
+        def request_finished_all_groups(self, request, block_ids):
+            return False, None
+
+    return NullConnector
+
+
+def __getattr__(name):
+    # vLLM imports kv_connector_module_path "connector_overhead" and reads NullConnector.
+    if name == "NullConnector":
+        return _null_connector_class()
+    raise AttributeError(name)
+
+
 def run_one(n: int, args, socket: str, log) -> dict:
     max_batched = n + args.prefill_tokens
     num_blocks = args.blocks_per_request * n + 64
     common = dict(max_num_seqs=n, max_num_batched_tokens=max_batched, max_model_len=1024, num_gpu_blocks=num_blocks)
     log(f"[N={n}] building configs ({num_blocks} KV blocks, {max_batched} tokens a step)")
     extra = {**json.loads(args.connector_config), "socket": socket}
-    conn_cfg = vh.make_vllm_config("kvdepot.connector", "KVDepotConnector", extra, block_size=BLOCK_SIZE, **common)
+    if args.connector == "null":
+        # What vLLM itself spends on having any connector: this file's NullConnector.
+        conn_cfg = vh.make_vllm_config("connector_overhead", "NullConnector", {}, block_size=BLOCK_SIZE, **common)
+    else:
+        conn_cfg = vh.make_vllm_config("kvdepot.connector", "KVDepotConnector", extra, block_size=BLOCK_SIZE, **common)
     plain_cfg = make_plain_config(
         max_num_seqs=n, max_num_batched_tokens=max_batched, max_model_len=1024, num_blocks=num_blocks
     )
@@ -502,6 +556,8 @@ def main() -> int:
     ap.add_argument("--slot-size", default="64KiB")
     ap.add_argument("--pool-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                     help="where the daemon's pool file goes (a temp folder is made inside; default /dev/shm)")
+    ap.add_argument("--connector", choices=("kvdepot", "null"), default="kvdepot",
+                    help="null: a connector that does nothing, to measure vLLM's own cost of having one")
     ap.add_argument("--connector-config", default="{}", metavar="JSON",
                     help='more kv_connector_extra_config for KVDepotConnector, e.g. \'{"mode": "lazy"}\'')
     ap.add_argument("--json", nargs="?", const="-", metavar="PATH", help="also write JSON (to stdout with no PATH)")
