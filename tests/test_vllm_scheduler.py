@@ -260,6 +260,24 @@ def test_preemption_flushes_stores_and_resumes_from_them(engines, daemon):
     assert stats.failed_jobs == 0
 
 
+def test_lazy_mode_stores_a_preempted_request_before_its_blocks_go(engines, daemon):
+    engine = engines({"mode": "lazy"}, num_blocks=10, max_num_seqs=2)
+    engine.add("p0", prompt(15, 60), max_tokens=40)
+    engine.add("p1", prompt(16, 60), max_tokens=40)
+    for _ in range(300):
+        result = engine.step()
+        if result.preempted_req_ids:
+            meta = result.scheduler_output.kv_connector_metadata
+            # The preempted request's blocks are stored now, and flushed before reuse.
+            assert meta.stores and set(meta.flush) >= {job.job_id for job in meta.stores}
+            assert totals(daemon).stored_blocks >= 3  # its 60-token prompt: 3 whole blocks at least
+            break
+    else:
+        raise AssertionError("the test needs a preemption")
+    engine.run()
+    assert totals(daemon).failed_jobs == 0
+
+
 def test_selective_offload(engines, daemon):
     engine = engines({"min_prompt_tokens": 20})
     engine.add("none", prompt(20, 70), max_tokens=1, kv_transfer_params={"kvdepot_store": "none"})
