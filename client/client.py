@@ -31,6 +31,9 @@ from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvdepot.client")
 
+# Engines whose BlocksChanged may arrive before their RegisterEngine answer.
+MAX_EARLY_ENGINES = 16
+
 # Status codes that mean "the daemon is not there (any more)", not "your request is wrong".
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -69,8 +72,10 @@ class EngineHandle:
     ready: set = field(default_factory=set)
     storing: set = field(default_factory=set)
     # Keys that were ready and are gone (evicted, cleared, daemon lost) since
-    # the last take_removed().
+    # the last take_removed(); kept only when asked for (track_removed), so
+    # that nobody's list grows without a reader.
     removed: list = field(default_factory=list)
+    track_removed: bool = False
 
     @property
     def registered(self) -> bool:
@@ -323,7 +328,8 @@ class KVDepotClient:
             for engine in self._engines:
                 engine.engine_id = None
                 # The daemon's blocks are unknown until it sends them again.
-                engine.removed.extend(engine.ready)
+                if engine.track_removed:
+                    engine.removed.extend(engine.ready)
                 engine.ready, engine.storing = set(), set()
             for worker in self._workers:
                 worker.worker_id = None
@@ -370,9 +376,12 @@ class KVDepotClient:
 
     # ------------------------------------------------------------ registration
 
-    def register_engine(self, namespace: pb.NamespaceSpec | Mapping) -> EngineHandle:
-        """Declares the namespace this process looks up; kept across reconnects."""
-        engine = EngineHandle(namespace_spec(namespace))
+    def register_engine(self, namespace: pb.NamespaceSpec | Mapping, track_removed: bool = False) -> EngineHandle:
+        """Declares the namespace this process looks up; kept across reconnects.
+
+        track_removed: keep the keys the daemon drops, for take_removed().
+        """
+        engine = EngineHandle(namespace_spec(namespace), track_removed=track_removed)
         self._add_handle(self._engines, engine)
         return engine
 
@@ -502,6 +511,9 @@ class KVDepotClient:
             if engine is None:
                 connection = self._connection
                 session = connection.session_id if connection else ""
+                if len(self._early_changes) >= MAX_EARLY_ENGINES and (session, message.engine_id) not in self._early_changes:
+                    # A registration whose answer never came: its notes have no reader.
+                    self._early_changes.pop(next(iter(self._early_changes)))
                 self._early_changes.setdefault((session, message.engine_id), []).append(message)
                 return
             self._apply_changes(engine, message)
@@ -518,7 +530,8 @@ class KVDepotClient:
             storing.discard(key)
             if key in ready:
                 ready.remove(key)
-                engine.removed.append(key)
+                if engine.track_removed:
+                    engine.removed.append(key)
 
     def cached_lookup(self, engine: EngineHandle, keys: Sequence[bytes], start: int = 0) -> LookupResult:
         """Lookup answered from the engine's copy of the namespace: no call, no wait.

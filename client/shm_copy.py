@@ -61,19 +61,22 @@ class BlockCopier:
     def __init__(self, tensors: Sequence[torch.Tensor], layout: WorkerLayout):
         self.layout = layout
         self._tensors = list(tensors)
-        self._plans: dict[int, list] = {}
+        self._plan_pool: MappedPool | None = None
+        self._plan_views: list = []
 
     def _plan(self, pool: MappedPool) -> list:
         """Per tensor: (block view, pool view, offset, width), in a common element type."""
-        plan = self._plans.get(id(pool))
-        if plan is None:
+        # Compared by identity, never by id(): a new daemon's pool mapped after
+        # a reconnect can reuse the old object's id, and its views would still
+        # point into the old (deleted) pool file.
+        if self._plan_pool is not pool:
             plan = []
             slot_bytes = pool.slots.shape[1]
             for tensor, tl, offset in zip(self._tensors, self.layout.tensors, self.layout.slot_offsets):
                 unit, dtype = _copy_unit(tensor, tl, offset, slot_bytes)
                 plan.append((_typed_block_view(tensor, tl, unit, dtype), pool.slots.view(dtype), offset // unit, tl.block_bytes // unit))
-            self._plans = {id(pool): plan}
-        return plan
+            self._plan_pool, self._plan_views = pool, plan
+        return self._plan_views
 
     def to_slots(self, pool: MappedPool, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         if not block_ids:

@@ -114,6 +114,8 @@ class GroupInfo:
     group_idx: int
     kind: str  # "full", "sliding_window", "mla"
     block_size: int
+    # Tokens of a sliding window (None for other kinds).
+    window_tokens: int | None
     # Blocks a sliding-window group needs before a position: ceil(window / block).
     window_blocks: int | None
     layer_names: tuple[str, ...]
@@ -147,13 +149,14 @@ def offloaded_groups(vllm_config, kv_cache_config) -> list[GroupInfo]:
             spec = specs[0]
             if not all(type(s) is type(spec) and s == spec for s in specs):
                 raise ValueError(f"KV-cache group {idx} mixes layer specs; kvdepot needs uniform groups")
-        window_blocks = None
+        window_blocks = window_tokens = None
         if isinstance(spec, MLAAttentionSpec):
             kind = "mla"
         elif isinstance(spec, SlidingWindowSpec):
             kind = "sliding_window"
             # As vLLM counts a sliding-window hit: the blocks the next token attends to.
             window_blocks = -(-(spec.sliding_window - 1) // spec.block_size)
+            window_tokens = spec.sliding_window
         elif isinstance(spec, FullAttentionSpec):
             kind = "full"
         else:
@@ -176,7 +179,9 @@ def offloaded_groups(vllm_config, kv_cache_config) -> list[GroupInfo]:
             kv_group=idx,
             extra=f"{shape},layers={len(group.layer_names)},tp={parallel.tensor_parallel_size},pp={parallel.pipeline_parallel_size}",
         )
-        groups.append(GroupInfo(idx, kind, spec.block_size, window_blocks, tuple(group.layer_names), namespace))
+        groups.append(
+            GroupInfo(idx, kind, spec.block_size, window_tokens, window_blocks, tuple(group.layer_names), namespace)
+        )
     if not groups:
         raise ValueError("the model has no KV-cache group kvdepot can offload")
     sizes = {g.block_size for g in groups}

@@ -107,18 +107,23 @@ class SchedulerSide:
             log.warning(
                 "kvdepotd is not answering on %s; the engine runs without offloading until it does", config.socket
             )
-        self.engines = [self.client.register_engine(g.namespace) for g in groups]
+        events = getattr(vllm_config, "kv_events_config", None)
+        self._events_enabled = bool(events and events.enable_kv_cache_events)
+        # Removals are kept for the KV events only (of the first group's blocks).
+        self.engines = [
+            self.client.register_engine(g.namespace, track_removed=self._events_enabled and i == 0)
+            for i, g in enumerate(groups)
+        ]
         # Lazy stores at preemption need the blocks vLLM has just freed, and a
         # sliding window frees blocks while its request runs: only then does
         # this side follow each request's block ids step by step.
         self._track_blocks = config.mode == "lazy" or any(g.kind == "sliding_window" for g in groups)
         self._has_windows = any(g.kind == "sliding_window" for g in groups)
-        events = getattr(vllm_config, "kv_events_config", None)
-        self._events_enabled = bool(events and events.enable_kv_cache_events)
         self.kv_cache_manager = None  # bound by the connector (bind_kv_cache_manager)
         self._block_lists = None
         # Lookups are answered here; the daemon's stats learn of them once a second.
         self._report = {"lookups": 0, "hit_blocks": 0, "miss_blocks": 0}
+        self._report_lock = threading.Lock()
         self._closing = threading.Event()
         self._reporter = threading.Thread(target=self._report_lookups, name="kvdepot-report", daemon=True)
         self._reporter.start()
@@ -214,9 +219,11 @@ class SchedulerSide:
             return self._answer(st, 0)
         if st.deferred_since is None:  # count each request's lookup once, not every deferred step
             self.counters["lookups"] += 1
-            self._report["lookups"] += 1
-            self._report["hit_blocks"] += hit - start
-            self._report["miss_blocks"] += max_blocks - hit
+            with self._report_lock:
+                report = self._report
+                report["lookups"] += 1
+                report["hit_blocks"] += hit - start
+                report["miss_blocks"] += max_blocks - hit
         if not_yet and not self._waited_too_long(st):
             # The next blocks are being stored (by this engine or another):
             # wait for them rather than compute them again.
@@ -258,6 +265,12 @@ class SchedulerSide:
             group_blocks = blocks.blocks[group.group_idx][start:end]
             pairs = [(k, b.block_id) for k, b in zip(keys, group_blocks) if not b.is_null]
             transfers.append(GroupTransfer(group.group_idx, [k for k, _ in pairs], [b for _, b in pairs]))
+        if self._fences:
+            # A block a window freed may come back as a load target in the step
+            # its store still reads it: that store goes first.
+            for transfer in transfers:
+                for b in transfer.block_ids:
+                    self._new_flush.update(self._fences.get(b, ()))
         job = TransferJob(self._job_id(), False, transfers, request.request_id)
         self._jobs[job.job_id] = JobState(job, [request.request_id], self.num_workers, loading_keys=keys)
         for k in keys:
@@ -337,6 +350,20 @@ class SchedulerSide:
                     st.block_ids[pos].extend(ids)
                 allocated.update(b for b in ids if b)
         if self._has_windows:
+            # vLLM frees (and may hand out again) the blocks a sliding window has
+            # left; forget them, as vLLM's null block does, so that no store reads
+            # them. Cut by the tokens computed after this step: a few blocks too
+            # many are merely not stored, one too few would be wrong data.
+            scheduled = scheduler_output.num_scheduled_tokens
+            for req_id, st in self._reqs.items():
+                computed = st.request.num_computed_tokens + scheduled.get(req_id, 0)
+                for pos, group in enumerate(self.groups):
+                    if group.window_tokens is not None:
+                        ids = st.block_ids[pos]
+                        cut = min(len(ids), max(0, (computed - group.window_tokens + 1) // self.block_size))
+                        for i in range(st.stored_upto, cut):
+                            ids[i] = 0
+        if self._has_windows:
             # Blocks a sliding window freed and vLLM gave to a request in this
             # very step: flush the stores that still read them.
             for block_id in allocated & self._fences.keys():
@@ -352,11 +379,12 @@ class SchedulerSide:
 
     def _block_ids_of(self, st: RequestState, start: int, end: int) -> list[list[int]]:
         """GPU block ids [start, end) of each group (fewer where the request has fewer)."""
+        req_id = st.request.request_id
+        if self._block_lists is not None and req_id in self._block_lists[0]:
+            # Exact, with vLLM's null block where a window freed one.
+            return [[b.block_id for b in lists.get(req_id, ())[start:end]] for lists in self._block_lists]
         if self._track_blocks:
             return [ids[start:end] for ids in st.block_ids]
-        req_id = st.request.request_id
-        if self._block_lists is not None:
-            return [[b.block_id for b in lists.get(req_id, ())[start:end]] for lists in self._block_lists]
         ids = self.kv_cache_manager.get_block_ids(req_id)
         return [ids[g.group_idx][start:end] for g in self.groups]
 
@@ -500,11 +528,13 @@ class SchedulerSide:
             self._send_report()
 
     def _send_report(self) -> None:
-        report, self._report = self._report, {"lookups": 0, "hit_blocks": 0, "miss_blocks": 0}
+        with self._report_lock:
+            report, self._report = self._report, {"lookups": 0, "hit_blocks": 0, "miss_blocks": 0}
         if report["lookups"] and not self.client.report_lookups(self.engines[0], **report):
             # Not told (daemon away): keep the counts for the next report.
-            for name, value in report.items():
-                self._report[name] += value
+            with self._report_lock:
+                for name, value in report.items():
+                    self._report[name] += value
 
     def shutdown(self) -> None:
         self._closing.set()

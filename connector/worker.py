@@ -90,7 +90,6 @@ class WorkerSide:
         self._report = KVDepotWorkerMetadata()
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
-        self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         for group in self.groups:
@@ -156,6 +155,10 @@ class WorkerSide:
                 log.warning("kvdepot refused %s job %d: %s", "store" if job.is_store else "load", job.job_id, e)
                 state.failed = True
                 continue
+            except Exception:  # nothing here may fail the engine's step
+                log.exception("kvdepot %s job %d could not be submitted", "store" if job.is_store else "load", job.job_id)
+                state.failed = True
+                continue
             self._daemon_jobs[daemon_id] = job.job_id
             state.pending.add(daemon_id)
             if not handle.done:
@@ -196,8 +199,10 @@ class WorkerSide:
         if not job.is_store:
             self._finished_loads.add(job.req_id)
             if state.failed:
+                # Reported per request (failed_recving): vLLM recomputes the
+                # request. Block ids would not do: with several KV-cache groups
+                # they are not unique, and vLLM refuses them.
                 self._failed_loads.add(job.req_id)
-                self._load_errors.update(b for t in job.groups for b in t.block_ids)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(stores done of finished requests, loads done, loads failed) since the last call."""
@@ -211,8 +216,9 @@ class WorkerSide:
         return sending, recving, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        # Every load is asynchronous and its failure goes out with
+        # get_finished's failed loads (see _job_done).
+        return set()
 
     def build_connector_worker_meta(self) -> KVDepotWorkerMetadata | None:
         if not self._report.done:

@@ -108,12 +108,13 @@ def test_arc_keeps_a_block_used_twice_through_a_scan(small_daemon, worker_setup)
 
 def test_engines_of_the_namespace_keep_a_copy_of_its_blocks(worker_setup, small_daemon, client_factory):
     client, engine, worker, _ = worker_setup
+    engine.track_removed = True
     keys = prompt_keys(12, prompt=5)
     jobs = Jobs()
     store_one_by_one(client, worker, keys[:2], 0, jobs)
     # A second engine registered later gets the blocks stored so far, then every change.
     watcher = client_factory(small_daemon, name="watcher")
-    watching = watcher.register_engine(engine.namespace)
+    watching = watcher.register_engine(engine.namespace, track_removed=True)
     wait_until(lambda: watcher.cached_lookup(watching, keys).ready_blocks == 2, what="the snapshot")
     store_one_by_one(client, worker, keys[2:], 2, jobs)  # 12 blocks into 8 slots: 4 evicted
 
