@@ -19,16 +19,6 @@ def stats(daemon):
         return client.connect(10).stats().totals
 
 
-def scheduled_computed(engine, req_id):
-    """Steps (without computing) until `req_id` is scheduled; its computed tokens at that point."""
-    for _ in range(100):
-        so = engine.step(compute=False).scheduler_output
-        for req in so.scheduled_new_reqs:
-            if req.req_id == req_id:
-                return req.num_computed_tokens
-    raise AssertionError(f"{req_id} never scheduled")
-
-
 @pytest.mark.parametrize("groups", ["full", "hybrid"])
 def test_a_load_that_fails_is_recomputed(start_daemon, groups):
     daemon = start_daemon(**DAEMON_OPTIONS)
@@ -55,7 +45,7 @@ def test_a_load_that_fails_is_recomputed(start_daemon, groups):
 
         engine.scheduler.update_from_output(planned, ModelRunnerOutput.with_kv_conn_output_only(kv_output))
         # vLLM computes the whole prompt instead, and the request completes.
-        assert scheduled_computed(engine, "b") == 0
+        assert engine.computed_when_scheduled("b") == 0
         engine.run()
     finally:
         engine.close()
@@ -89,7 +79,7 @@ def test_daemon_killed_mid_run_then_restarted(start_daemon, caplog):
         try:
             wait_for_copy(reader.scheduler)
             reader.add("again", prompt(99, 70), max_tokens=1)
-            assert scheduled_computed(reader, "again") == 4 * BLOCK
+            assert reader.computed_when_scheduled("again") == 4 * BLOCK
             assert reader.worker.check_request_tokens("again", 0, 4 * BLOCK) == []
             reader.run()
         finally:
@@ -124,7 +114,7 @@ def test_engines_of_another_namespace_share_nothing(start_daemon):
         first.add("a", tokens, max_tokens=1)
         first.run()
         other.add("b", tokens, max_tokens=1)
-        assert scheduled_computed(other, "b") == 0
+        assert other.computed_when_scheduled("b") == 0
         other.run()
     finally:
         first.close()
@@ -147,14 +137,14 @@ def test_lazy_sliding_window_never_stores_blocks_the_window_gave_away(start_daem
         # Shares a's first 3 blocks, whose window blocks a no longer held at
         # the end: whatever it finds must be a's bytes.
         engine.add("b", first[:60] + prompt(133, 30), max_tokens=1)
-        computed = scheduled_computed(engine, "b")
+        computed = engine.computed_when_scheduled("b")
         assert engine.worker.check_request_tokens("b", 0, computed) == []
         engine.run()
         engine.reset_gpu_cache()
         # a's whole sequence (the harness samples token 7): a lazy store kept
         # every full-attention block and the sliding window's last blocks.
         engine.add("c", first + [7] * 40, max_tokens=1)
-        computed = scheduled_computed(engine, "c")
+        computed = engine.computed_when_scheduled("c")
         assert computed == 8 * BLOCK
         assert engine.worker.check_request_tokens("c", 0, computed) == []
         engine.run()
@@ -172,7 +162,7 @@ def test_hybrid_and_mla_round_trip(start_daemon, groups):
         engine.run()
         engine.reset_gpu_cache()
         engine.add("b", tokens, max_tokens=1)
-        assert scheduled_computed(engine, "b") == 6 * BLOCK
+        assert engine.computed_when_scheduled("b") == 6 * BLOCK
         # Every layer's blocks the request holds are the stored bytes (the
         # sliding-window layers hold only the window; the rest are null blocks).
         assert engine.worker.check_request_tokens("b", 0, 6 * BLOCK) == []

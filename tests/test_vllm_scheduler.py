@@ -44,24 +44,6 @@ def totals(daemon):
         return client.connect(10).stats().totals
 
 
-def first_scheduled(engine, req_id, max_steps=100):
-    """Steps without computing until `req_id` is scheduled; returns that step's scheduler output."""
-    for _ in range(max_steps):
-        result = engine.step(compute=False)
-        if req_id in result.scheduled:
-            return result.scheduler_output
-        time.sleep(0.01)  # a real step takes milliseconds; let a pending lookup answer
-    raise AssertionError(f"{req_id} was never scheduled")
-
-
-def computed_before(scheduler_output, req_id):
-    for req in scheduler_output.scheduled_new_reqs:
-        if req.req_id == req_id:
-            return req.num_computed_tokens
-    cached = scheduler_output.scheduled_cached_reqs
-    return cached.num_computed_tokens[cached.req_ids.index(req_id)]
-
-
 def test_store_then_load_exact_blocks_and_bytes(engines, daemon):
     engine = engines()
     tokens = prompt(1, 70)  # 4 whole blocks and 6 tokens
@@ -72,8 +54,7 @@ def test_store_then_load_exact_blocks_and_bytes(engines, daemon):
 
     engine.reset_gpu_cache()
     engine.add("b", tokens, max_tokens=2)
-    out = first_scheduled(engine, "b")
-    assert computed_before(out, "b") == 4 * BLOCK
+    assert engine.computed_when_scheduled("b") == 4 * BLOCK
     assert totals(daemon).loaded_blocks == 4
     assert engine.worker.check_request_tokens("b", 0, 4 * BLOCK) == []
     engine.run()
@@ -88,13 +69,13 @@ def test_partial_hit_never_covers_last_token_and_keys_chain(engines, daemon):
 
     # Same first 40 tokens: 2 whole blocks shared.
     engine.add("partial", base[:40] + prompt(4, 30), max_tokens=1)
-    assert computed_before(first_scheduled(engine, "partial"), "partial") == 2 * BLOCK
+    assert engine.computed_when_scheduled("partial") == 2 * BLOCK
     engine.run()
     engine.reset_gpu_cache()
 
     # Exactly 4 stored blocks long: the last token must be computed, so 3 blocks.
     engine.add("exact", base, max_tokens=1)
-    assert computed_before(first_scheduled(engine, "exact"), "exact") == 3 * BLOCK
+    assert engine.computed_when_scheduled("exact") == 3 * BLOCK
     engine.run()
     engine.reset_gpu_cache()
 
@@ -102,7 +83,7 @@ def test_partial_hit_never_covers_last_token_and_keys_chain(engines, daemon):
     changed = base + prompt(3, 20)
     changed[-1] = (changed[-1] + 1) % 500 + 3
     engine.add("last", changed, max_tokens=1)
-    assert computed_before(first_scheduled(engine, "last"), "last") == 5 * BLOCK
+    assert engine.computed_when_scheduled("last") == 5 * BLOCK
     engine.run()
 
 
@@ -118,8 +99,7 @@ def test_load_starts_after_gpu_prefix_hit(engines, daemon):
     assert loaded == 2
 
     engine.add("b", tokens, max_tokens=1)
-    out = first_scheduled(engine, "b")
-    assert computed_before(out, "b") == 6 * BLOCK
+    assert engine.computed_when_scheduled("b") == 6 * BLOCK
     assert totals(daemon).loaded_blocks - loaded == 4  # blocks 2..5 only
     engine.run()
 
@@ -144,7 +124,7 @@ def test_lookups_never_wait_for_the_daemon(engines, daemon):
 
     kv_output, _ = engine.worker.execute_model(out, compute=False)
     engine.scheduler.update_from_output(out, ModelRunnerOutput.with_kv_conn_output_only(kv_output))
-    assert computed_before(first_scheduled(engine, "b"), "b") == 4 * BLOCK
+    assert engine.computed_when_scheduled("b") == 4 * BLOCK
     assert engine.worker.check_request_tokens("b", 0, 4 * BLOCK) == []
     engine.run()
 
@@ -183,7 +163,7 @@ def test_blocks_another_engine_is_storing_are_waited_for_not_recomputed(engines,
         time.sleep(0.01)
     assert reader.side.counters["deferred"] >= 5
     transfer.run()
-    assert computed_before(first_scheduled(reader, "r"), "r") == 4 * BLOCK
+    assert reader.computed_when_scheduled("r") == 4 * BLOCK
     assert reader.worker.check_request_tokens("r", 0, 4 * BLOCK) == []
     assert totals(daemon).loaded_blocks == 4
     reader.run()

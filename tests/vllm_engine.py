@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 
 import vllm_harness as h
+from vllm_generate import make_prompts
 
 BLOCK = 16
 # The tiny model's block: 2 layers x 2 KV heads x 16 tokens x (64 K + 64 V) float32.
@@ -14,8 +14,7 @@ DAEMON_OPTIONS = {"pool_size": "8MiB", "slot_size": "64KiB"}
 
 
 def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(length)]  # 2 is EOS
+    return make_prompts(1, length, seed=seed)[0]  # ids from 3 up: 2 is EOS
 
 
 @dataclass
@@ -51,6 +50,22 @@ class Engine:
                 time.sleep(0.002)
             results.append(result)
         raise AssertionError(f"not done after {max_steps} steps")
+
+    def computed_when_scheduled(self, req_id: str, max_steps: int = 100) -> int:
+        """Steps (without computing) until `req_id` is scheduled; the tokens it had then.
+
+        Those came from the GPU prefix cache or from kvdepot: what a lookup hit.
+        """
+        for _ in range(max_steps):
+            so = self.step(compute=False).scheduler_output
+            for req in so.scheduled_new_reqs:
+                if req.req_id == req_id:
+                    return req.num_computed_tokens
+            cached = so.scheduled_cached_reqs
+            if req_id in cached.req_ids:
+                return cached.num_computed_tokens[cached.req_ids.index(req_id)]
+            time.sleep(0.001)
+        raise AssertionError(f"{req_id} was never scheduled")
 
     def reset_gpu_cache(self) -> None:
         """Forget the GPU prefix cache and zero the KV tensors: what is found next comes from kvdepot."""
