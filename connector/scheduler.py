@@ -354,9 +354,11 @@ class SchedulerSide:
             # left; forget them, as vLLM's null block does, so that no store reads
             # them. Cut by the tokens computed after this step: a few blocks too
             # many are merely not stored, one too few would be wrong data.
-            scheduled = scheduler_output.num_scheduled_tokens
-            for req_id, st in self._reqs.items():
-                computed = st.request.num_computed_tokens + scheduled.get(req_id, 0)
+            for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+                st = self._reqs.get(req_id)
+                if st is None:
+                    continue
+                computed = st.request.num_computed_tokens + num_tokens
                 for pos, group in enumerate(self.groups):
                     if group.window_tokens is not None:
                         ids = st.block_ids[pos]
