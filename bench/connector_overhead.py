@@ -122,50 +122,6 @@ class Daemon:
 # ---------------------------------------------------------------------------
 
 
-def make_plain_config(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_blocks: int):
-    """`vh.make_vllm_config` without a kv_transfer_config (the harness always sets one)."""
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
-
-    model = vh.make_tiny_model(vh.DEFAULT_MODEL_DIR)
-    model_config = ModelConfig(model=model, tokenizer=model, dtype="float32", seed=0, max_model_len=max_model_len)
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=True,
-        is_encoder_decoder=model_config.is_encoder_decoder,
-        disable_hybrid_kv_cache_manager=None,
-    )
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True, num_gpu_blocks_override=num_blocks)
-    return VllmConfig(
-        model_config=model_config,
-        scheduler_config=scheduler_config,
-        cache_config=cache_config,
-        parallel_config=ParallelConfig(tensor_parallel_size=1),
-        kv_transfer_config=None,
-        device_config=DeviceConfig("cpu"),
-    )
-
-
-def make_scheduler(vllm_config, kv_cache_config):
-    """`vh.make_scheduler` without its assertion that a connector exists."""
-    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-        hash_block_size=hash_block_size,
-        include_finished_set=False,
-        log_stats=True,
-    )
-
-
 class BenchWorker(vh.WorkerSide):
     """The harness's WorkerSide, timing each connector call; with connector=False it has no
     connector and skips the hooks, doing the same block-table, metadata and KV work."""
@@ -284,7 +240,7 @@ class Engine:
         self.compute = compute
         self.kv_cache_config = vh.make_kv_cache_config(vllm_config, num_blocks=num_blocks)
         self.vllm_config = vllm_config
-        self.scheduler = make_scheduler(vllm_config, self.kv_cache_config)
+        self.scheduler = vh.make_scheduler(vllm_config, self.kv_cache_config)
         self.worker = BenchWorker(vllm_config, self.kv_cache_config, connector=self.scheduler.connector is not None)
         self.worker.forward_s = forward_ms / 1000
         self.workload = Workload(seed)
@@ -443,9 +399,7 @@ def run_one(n: int, args, socket: str, log) -> dict:
         conn_cfg = vh.make_vllm_config("connector_overhead", "NullConnector", {}, block_size=BLOCK_SIZE, **common)
     else:
         conn_cfg = vh.make_vllm_config("kvdepot.connector", "KVDepotConnector", extra, block_size=BLOCK_SIZE, **common)
-    plain_cfg = make_plain_config(
-        max_num_seqs=n, max_num_batched_tokens=max_batched, max_model_len=1024, num_blocks=num_blocks
-    )
+    plain_cfg = vh.make_vllm_config(None, None, block_size=BLOCK_SIZE, **common)
     engines = {
         "conn": Engine("conn", conn_cfg, num_blocks, n, args.compute, seed=n, forward_ms=args.forward_ms),
         "plain": Engine("plain", plain_cfg, num_blocks, n, args.compute, seed=n, forward_ms=args.forward_ms),

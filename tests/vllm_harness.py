@@ -269,7 +269,7 @@ def make_tiny_model(path: str | os.PathLike = DEFAULT_MODEL_DIR) -> str:
 
 def make_vllm_config(
     connector_module: str | None,
-    connector_class: str,
+    connector_class: str | None,
     extra_config: dict | None = None,
     *,
     block_size: int = 16,
@@ -327,15 +327,17 @@ def make_vllm_config(
         enable_prefix_caching=enable_prefix_caching,
         num_gpu_blocks_override=num_gpu_blocks,
     )
-    kt_kwargs: dict[str, Any] = {
-        "kv_connector": connector_class,
-        "kv_connector_module_path": connector_module,
-        "kv_role": kv_role,
-        "kv_connector_extra_config": dict(extra_config or {}),
-    }
-    if kv_load_failure_policy is not None:
-        kt_kwargs["kv_load_failure_policy"] = kv_load_failure_policy
-    kv_transfer_config = KVTransferConfig(**kt_kwargs)
+    kv_transfer_config = None  # connector_class None: no connector at all (a baseline)
+    if connector_class is not None:
+        kt_kwargs: dict[str, Any] = {
+            "kv_connector": connector_class,
+            "kv_connector_module_path": connector_module,
+            "kv_role": kv_role,
+            "kv_connector_extra_config": dict(extra_config or {}),
+        }
+        if kv_load_failure_policy is not None:
+            kt_kwargs["kv_load_failure_policy"] = kv_load_failure_policy
+        kv_transfer_config = KVTransferConfig(**kt_kwargs)
     # Only recorded; we never init torch.distributed.  distributed_executor_
     # backend is left alone so VllmConfig's validation stays on its normal path.
     parallel_config = ParallelConfig(tensor_parallel_size=tp_size)
@@ -508,7 +510,8 @@ def make_scheduler(vllm_config, kv_cache_config, *, log_stats: bool = True):
         include_finished_set=False,
         log_stats=log_stats,
     )
-    assert sched.connector is not None, "kv_transfer_config did not create a connector"
+    if vllm_config.kv_transfer_config is not None and sched.connector is None:
+        raise RuntimeError("kv_transfer_config did not create a connector")
     return sched
 
 
