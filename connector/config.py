@@ -155,6 +155,18 @@ class ConnectorConfig:
                 fields[key] = int(value) if key == "min_prompt_tokens" else float(value)
         return cls(**fields)
 
+    def client(self, name: str):
+        """A KVDepotClient for these settings, attached if the daemon answers within connect_timeout_s.
+
+        Without the daemon the engine starts anyway: the client attaches when it can.
+        """
+        from kvdepot.client import KVDepotClient
+
+        client = KVDepotClient(self.socket, name=name, auth_token=self.auth_token, call_timeout=self.call_timeout_s)
+        if not client.wait_connected(self.connect_timeout_s):
+            log.warning("kvdepotd is not answering on %s; the engine runs without offloading until it does", self.socket)
+        return client
+
     def policy_for(self, request_id: str, prompt_len: int, params: Mapping[str, Any] | None) -> StorePolicy:
         """The request's policy: its kv_transfer_params over the configured default.
 

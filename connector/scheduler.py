@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from kvdepot.client import KVDepotClient
 from kvdepot.connector.config import ConnectorConfig, StorePolicy
 from kvdepot.connector.keys import GroupInfo, RequestKeys
 from kvdepot.connector.metadata import GroupTransfer, KVDepotMetadata, KVDepotWorkerMetadata, TransferJob
@@ -97,16 +96,7 @@ class SchedulerSide:
         self.groups = groups
         self.block_size = groups[0].block_size
         self.num_workers = vllm_config.parallel_config.world_size
-        self.client = KVDepotClient(
-            config.socket,
-            name=f"vllm-scheduler-{os.getpid()}",
-            auth_token=config.auth_token,
-            call_timeout=config.call_timeout_s,
-        )
-        if not self.client.wait_connected(config.connect_timeout_s):
-            log.warning(
-                "kvdepotd is not answering on %s; the engine runs without offloading until it does", config.socket
-            )
+        self.client = config.client(f"vllm-scheduler-{os.getpid()}")
         events = getattr(vllm_config, "kv_events_config", None)
         self._events_enabled = bool(events and events.enable_kv_cache_events)
         # Removals are kept for the KV events only (of the first group's blocks).

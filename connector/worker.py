@@ -23,7 +23,6 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from kvdepot.client import KVDepotClient
 from kvdepot.connector.config import ConnectorConfig
 from kvdepot.connector.keys import GroupInfo
 from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata, TransferJob
@@ -71,16 +70,7 @@ class WorkerSide:
         self.groups = groups
         self.num_blocks = kv_cache_config.num_blocks
         self.rank = world_rank(vllm_config)
-        self.client = KVDepotClient(
-            config.socket,
-            name=f"vllm-worker-{self.rank}-{os.getpid()}",
-            auth_token=config.auth_token,
-            call_timeout=config.call_timeout_s,
-        )
-        if not self.client.wait_connected(config.connect_timeout_s):
-            log.warning(
-                "kvdepotd is not answering on %s; the engine runs without offloading until it does", config.socket
-            )
+        self.client = config.client(f"vllm-worker-{self.rank}-{os.getpid()}")
         self.workers: dict[int, object] = {}
         self._unsubmitted: list[TransferJob] = []
         self._inflight: dict[int, WorkerJob] = {}
