@@ -581,6 +581,8 @@ class KVDepotClient:
 
         CUDA workers: call it after launching the compute that writes the
         blocks, on the current stream; the daemon's copy waits for that compute.
+        It returns without waiting for the daemon's answer: a job the daemon
+        refuses (a bad request) ends failed, with the daemon's message.
         """
         self.begin_store(worker, job_id, keys, block_ids).run()
         return job_id
@@ -614,6 +616,11 @@ class KVDepotClient:
         fields = dict(session_id=connection.session_id, worker_id=worker_id, job_id=job_id, keys=keys, block_ids=block_ids)
         if kind == "store" and worker.compute_fence is not None:
             fields["cuda_event_handle"], fields["cuda_fence_seq"] = worker.compute_fence.mark()
+        if not worker.copies_itself and tracked_here:
+            # The daemon copies and reports the end on the stream: the caller
+            # (an engine step) need not wait for the call's answer either.
+            self._submit_in_background(connection, kind, job_id, fields)
+            return transfer
         try:
             if kind == "store":
                 response = self._call(connection, "SubmitStore", pb.SubmitStoreRequest(**fields))
@@ -636,6 +643,33 @@ class KVDepotClient:
         # The daemon copies for CUDA workers and reports the end on the stream.
         transfer.done = not worker.copies_itself
         return transfer
+
+    def _submit_in_background(self, connection: _Connection, kind: str, job_id: int, fields: dict) -> None:
+        if kind == "store":
+            method, request = connection.stub.SubmitStore, pb.SubmitStoreRequest(**fields)
+        else:
+            method, request = connection.stub.SubmitLoad, pb.SubmitLoadRequest(**fields)
+        try:
+            call = method.future(request, timeout=self.call_timeout, metadata=self._metadata)
+        except ValueError:  # the channel closed under us: the daemon went away
+            self._finish(job_id, False, "the connection to kvdepotd is closed; reconnecting")
+            return
+
+        def submitted(call) -> None:
+            try:
+                response = call.result()
+            except grpc.RpcError as e:
+                if e.code() in _GONE:
+                    error = f"kvdepotd is not available: {e.details()}"
+                else:
+                    error = f"kvdepotd refused the {kind} job: {from_rpc_error(e)}"
+                    log.warning("job %d: %s", job_id, error)
+                self._finish(job_id, False, error)
+                return
+            if kind == "store":
+                self._record_store_counts(job_id, response.already_stored, response.not_stored)
+
+        call.add_done_callback(submitted)
 
     def _complete(self, connection: _Connection, job_id: int, ok: bool, error: str = "") -> None:
         try:
