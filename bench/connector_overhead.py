@@ -123,44 +123,17 @@ class Daemon:
 
 
 class BenchWorker(vh.WorkerSide):
-    """The harness's WorkerSide, timing each connector call; with connector=False it has no
-    connector and skips the hooks, doing the same block-table, metadata and KV work."""
+    """The harness's WorkerSide, timing each connector call and sleeping for a model forward.
 
-    def __init__(self, vllm_config, kv_cache_config, *, connector: bool):
+    Built from a config without a connector, it does the same block-table,
+    metadata and KV work and calls no hooks.
+    """
+
+    forward_s = 0.0
+
+    def __init__(self, vllm_config, kv_cache_config):
         self.hook_ns: dict[str, int] = defaultdict(int)
-        if connector:
-            super().__init__(vllm_config, kv_cache_config)
-            return
-        import copy
-        from types import SimpleNamespace
-
-        import torch
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
-        from vllm.v1.worker.utils import allocate_kv_cache
-
-        vllm_config = copy.deepcopy(vllm_config)
-        self.vllm_config = vllm_config
-        self.kv_cache_config = kv_cache_config
-        self.kv_value = vh.default_kv_value
-        self.hook_log = []
-        self.requests = {}
-        self.connector = None
-        self._installed_global = False
-        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-        self.kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, None)
-        self.layer_group, self.layer_spec = {}, {}
-        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-            for name in group.layer_names:
-                spec = group.kv_cache_spec
-                if isinstance(spec, UniformTypeKVCacheSpecs):
-                    spec = spec.kv_cache_specs[name]
-                self.layer_group[name] = gid
-                self.layer_spec[name] = spec
-        self.layer_names = sorted(self.kv_caches, key=vh._layer_index)
-        self.is_mla = {n: isinstance(s, MLAAttentionSpec) for n, s in self.layer_spec.items()}
-        sfc = vllm_config.compilation_config.static_forward_context
-        for name in self.layer_names:
-            sfc[name] = SimpleNamespace(layer_name=name, kv_cache=self.kv_caches[name], kv_cache_spec=self.layer_spec[name])
+        super().__init__(vllm_config, kv_cache_config)
 
     def _call(self, name, *args, tag=None, **kwargs):
         t0 = time.perf_counter_ns()
@@ -169,38 +142,14 @@ class BenchWorker(vh.WorkerSide):
         finally:
             self.hook_ns[name] += time.perf_counter_ns() - t0
 
-    def close(self):
-        if self.connector is not None:
-            super().close()
-
     def execute_model(self, so, *, compute: bool = True):
         self.hook_log.clear()  # the harness appends one marker a step
-        if self.connector is not None:
-            return super().execute_model(so, compute=compute)
-        from vllm.forward_context import set_forward_context
-
-        self._update_states(so)
-        order = list(so.num_scheduled_tokens)
-        attn_md, slot_maps = None, None
-        if so.total_num_scheduled_tokens > 0:
-            attn_md, slot_maps = self._build_attn_metadata(so, order)
-        with set_forward_context(attn_md, self.vllm_config, num_tokens=so.total_num_scheduled_tokens, slot_mapping=slot_maps):
-            if attn_md is not None:
-                self._forward(so, order, attn_md, compute)
-        return None, order
-
-    forward_s = 0.0
+        return super().execute_model(so, compute=compute)
 
     def _forward(self, so, order, attn_md, compute: bool) -> None:
         if self.forward_s:
             time.sleep(self.forward_s)  # the model's forward pass, GIL released
-        if self.connector is not None:
-            return super()._forward(so, order, attn_md, compute)
-        if compute:
-            for name in self.layer_names:
-                for req_id in order:
-                    start = self.requests[req_id].num_computed_tokens
-                    self._write_layer_tokens(name, req_id, start, start + so.num_scheduled_tokens[req_id])
+        super()._forward(so, order, attn_md, compute)
 
 
 class Workload:
@@ -241,7 +190,7 @@ class Engine:
         self.kv_cache_config = vh.make_kv_cache_config(vllm_config, num_blocks=num_blocks)
         self.vllm_config = vllm_config
         self.scheduler = vh.make_scheduler(vllm_config, self.kv_cache_config)
-        self.worker = BenchWorker(vllm_config, self.kv_cache_config, connector=self.scheduler.connector is not None)
+        self.worker = BenchWorker(vllm_config, self.kv_cache_config)
         self.worker.forward_s = forward_ms / 1000
         self.workload = Workload(seed)
         self.steps = 0

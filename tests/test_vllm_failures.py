@@ -36,14 +36,11 @@ def test_a_load_that_fails_is_recomputed(start_daemon, groups):
         # The blocks vanish between the lookup and the load.
         with KVDepotClient(daemon.socket, name="operator") as operator:
             assert operator.connect(10).clear("").cleared_blocks > 0
-        kv_output, _ = engine.worker.execute_model(planned, compute=False)
+        kv_output = engine.finish(planned)
         # Reported for the request; block ids are not unique across KV-cache
         # groups, and vLLM refuses them for hybrid models.
         assert kv_output.failed_recving == {"b"}
         assert kv_output.invalid_block_ids == set()
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        engine.scheduler.update_from_output(planned, ModelRunnerOutput.with_kv_conn_output_only(kv_output))
         # vLLM computes the whole prompt instead, and the request completes.
         assert engine.computed_when_scheduled("b") == 0
         engine.run()

@@ -120,10 +120,7 @@ def test_lookups_never_wait_for_the_daemon(engines, daemon):
         assert [(job.req_id, len(job.groups[0].keys)) for job in out.kv_connector_metadata.loads] == [("b", 4)]
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    kv_output, _ = engine.worker.execute_model(out, compute=False)
-    engine.scheduler.update_from_output(out, ModelRunnerOutput.with_kv_conn_output_only(kv_output))
+    engine.finish(out)
     assert engine.computed_when_scheduled("b") == 4 * BLOCK
     assert engine.worker.check_request_tokens("b", 0, 4 * BLOCK) == []
     engine.run()
@@ -184,17 +181,12 @@ def test_disjoint_prefixes_load_in_the_same_step(engines, daemon):
     meta = out.kv_connector_metadata
     assert sorted(job.req_id for job in meta.loads) == ["ra", "rb"]
     assert engine.side.counters["deferred"] == 0
-    kv_out, order = engine.worker.execute_model(out, compute=False)
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    engine.scheduler.update_from_output(out, ModelRunnerOutput.with_kv_conn_output_only(kv_out))
+    engine.finish(out)
     engine.run()
     assert totals(daemon).loaded_blocks == 8
 
 
 def test_abort_during_load_keeps_blocks_until_done(engines, daemon):
-    from vllm.v1.outputs import ModelRunnerOutput
-
     import vllm_harness as h
 
     engine = engines()
@@ -211,9 +203,7 @@ def test_abort_during_load_keeps_blocks_until_done(engines, daemon):
     h.abort(engine.scheduler, "r")
     # The load has not run yet: its destination blocks stay allocated.
     assert pool.get_num_free_blocks() < free_before
-    kv_out, _ = engine.worker.execute_model(out, compute=False)
-    assert kv_out.finished_recving == {"r"}
-    engine.scheduler.update_from_output(out, ModelRunnerOutput.with_kv_conn_output_only(kv_out))
+    assert engine.finish(out).finished_recving == {"r"}
     engine.run()
     assert pool.get_num_free_blocks() == free_before
 

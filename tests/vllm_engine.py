@@ -37,6 +37,15 @@ class Engine:
     def step(self, **kw) -> h.StepResult:
         return h.step(self.scheduler, self.worker, **kw)
 
+    def finish(self, scheduler_output):
+        """Runs the worker on a step the test scheduled itself (one that computes
+        nothing: its requests wait for loads) and hands vLLM the connector's output."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        kv_output, _ = self.worker.execute_model(scheduler_output, compute=False)
+        self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput.with_kv_conn_output_only(kv_output))
+        return kv_output
+
     def run(self, max_steps: int = 200, **kw) -> list[h.StepResult]:
         """Steps until every request finished and every transfer is done."""
         results = []

@@ -660,12 +660,16 @@ class WorkerSide:
         self.hook_log: list[str] = []
         self.requests: dict[str, _ReqState] = {}
 
-        # Same call ensure_kv_transfer_initialized() makes in the GPU/CPU worker.
-        self.connector = KVConnectorFactory.create_connector(
-            config=vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
-        )
+        # Same call ensure_kv_transfer_initialized() makes in the GPU/CPU worker;
+        # a config without kv_transfer_config gives a worker without connector
+        # (a baseline doing the same block-table, metadata and KV work).
+        self.connector = None
+        if vllm_config.kv_transfer_config is not None:
+            self.connector = KVConnectorFactory.create_connector(
+                config=vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
+            )
         self._installed_global = False
-        if install_global:
+        if install_global and self.connector is not None:
             # What get_kv_transfer_group() returns in a real worker.
             from vllm.distributed.kv_transfer import kv_transfer_state
 
@@ -698,8 +702,9 @@ class WorkerSide:
                 layer_name=name, kv_cache=self.kv_caches[name], kv_cache_spec=self.layer_spec[name]
             )
 
-        self._call("register_kv_caches", self.kv_caches)
-        self._call("set_host_xfer_buffer_ops", copy_kv_blocks)
+        if self.connector is not None:
+            self._call("register_kv_caches", self.kv_caches)
+            self._call("set_host_xfer_buffer_ops", copy_kv_blocks)
 
     # -- plumbing ---------------------------------------------------------
     def _call(self, name: str, *args, tag: str | None = None, **kwargs):
@@ -708,6 +713,8 @@ class WorkerSide:
 
     def close(self):
         """Shut the connector down and uninstall it as the global agent."""
+        if self.connector is None:
+            return
         try:
             self.connector.shutdown()
         finally:
@@ -913,6 +920,8 @@ class WorkerSide:
         from vllm.v1.outputs import KVConnectorOutput
 
         self.hook_log.append("-- step")
+        if self.connector is None:
+            return self._execute_without_connector(so, compute)
         meta = so.kv_connector_metadata
         assert meta is not None, "scheduler did not attach kv_connector_metadata"
         # 1. Before _update_states: blocks of preempted requests may be reused
@@ -952,9 +961,24 @@ class WorkerSide:
                 self._call("clear_connector_metadata")
         return out, order
 
+    def _execute_without_connector(self, so, compute: bool):
+        from vllm.forward_context import set_forward_context
+
+        self._update_states(so)
+        order = list(so.num_scheduled_tokens)
+        attn_md, slot_maps = (None, None)
+        if so.total_num_scheduled_tokens > 0:
+            attn_md, slot_maps = self._build_attn_metadata(so, order)
+        with set_forward_context(
+            attn_md, self.vllm_config, num_tokens=so.total_num_scheduled_tokens, slot_mapping=slot_maps
+        ):
+            if attn_md is not None:
+                self._forward(so, order, attn_md, compute)
+        return None, order
+
     def _forward(self, so, order, attn_md, compute: bool) -> None:
         """The model's layers: maybe_transfer_kv_layer around each attention."""
-        has_meta = self.connector.has_connector_metadata()
+        has_meta = self.connector is not None and self.connector.has_connector_metadata()
         for name in self.layer_names:
             if has_meta:
                 self._call("wait_for_layer_load", name, tag=name)
