@@ -26,16 +26,29 @@ from kvdepot.layout import WorkerLayout
 CHUNK_BYTES = int(os.environ.get("KVDEPOT_COPY_CHUNK_BYTES", 16384))
 if CHUNK_BYTES < 64 or CHUNK_BYTES & (CHUNK_BYTES - 1):
     raise ValueError(f"KVDEPOT_COPY_CHUNK_BYTES must be a power of two of at least 64, not {CHUNK_BYTES}")
-# Programs a copy launches, each looping over its share of the chunks. One per
-# SM by default: on an H200, 32 or 64 programs left PCIe at 40% (too few bytes in
-# flight), one per SM reached 90%, and twice that no more while blocking the
-# other direction (see docs/benchmarks.md). KVDEPOT_COPY_PROGRAMS overrides it.
+# Programs a copy launches, each looping over its share of the chunks.
+# KVDEPOT_COPY_PROGRAMS overrides both defaults below.
 _PROGRAMS_OVERRIDE = int(os.environ.get("KVDEPOT_COPY_PROGRAMS", 0))
 
 
 @functools.lru_cache(maxsize=None)
-def programs(device: int) -> int:
+def pcie_programs(device: int) -> int:
+    """Programs of a copy that reads or writes the pinned pool over PCIe ("kernel"
+    mode). On an H200, 32 or 64 programs left PCIe at 40% (too few bytes in
+    flight), one per SM reached 90%, and twice that no more while blocking the
+    other direction (see docs/benchmarks.md)."""
     return _PROGRAMS_OVERRIDE or torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def staging_programs(device: int) -> int:
+    """Programs of a gather into (or scatter from) a GPU staging buffer: memory on
+    both sides is HBM, so more bytes in flight pay. On an H200, two per SM halved
+    the time of a 16-block gather (0.097 -> 0.046 ms); four or eight per SM gained
+    nothing more."""
+    return _PROGRAMS_OVERRIDE or 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 # Pages and their addresses must be aligned to this for 16-byte accesses.
 ALIGNMENT = 16
 
@@ -140,13 +153,16 @@ def launch(
     pool_base: int,
     slot_bytes: int,
     to_host: bool,
+    programs: int | None = None,
 ) -> None:
-    """Enqueues the copies of one job on the current stream of the table's device."""
+    """Enqueues the copies of one job on the current stream of the table's device.
+
+    programs: how many programs share the work (default: pcie_programs)."""
     chunks = triton.cdiv(table.max_page_bytes, CHUNK_BYTES)
     work = block_ids.numel() * table.pages_per_block * chunks
     if work >= 2**31 - 2**20:  # the kernel's loop counter is 32-bit
         raise ValueError(f"a job of {work} page chunks is too large for one launch; split it")
-    _copy_pages[(min(work, programs(block_ids.device.index)),)](
+    _copy_pages[(min(work, programs or pcie_programs(block_ids.device.index)),)](
         block_ids,
         slots,
         table.page_gpu,

@@ -49,9 +49,19 @@ def same(a, b) -> bool:
                        b.view(torch.uint8) if b.dtype != torch.uint8 else b)
 
 
+# The default copies; staging buffers of 4 slots, so that a job is many chunks
+# and the ring of buffers wraps inside one job; and the kernel-only mode.
+COPY_MODES = {
+    "dma": {},
+    "dma-small-staging": {"KVDEPOT_STAGING_BYTES": str(4 * 16384)},
+    "kernel": {"KVDEPOT_COPY_MODE": "kernel"},
+}
+
+
+@pytest.mark.parametrize("mode", list(COPY_MODES))
 @pytest.mark.parametrize("layout", ["per_layer", "block_major", "mla", "group1"])
-def test_gpu_blocks_round_trip_bit_exact_between_processes(start_daemon, tmp_path, layout):
-    daemon = gpu_daemon(start_daemon)
+def test_gpu_blocks_round_trip_bit_exact_between_processes(start_daemon, tmp_path, layout, mode):
+    daemon = gpu_daemon(start_daemon, env=COPY_MODES[mode])
     a_out, b_before, b_out = tmp_path / "a.pt", tmp_path / "b0.pt", tmp_path / "b.pt"
     stored = run_worker("store", "--socket", daemon.socket, "--layout", layout, "--device", "cuda",
                         "--seed", "1", "--blocks", "64", "--first-block", "0", "--out", str(a_out))
@@ -183,12 +193,7 @@ def test_jobs_whose_slots_cross_two_pinned_registrations(start_daemon, client_fa
     # 1 MiB registrations of 16 KiB slots: a 100-block job spans two of them.
     daemon = gpu_daemon(start_daemon, env={"KVDEPOT_PIN_CHUNK_BYTES": str(1 << 20)})
     client = client_factory(daemon)
-    source, block_dim = make_kv_cache("per_layer", seed=40)
-    target, _ = make_kv_cache("per_layer", seed=41)
-    source, target = [t.cuda() for t in source], [t.cuda() for t in target]
-    ns = namespace("per_layer")
-    a = client.register_worker(ns, rank=0, tensors=source, block_dim=block_dim)
-    b = client.register_worker(ns, rank=0, tensors=target, block_dim=block_dim)
+    (a, source), (b, target) = gpu_worker(client, seed=40), gpu_worker(client, seed=41)
     keys = prompt_keys(100, prompt=4000)
     client.submit_store(a, 1, keys, list(range(100)))
     assert client.wait([1], 30)[1].ok
@@ -197,4 +202,30 @@ def test_jobs_whose_slots_cross_two_pinned_registrations(start_daemon, client_fa
     torch.cuda.synchronize()
     for i in range(100):
         for src, dst in zip(block_of(source, "per_layer", i), block_of(target, "per_layer", 28 + i)):
+            assert same(src, dst), f"block {i} differs"
+
+
+@pytest.mark.parametrize("mode", list(COPY_MODES))
+def test_stores_and_loads_at_once_stay_bit_exact(start_daemon, client_factory, mode):
+    """Both directions run together, several jobs of each in flight, so the
+    chunks of consecutive jobs share the staging ring."""
+    daemon = gpu_daemon(start_daemon, env=COPY_MODES[mode])
+    client = client_factory(daemon)
+    (a, source), (b, target) = gpu_worker(client, seed=50), gpu_worker(client, seed=51)
+    first = [prompt_keys(30, prompt=5000 + j) for j in range(2)]
+    second = [prompt_keys(30, prompt=6000 + j) for j in range(2)]
+    for j, keys in enumerate(first):
+        client.submit_store(a, j, keys, list(range(30 * j, 30 * j + 30)))
+    assert all(r.ok for r in client.wait([0, 1], 30).values())
+    # Loads of the first stores into b, stores of a's next blocks, interleaved.
+    for j in range(2):
+        client.submit_load(b, 10 + j, first[j], list(range(30 * j, 30 * j + 30)))
+        client.submit_store(a, 20 + j, second[j], list(range(60 + 30 * j, 90 + 30 * j)))
+    assert all(r.ok for r in client.wait([10, 11, 20, 21], 30).values())
+    for j in range(2):
+        client.submit_load(b, 30 + j, second[j], list(range(60 + 30 * j, 90 + 30 * j)))
+    assert all(r.ok for r in client.wait([30, 31], 30).values())
+    torch.cuda.synchronize()
+    for i in range(120):
+        for src, dst in zip(block_of(source, "per_layer", i), block_of(target, "per_layer", i)):
             assert same(src, dst), f"block {i} differs"
