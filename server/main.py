@@ -197,6 +197,8 @@ async def serve(config: DaemonConfig) -> int:
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # Small messages that engine steps wait on (see the client's channel).
+            ("grpc.optimization_target", "latency"),
         ],
     )
     pb_grpc.add_KVDepotServicer_to_server(KVDepotService(depot), server)
