@@ -8,8 +8,10 @@
    store and load jobs of N blocks of a Llama-3.1-8B rank (32 layers, 8 KV heads,
    head dim 128, 16 tokens a block, bf16: 32 KiB pages, 2 MiB a block), in the
    per-layer layout ([2, blocks, 16, 8, 128] a layer) and the block-major one
-   ([blocks, 32, 2, 16, 8, 128]); a store and a load at once; and the
-   submit-to-completion latency of a 16-block job.
+   ([blocks, 32, 2, 16, 8, 128]), one job at a time and sustained (--depth
+   jobs of each direction in flight, the next submitted as the oldest ends);
+   a store and a load at once; and the submit-to-completion latency of a
+   16-block job.
 3. The baseline: one cudaMemcpyAsync per page, in this process.
 Times are medians of --reps runs after a warm-up; rates are GB/s (1e9 bytes).
 """
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -99,8 +102,31 @@ class Jobs:
         if bad:
             raise RuntimeError(f"job failed: {bad[0].error}")
 
+    def sustained(self, plan, depth: int, reps: int = 3) -> float:
+        """Runs the (kind, keys, block_ids) jobs of `plan` with up to `depth` of each
+        kind in flight, submitting the next as the oldest ends, as an engine does
+        step after step; returns the median over `reps` runs of the seconds from
+        the first submit to the last end. keys None: fresh keys for each run (a
+        store of keys stored already copies nothing), made before the clock starts."""
+        times = []
+        for _ in range(reps):
+            fresh = [(kind, [os.urandom(32) for _ in ids] if keys is None else keys, ids) for kind, keys, ids in plan]
+            times.append(self._sustained_once(fresh, depth))
+        return statistics.median(times)
 
-def through_daemon(socket: str, layout: str, sizes: list[int], reps: int) -> dict:
+    def _sustained_once(self, plan, depth: int) -> float:
+        in_flight = deque()
+        todo = deque(plan)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        while todo or in_flight:
+            while todo and len(in_flight) < depth * len({kind for kind, _, _ in plan}):
+                in_flight.append(self.run(*todo.popleft()))
+            self.wait(in_flight.popleft())
+        return time.perf_counter() - start
+
+
+def through_daemon(socket: str, layout: str, sizes: list[int], reps: int, depth: int) -> dict:
     largest = max(sizes)
     tensors, block_dim = make_cache(layout, 2 * largest)
     client = KVDepotClient(socket, name=f"bench-{layout}").connect(30)
@@ -110,32 +136,38 @@ def through_daemon(socket: str, layout: str, sizes: list[int], reps: int) -> dic
     results = {}
     for n in sizes:
         low, high = list(range(n)), list(range(largest, largest + n))
+        # Enough jobs for a steady state, but about 1 GB at least.
+        count = max(3 * depth, (1 << 30) // (n * BLOCK))
+
+        def fresh_keys():
+            return [os.urandom(32) for _ in range(n)]
 
         def store():
-            jobs.wait(jobs.run("store", [os.urandom(32) for _ in range(n)], low))
+            jobs.wait(jobs.run("store", fresh_keys(), low))
 
-        loaded_keys = [os.urandom(32) for _ in range(n)]
+        loaded_keys = fresh_keys()
 
         def load():
             jobs.wait(jobs.run("load", loaded_keys, high))
 
-        def store_pipelined():
-            ids = [jobs.run("store", [os.urandom(32) for _ in range(n)], low) for _ in range(4)]
-            jobs.wait(*ids)
-
         def both():
-            a = jobs.run("store", [os.urandom(32) for _ in range(n)], low)
+            a = jobs.run("store", fresh_keys(), low)
             b = jobs.run("load", loaded_keys, high)
             jobs.wait(a, b)
 
         nbytes = n * BLOCK
-        results[n] = {"store": nbytes / median_time(store, reps) / 1e9,
-                      "store4": 4 * nbytes / median_time(store_pipelined, reps) / 1e9}
+        results[n] = {"store": nbytes / median_time(store, reps) / 1e9}
+        stores = [("store", None, low)] * count
+        results[n]["store_sustained"] = count * nbytes / jobs.sustained(stores, depth) / 1e9
         # Stored after the timed stores, so they cannot have evicted it; loads keep it recent.
         jobs.wait(jobs.run("store", loaded_keys, low))
+        loads = [("load", loaded_keys, high)] * count
+        mixed = [job for pair in zip(loads, stores) for job in pair]
         results[n].update({
             "load": nbytes / median_time(load, reps) / 1e9,
+            "load_sustained": count * nbytes / jobs.sustained(loads, depth) / 1e9,
             "both": 2 * nbytes / median_time(both, reps) / 1e9,
+            "both_sustained": 2 * count * nbytes / jobs.sustained(mixed, depth) / 1e9,
         })
         if n == 16:
             results[n]["latency_ms"] = 1e3 * median_time(store, max(reps, 20))
@@ -234,6 +266,8 @@ def main() -> int:
     parser.add_argument("--sizes", default="16,64,512,2048")
     parser.add_argument("--layouts", default="per_layer,block_major")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--depth", type=int, default=4,
+                        help="jobs of each direction in flight in the sustained runs (default 4)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the slow per-page baseline")
     parser.add_argument("--interference", action="store_true",
                         help="also measure how much the copies slow a bf16 matmul on the same GPU")
@@ -265,7 +299,7 @@ def main() -> int:
     try:
         rows = []
         for layout in args.layouts.split(","):
-            for n, r in through_daemon(socket, layout, sizes, args.reps).items():
+            for n, r in through_daemon(socket, layout, sizes, args.reps, args.depth).items():
                 rows.append((layout, n, r))
         daemon_mib = daemon_gpu_memory(daemon.pid)
         slowdown = interference(socket) if args.interference else None
@@ -279,15 +313,21 @@ def main() -> int:
         daemon.wait(60)
 
     print()
-    print(f"{'layout':<12} {'blocks':>6} {'store GB/s':>11} {'/peak':>6} {'4 in flight':>11} {'/peak':>6} "
-          f"{'load GB/s':>10} {'/peak':>6} {'both GB/s':>10} {'/peak2':>7} {'vs per-page':>12}")
+    print(f"Alone: one job at a time, submit to completion. Sustained: {args.depth} jobs of each direction in "
+          "flight, the next submitted as the oldest ends. Ratios: to the one-way peak, or the two-way peak for both.")
+    print(f"{'layout':<12} {'blocks':>6} {'store alone':>15} {'store sustained':>15} {'load alone':>15} "
+          f"{'load sustained':>15} {'both alone':>15} {'both sustained':>15} {'vs per-page':>12}")
+
+    def cell(rate: float, peak_rate: float) -> str:
+        return f"{rate:.1f} ({rate / peak_rate:.2f})"
+
     for layout, n, r in rows:
         vs = ""
         if layout == "per_layer" and n in baseline:
             vs = f"{r['store'] / baseline[n]['store']:.1f}x/{r['load'] / baseline[n]['load']:.1f}x"
-        print(f"{layout:<12} {n:>6} {r['store']:>11.1f} {r['store'] / ceiling['d2h']:>6.2f} "
-              f"{r['store4']:>11.1f} {r['store4'] / ceiling['d2h']:>6.2f} {r['load']:>10.1f} "
-              f"{r['load'] / ceiling['h2d']:>6.2f} {r['both']:>10.1f} {r['both'] / ceiling['both']:>7.2f} {vs:>12}")
+        print(f"{layout:<12} {n:>6} {cell(r['store'], ceiling['d2h']):>15} {cell(r['store_sustained'], ceiling['d2h']):>15} "
+              f"{cell(r['load'], ceiling['h2d']):>15} {cell(r['load_sustained'], ceiling['h2d']):>15} "
+              f"{cell(r['both'], ceiling['both']):>15} {cell(r['both_sustained'], ceiling['both']):>15} {vs:>12}")
     for n, b in baseline.items():
         print(f"one cudaMemcpyAsync per page, {n} blocks: store {b['store']:.1f}  load {b['load']:.1f} GB/s")
     print(f"daemon's GPU memory after serving the jobs above: {daemon_mib}")
