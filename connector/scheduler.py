@@ -387,6 +387,7 @@ class SchedulerSide:
         block_ids: list[list[int]] = [[] for _ in self.groups]
         runs: list[StoredRun] = []
         members: list[RequestState] = []
+        block_ids_of, events = self._block_ids_of, self._events_enabled
         for st, computed in ready:
             request = st.request
             end = min(computed, request.num_tokens) // bs
@@ -395,17 +396,21 @@ class SchedulerSide:
             start = st.stored_upto
             if end <= start:
                 continue
-            group_ids = self._block_ids_of(st, start, end)
+            group_ids = block_ids_of(st, start, end)
             end = start + (len(group_ids[0]) if len(group_ids) == 1 else min(len(ids) for ids in group_ids))
             if end <= start:
                 continue
             run_keys = st.keys.range(start, end)
             for pos, ids in enumerate(group_ids):
+                if len(ids) == len(run_keys) and 0 not in ids:  # no null block (only windows free them)
+                    keys[pos] += run_keys
+                    block_ids[pos] += ids
+                    continue
                 for k, b in zip(run_keys, ids):
                     if b:
                         keys[pos].append(k)
                         block_ids[pos].append(b)
-            if self._events_enabled:
+            if events:
                 runs.append(_stored_run(request, start, end, bs, run_keys))
             self._set_stored(st, end)
             members.append(st)
