@@ -1,7 +1,7 @@
 """What KVDepotConnector costs vLLM's scheduler and worker per engine step, against no connector.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/connector_overhead.py [--steps 2000] [--running 64,128,256]
-        [--forward-ms MS] [--connector kvdepot|null] [--connector-config JSON] [--compute] [--json [PATH]]
+        [--forward-ms MS] [--forward-read-mb MB] [--connector kvdepot|null] [--connector-config JSON] [--compute] [--json [PATH]]
 
 `--connector null` runs a connector that does nothing instead, which measures what vLLM itself
 spends on having a connector at all.
@@ -34,6 +34,12 @@ Measured per step:
 
 With the shared-memory transport (CPU engines) the worker copies stored/loaded blocks in the
 calling thread, so the hook time includes the KV copies themselves.
+
+The harness has no model, so by default nothing between two scheduler calls evicts the
+scheduler's data from the CPU caches, except the connector's own worker-side work: the
+no-connector baseline runs with warmer caches than it would next to a real forward pass.
+`--forward-read-mb MB` reads that much memory a step in both configurations (in place of
+the weights a forward pass streams), to measure the ratio with caches as a model leaves them.
 """
 
 from __future__ import annotations
@@ -130,6 +136,8 @@ class BenchWorker(vh.WorkerSide):
     """
 
     forward_s = 0.0
+    # Memory a forward pass reads a step (None: none), both configurations alike.
+    forward_read = None
 
     def __init__(self, vllm_config, kv_cache_config):
         self.hook_ns: dict[str, int] = defaultdict(int)
@@ -149,6 +157,8 @@ class BenchWorker(vh.WorkerSide):
     def _forward(self, so, order, attn_md, compute: bool) -> None:
         if self.forward_s:
             time.sleep(self.forward_s)  # the model's forward pass, GIL released
+        if self.forward_read is not None:
+            self.forward_read.sum()  # the weights it streams: one thread, like the step's own reads
         super()._forward(so, order, attn_md, compute)
 
 
@@ -183,7 +193,10 @@ class Workload:
 
 
 class Engine:
-    def __init__(self, name: str, vllm_config, num_blocks: int, running: int, compute: bool, seed: int, forward_ms: float = 0.0):
+    def __init__(
+        self, name: str, vllm_config, num_blocks: int, running: int, compute: bool, seed: int,
+        forward_ms: float = 0.0, forward_read_mb: int = 0,
+    ):  # fmt: skip
         self.name = name
         self.running = running
         self.compute = compute
@@ -192,6 +205,10 @@ class Engine:
         self.scheduler = vh.make_scheduler(vllm_config, self.kv_cache_config)
         self.worker = BenchWorker(vllm_config, self.kv_cache_config)
         self.worker.forward_s = forward_ms / 1000
+        if forward_read_mb:
+            import numpy as np
+
+            self.worker.forward_read = np.ones((forward_read_mb << 20) // 8, dtype=np.int64)
         self.workload = Workload(seed)
         self.steps = 0
         self.samples: dict[str, list[int]] = defaultdict(list)  # measured steps only
@@ -350,8 +367,8 @@ def run_one(n: int, args, socket: str, log) -> dict:
         conn_cfg = vh.make_vllm_config("kvdepot.connector", "KVDepotConnector", extra, block_size=BLOCK_SIZE, **common)
     plain_cfg = vh.make_vllm_config(None, None, block_size=BLOCK_SIZE, **common)
     engines = {
-        "conn": Engine("conn", conn_cfg, num_blocks, n, args.compute, seed=n, forward_ms=args.forward_ms),
-        "plain": Engine("plain", plain_cfg, num_blocks, n, args.compute, seed=n, forward_ms=args.forward_ms),
+        name: Engine(name, cfg, num_blocks, n, args.compute, seed=n, forward_ms=args.forward_ms, forward_read_mb=args.forward_read_mb)
+        for name, cfg in (("conn", conn_cfg), ("plain", plain_cfg))
     }
     try:
         started = time.monotonic()
@@ -455,6 +472,8 @@ def main() -> int:
     ap.add_argument("--compute", action="store_true", help="write KV for every scheduled token (slow; off: hooks only)")
     ap.add_argument("--forward-ms", type=float, default=0.0,
                     help="sleep this long a step in place of the model's forward pass (GIL released, as on a GPU)")
+    ap.add_argument("--forward-read-mb", type=int, default=0,
+                    help="read this many MiB a step in place of the weights a forward pass reads (both configs)")
     ap.add_argument("--pool-size", default="256MiB")
     ap.add_argument("--slot-size", default="64KiB")
     ap.add_argument("--pool-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
@@ -496,13 +515,14 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "compute": args.compute,
         "forward_ms": args.forward_ms,
+        "forward_read_mb": args.forward_read_mb,
         "connector_config": json.loads(args.connector_config),
         "warmup": args.warmup,
         "block": args.block,
         "wall_s": time.monotonic() - t_start,
     }
     print(f"vLLM {info['vllm']} (CPU), torch {info['torch']}, Python {info['python']}, {info['cores']} cores, {info['date']}; "
-          f"`{info['command']}`; KV writes {'on' if args.compute else 'off'}; forward {args.forward_ms:g} ms; total {info['wall_s']:.0f} s\n")  # fmt: skip
+          f"`{info['command']}`; KV writes {'on' if args.compute else 'off'}; forward {args.forward_ms:g} ms, reads {args.forward_read_mb} MiB; total {info['wall_s']:.0f} s\n")  # fmt: skip
     print(markdown(results))
     print()
     print(hook_table(results))

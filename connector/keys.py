@@ -88,12 +88,29 @@ class RequestKeys:
 
     def extend(self, num_blocks: int) -> None:
         keys = self._keys
-        if len(keys) >= num_blocks:
+        have = len(keys)
+        if have >= num_blocks:
             return
         request, size = self._request, self._block_size
-        if num_blocks * size > request.num_tokens:
+        # The request's own list: vLLM's all_token_ids wraps it in a
+        # ConstantList whose slicing is a Python call.
+        tokens = getattr(request, "_all_token_ids", None)
+        if tokens is None:
+            tokens = request.all_token_ids
+        if num_blocks * size > len(tokens):
             raise ValueError(f"request {request.request_id} has no block {num_blocks - 1} yet")
-        tokens = request.all_token_ids
+        if self._plain and (have > 0 or not request.cache_salt):
+            # Blocks without extra keys, hashed where decode spends its time:
+            # one pack for all new blocks, then one SHA-256 per block over the
+            # same bytes chain_key hashes.
+            packed = _pack_tokens(tokens[have * size : num_blocks * size])
+            head = _block_header(size)
+            width = 8 * size
+            parent = keys[-1] if keys else _ROOT
+            for i in range(0, len(packed), width):
+                parent = _sha256(parent + head + packed[i : i + width] + _NO_EXTRA).digest()
+                keys.append(parent)
+            return
         while len(keys) < num_blocks:
             start = len(keys) * size
             if self._plain and (start > 0 or not request.cache_salt):
@@ -105,6 +122,27 @@ class RequestKeys:
                     request, start, start + size, self._next_mm_index
                 )
             keys.append(chain_key(keys[-1] if keys else None, tokens[start : start + size], extra))
+
+
+_sha256 = hashlib.sha256
+_PACKERS: dict[int, struct.Struct] = {}
+_HEADERS: dict[int, bytes] = {}
+
+
+def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    n = len(token_ids)
+    packer = _PACKERS.get(n)
+    if packer is None:
+        packer = _PACKERS[n] = struct.Struct(f"<{n}q")
+    return packer.pack(*token_ids)
+
+
+def _block_header(block_size: int) -> bytes:
+    """The token count chain_key puts before a block's token ids."""
+    head = _HEADERS.get(block_size)
+    if head is None:
+        head = _HEADERS[block_size] = struct.pack("<I", block_size)
+    return head
 
 
 @dataclass(frozen=True)

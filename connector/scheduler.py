@@ -387,6 +387,10 @@ class SchedulerSide:
         block_ids: list[list[int]] = [[] for _ in self.groups]
         runs: list[StoredRun] = []
         members: list[RequestState] = []
+        block_ids_of, events = self._block_ids_of, self._events_enabled
+        # One full-attention group whose block lists vLLM keeps (the common
+        # case): read them here, without a call per request.
+        lists = self._block_lists[0] if self._block_lists is not None and len(self.groups) == 1 else None
         for st, computed in ready:
             request = st.request
             end = min(computed, request.num_tokens) // bs
@@ -395,17 +399,25 @@ class SchedulerSide:
             start = st.stored_upto
             if end <= start:
                 continue
-            group_ids = self._block_ids_of(st, start, end)
+            blocks = lists.get(request.request_id) if lists is not None else None
+            if blocks is not None:
+                group_ids = [[b.block_id for b in blocks[start:end]]]
+            else:
+                group_ids = block_ids_of(st, start, end)
             end = start + (len(group_ids[0]) if len(group_ids) == 1 else min(len(ids) for ids in group_ids))
             if end <= start:
                 continue
             run_keys = st.keys.range(start, end)
             for pos, ids in enumerate(group_ids):
+                if len(ids) == len(run_keys) and 0 not in ids:  # no null block (only windows free them)
+                    keys[pos] += run_keys
+                    block_ids[pos] += ids
+                    continue
                 for k, b in zip(run_keys, ids):
                     if b:
                         keys[pos].append(k)
                         block_ids[pos].append(b)
-            if self._events_enabled:
+            if events:
                 runs.append(_stored_run(request, start, end, bs, run_keys))
             self._set_stored(st, end)
             members.append(st)
@@ -490,10 +502,10 @@ class SchedulerSide:
 
     def take_events(self) -> list:
         """vLLM KV events, medium CPU: blocks this engine stored, and those the daemon dropped since."""
+        if not self._events_enabled:  # called every step: no import on the way out
+            return []
         from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
 
-        if not self._events_enabled:
-            return []
         events, self._events = self._events, []
         # Hashes are known for the blocks this engine stored; a block another
         # engine stored was never announced by this one, so it is not retracted.

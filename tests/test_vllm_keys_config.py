@@ -58,6 +58,31 @@ def test_keys_are_the_same_in_every_process_and_cover_salt_and_lora():
     assert first["salt"] != first["salt2"]
 
 
+def test_request_keys_grown_block_by_block_are_the_chain_key_chain():
+    # RequestKeys hashes plain blocks on a faster path than chain_key; the
+    # bytes hashed must be the same, or keys would change between versions.
+    sys.path.insert(0, str(REPO / "tests"))
+    import vllm_harness as h
+
+    from kvdepot.connector.keys import RequestKeys, chain_key
+
+    prompt = [(i * 7919) % 30000 + 3 for i in range(40)]
+    for kw in ({}, {"cache_salt": "tenant-a"}):
+        request = h.make_request("r", prompt, max_tokens=64, **kw)
+        keys = RequestKeys(request, 16)
+        assert len(keys.upto(2)) == 2  # the prompt's whole blocks, as on arrival
+        for step in range(50):  # decode: one token a step, a block every 16
+            request.append_output_token_ids(100 + step)
+            keys.extend(request.num_tokens // 16)
+        tokens = list(request.all_token_ids)
+        expected, parent = [], None
+        for b in range(len(tokens) // 16):
+            extra = (("cache_salt", "tenant-a"),) if kw and b == 0 else None
+            parent = chain_key(parent, tokens[b * 16 : (b + 1) * 16], extra)
+            expected.append(parent)
+        assert keys.upto(len(expected)) == expected, kw
+
+
 def test_extra_config_errors_name_the_key():
     from kvdepot.connector.config import ConfigError, ConnectorConfig
 
