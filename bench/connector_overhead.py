@@ -226,8 +226,6 @@ class Engine:
         return time.perf_counter_ns() - t0
 
     def step(self) -> None:
-        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-
         add_ns = self.top_up()
         sched, worker = self.scheduler, self.worker
         worker.hook_ns.clear()
@@ -235,22 +233,7 @@ class Engine:
         so = sched.schedule()
         t1 = time.perf_counter_ns()
         kv_out, order = worker.execute_model(so, compute=self.compute)
-        if so.total_num_scheduled_tokens == 0:
-            mro = ModelRunnerOutput.with_kv_conn_output_only(kv_out) if kv_out is not None else EMPTY_MODEL_RUNNER_OUTPUT
-        else:
-            sampled = []
-            for req_id in order:
-                if worker.wants_sample(so, req_id):
-                    worker.record_sampled(req_id, 7)
-                    sampled.append([7])
-                else:
-                    sampled.append([])
-            mro = ModelRunnerOutput(
-                req_ids=order,
-                req_id_to_index={r: i for i, r in enumerate(order)},
-                sampled_token_ids=sampled,
-                kv_connector_output=kv_out,
-            )
+        mro = vh.model_output(worker, so, order, kv_out)
         t2 = time.perf_counter_ns()
         sched.update_from_output(so, mro)
         t3 = time.perf_counter_ns()

@@ -1042,6 +1042,32 @@ class StepResult:
 SampledToken = int | Callable[[str, int], int]
 
 
+def model_output(worker: WorkerSide, so, order: list[str], kv_out, sampled_token: SampledToken = 7):
+    """The ModelRunnerOutput of a step the worker ran: a sampled token for each
+    request that samples (recorded in the worker), and the connector's output."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    if so.total_num_scheduled_tokens == 0:
+        # kv_connector_no_forward()
+        return ModelRunnerOutput.with_kv_conn_output_only(kv_out) if kv_out is not None else EMPTY_MODEL_RUNNER_OUTPUT
+    sampled = []
+    for req_id in order:
+        if worker.wants_sample(so, req_id):
+            tok = sampled_token
+            if callable(sampled_token):
+                tok = sampled_token(req_id, len(worker.requests[req_id].token_ids))
+            worker.record_sampled(req_id, tok)
+            sampled.append([tok])
+        else:
+            sampled.append([])
+    return ModelRunnerOutput(
+        req_ids=order,
+        req_id_to_index={r: i for i, r in enumerate(order)},
+        sampled_token_ids=sampled,
+        kv_connector_output=kv_out,
+    )
+
+
 def step(scheduler, worker: WorkerSide, *, sampled_token: SampledToken = 7, compute: bool = True) -> StepResult:
     """One engine step: schedule -> worker.execute_model -> update_from_output.
 
@@ -1049,29 +1075,9 @@ def step(scheduler, worker: WorkerSide, *, sampled_token: SampledToken = 7, comp
     ``(req_id, position_of_new_token) -> token``.  Use ``TINY_MODEL_EOS`` to
     stop requests early.
     """
-    from vllm.v1.outputs import ModelRunnerOutput
-
     so = scheduler.schedule()
     kv_out, order = worker.execute_model(so, compute=compute)
-    if so.total_num_scheduled_tokens == 0:
-        # kv_connector_no_forward()
-        mro = ModelRunnerOutput.with_kv_conn_output_only(kv_out)
-    else:
-        sampled = []
-        for req_id in order:
-            if worker.wants_sample(so, req_id):
-                st = worker.requests[req_id]
-                tok = sampled_token(req_id, len(st.token_ids)) if callable(sampled_token) else sampled_token
-                worker.record_sampled(req_id, tok)
-                sampled.append([tok])
-            else:
-                sampled.append([])
-        mro = ModelRunnerOutput(
-            req_ids=order,
-            req_id_to_index={r: i for i, r in enumerate(order)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_out,
-        )
+    mro = model_output(worker, so, order, kv_out, sampled_token)
     engine_outputs = scheduler.update_from_output(so, mro)
     return StepResult(so, mro, engine_outputs, kv_out)
 
