@@ -564,7 +564,9 @@ class Depot:
                 setattr(counters, name, getattr(counters, name) + delta)
 
     def _count_eviction(self, block: Block) -> None:
-        self._count(None, block.ns, evicted_blocks=1)
+        # Once per block evicted, which in a full pool is once per block stored.
+        self.totals.evicted_blocks += 1
+        block.ns.counters.evicted_blocks += 1
 
     def _note_change(self, block: Block, state: str) -> None:
         self._changes.setdefault(block.ns.id, {})[block.key] = state

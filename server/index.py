@@ -133,30 +133,33 @@ class BlockIndex:
     def reserve_store(self, ns: Namespace, rank: int, keys: list[bytes], job_id: int) -> StoreReservation:
         writes: list[tuple[int, Block]] = []
         already = 0
+        # Runs once per block of every store, mostly evicting: names bound once.
+        blocks, pinned, touch, on_change, ns_id = self._blocks, self._pinned, self.policy.touch, self._on_change, ns.id
         for position, key in enumerate(keys):
-            index_key = (ns.id, key)
-            block = self._blocks.get(index_key)
+            index_key = (ns_id, key)
+            block = blocks.get(index_key)
             if block is not None and (block.ready or rank in block.committed or rank in block.writers):
                 already += 1
                 if block.ready:
-                    self.policy.touch(index_key)
+                    touch(index_key)
                 continue
             created = block is None
             if created:
                 block = Block(ns, key)
             # Pinned before making room, so that eviction cannot take it.
-            self._pin(block)
+            block.pins += 1
+            pinned.add(block)
             slot = self._allocate_slot(index_key)
             if slot is None:
                 self._unpin(block)
                 return StoreReservation(writes, already, len(keys) - position)
             if created:
-                self._blocks[index_key] = block
+                blocks[index_key] = block
             block.slots[rank] = slot
             starts_storing = not block.writers
             block.writers[rank] = job_id
             if starts_storing:
-                self._on_change(block, "storing")
+                on_change(block, "storing")
             ns.used_slots += 1
             writes.append((position, block))
         return StoreReservation(writes, already, 0)
@@ -166,7 +169,9 @@ class BlockIndex:
         slot goes back to the pool, or, with release_slot=False, to the caller
         (who keeps it out of use while a writer may still be running)."""
         del block.writers[rank]
-        self._unpin(block)
+        block.pins -= 1
+        if block.pins == 0:
+            self._pinned.discard(block)
         if not ok:
             if not block.writers:
                 self._on_change(block, "dropped")
@@ -221,19 +226,23 @@ class BlockIndex:
 
     def _allocate_slot(self, incoming: tuple[int, bytes]) -> int | None:
         slot = self.pool.allocate()
+        if slot is not None:
+            return slot
+        # A full pool (the steady state): each new block evicts one.
+        evictable = self._evictable
         while slot is None:
-            victim = self._victim(incoming)
-            if victim is None:
+            victim_key = self.policy.victim(evictable, incoming)
+            if victim_key is None:
                 return None
+            victim = self._blocks[victim_key]
             self._drop(victim)
             self._on_evict(victim)
             self._on_change(victim, "dropped")
             slot = self.pool.allocate()
         return slot
 
-    def _victim(self, incoming) -> Block | None:
-        index_key = self.policy.victim(lambda k: self._blocks[k].pins == 0, incoming)
-        return None if index_key is None else self._blocks[index_key]
+    def _evictable(self, index_key: tuple[int, bytes]) -> bool:
+        return self._blocks[index_key].pins == 0
 
     def _drop(self, block: Block) -> None:
         for rank, slot in enumerate(block.slots):
