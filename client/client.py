@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import grpc
-import grpc.experimental
 
 from kvdepot.client.shm_copy import BlockCopier, MappedPool
 from kvdepot.client.tensors import normalize_block_dims, tensor_layout, tensor_spec
@@ -260,10 +259,6 @@ class KVDepotClient:
                 # Every call is small and an engine step waits on some: on an H200
                 # host this took about 80 us off a store's submit-to-completion.
                 ("grpc.optimization_target", "latency"),
-                # The session's stream is read by the thread that polls it: grpc's
-                # default hands every message from a channel thread to the reader,
-                # one more thread hop before a job's end reaches the engine.
-                (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
             ],
         )
 
