@@ -12,7 +12,8 @@ something different happening between two runs of it:
 
   nothing          back to back: the floor
   sleep            this thread sleeps 0.5 ms (its core idles)
-  calls            this thread makes two unary calls to a real kvdepotd (GetStats)
+  one call         this thread makes one unary call to a real kvdepotd (GetStats)
+  calls            this thread makes two such calls
   calls elsewhere  a helper thread on another core makes the same two calls;
                    this thread waits for it
   python elsewhere the helper thread runs about 0.1 ms of plain Python instead;
@@ -146,6 +147,7 @@ def main() -> int:
         modes = {
             "nothing": lambda: None,
             "sleep": lambda: time.sleep(0.0005),
+            "one call": client.stats,
             "calls": two_calls,
             "calls elsewhere": lambda: helper.run(two_calls),
             "python elsewhere": lambda: helper.run(plain_python),
