@@ -134,7 +134,7 @@ class BlockIndex:
         writes: list[tuple[int, Block]] = []
         already = 0
         # Runs once per block of every store, mostly evicting: names bound once.
-        blocks, pinned, touch, on_change, ns_id = self._blocks, self._pinned, self.policy.touch, self._on_change, ns.id
+        blocks, touch, on_change, ns_id = self._blocks, self.policy.touch, self._on_change, ns.id
         for position, key in enumerate(keys):
             index_key = (ns_id, key)
             block = blocks.get(index_key)
@@ -147,8 +147,7 @@ class BlockIndex:
             if created:
                 block = Block(ns, key)
             # Pinned before making room, so that eviction cannot take it.
-            block.pins += 1
-            pinned.add(block)
+            self._pin(block)
             slot = self._allocate_slot(index_key)
             if slot is None:
                 self._unpin(block)
@@ -169,9 +168,7 @@ class BlockIndex:
         slot goes back to the pool, or, with release_slot=False, to the caller
         (who keeps it out of use while a writer may still be running)."""
         del block.writers[rank]
-        block.pins -= 1
-        if block.pins == 0:
-            self._pinned.discard(block)
+        self._unpin(block)
         if not ok:
             if not block.writers:
                 self._on_change(block, "dropped")
