@@ -29,9 +29,7 @@ import argparse
 import os
 import queue
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,6 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench_daemon import Daemon
 from kvdepot.client import KVDepotClient
 
 
@@ -95,25 +94,6 @@ class Helper:
         done.wait()
 
 
-def start_daemon(folder: str) -> tuple[subprocess.Popen, str]:
-    socket = f"{folder}/kvdepot.sock"
-    log_path = f"{folder}/kvdepotd.log"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    with open(log_path, "wb") as log:
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "kvdepot.server", "--listen", socket, "--pool-dir", folder,
-             "--pool-size", "64MiB", "--slot-size", "64KiB", "--pin", "off"],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while b"ready on" not in Path(log_path).read_bytes():
-        if daemon.poll() is not None or time.monotonic() > deadline:
-            daemon.kill()
-            raise SystemExit("kvdepotd did not start:\n" + Path(log_path).read_text(errors="replace"))
-        time.sleep(0.05)
-    return daemon, socket
-
-
 def median_us(between, steps: int) -> float:
     times = []
     for _ in range(steps):
@@ -133,10 +113,10 @@ def main() -> int:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise SystemExit("needs two CPUs: one for this thread, one for the helper")
-    folder = tempfile.mkdtemp(prefix="kvdepot-footprint-")
-    daemon, socket = start_daemon(folder)
+    folder = Path(tempfile.mkdtemp(prefix="kvdepot-footprint-"))
+    daemon = Daemon(folder, "64MiB", "64KiB")
     try:
-        client = KVDepotClient(socket, name="call-footprint").connect(30)
+        client = KVDepotClient(daemon.socket, name="call-footprint").connect(30)
         os.sched_setaffinity(0, {cpus[0]})  # this thread; the helper and grpc's threads are elsewhere
         helper = Helper(cpus[1])
 
@@ -165,8 +145,7 @@ def main() -> int:
             )
         client.close()
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(30)
+        daemon.stop()
         shutil.rmtree(folder, ignore_errors=True)
 
     print(
