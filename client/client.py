@@ -11,6 +11,7 @@ typed errors of kvdepot.errors.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -21,10 +22,11 @@ from typing import Iterable, Mapping, Sequence
 
 import grpc
 
+from kvdepot.client.job_socket import JobSocket
 from kvdepot.client.shm_copy import BlockCopier, MappedPool
 from kvdepot.client.tensors import normalize_block_dims, tensor_layout, tensor_spec
 from kvdepot.defaults import PROTOCOL_VERSION, default_socket_path, grpc_target
-from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable, from_rpc_error
+from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable, from_status, status_code
 from kvdepot.layout import WorkerLayout
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
@@ -36,6 +38,18 @@ MAX_EARLY_ENGINES = 16
 
 # Status codes that mean "the daemon is not there (any more)", not "your request is wrong".
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+# The gRPC call that does what a job socket request does, where there is no job socket.
+_JOB_METHODS = {"submit_store": "SubmitStore", "submit_load": "SubmitLoad", "complete_job": "CompleteJob"}
+
+
+def _typed_error(code: grpc.StatusCode, details: str | None) -> KVDepotError:
+    """Unavailable when the daemon is gone or restarted, else the typed error for the status."""
+    if code in _GONE:
+        return Unavailable(f"kvdepotd is not available: {details}")
+    if code == grpc.StatusCode.NOT_FOUND and "unknown session" in (details or ""):
+        return Unavailable("the daemon restarted; reconnecting")
+    return from_status(code, details or "")
 
 
 @dataclass
@@ -114,6 +128,8 @@ class _Connection:
     instance: str
     pool_info: pb.PoolInfo
     pool: MappedPool | None = None
+    # Jobs go here when the daemon offers a job socket, else through calls.
+    jobs: JobSocket | None = None
 
 
 @dataclass(eq=False)
@@ -199,6 +215,15 @@ class KVDepotClient:
         self._awaited: dict[int, int] = {}
         # A store's counts from its submit response, until its result exists.
         self._store_counts: dict[int, tuple[int, int]] = {}
+        # Job socket requests: ids are never reused, also across sessions.
+        # A caller blocked on its answer is in _replies_wanted until the reader
+        # files the answer in _replies; a request nobody waits for is in
+        # _unanswered as (kind, job_id).
+        self._request_ids = itertools.count(1)
+        self._replies_wanted: set[int] = set()
+        self._replies: dict[int, pb.JobReply] = {}
+        self._unanswered: dict[int, tuple[str, int]] = {}
+        self._said_no_job_socket = False
         self._closing = threading.Event()
         self._copies_running = 0
         self._stream_call = None
@@ -305,6 +330,19 @@ class KVDepotClient:
 
     def _on_attached(self, stub: pb_grpc.KVDepotStub, started: pb.SessionStarted) -> None:
         connection = _Connection(stub, started.session_id, started.daemon_instance, started.pool)
+        if started.job_socket:
+            try:
+                connection.jobs = JobSocket(
+                    started.job_socket,
+                    started.session_id,
+                    self._on_job_reply,
+                    lambda reason: self._on_job_socket_lost(connection, reason),
+                )
+            except OSError as e:
+                if not self._said_no_job_socket:
+                    log.warning("cannot open kvdepotd's job socket %s (%s): jobs go through gRPC calls",
+                                started.job_socket, e)
+                    self._said_no_job_socket = True
         with self._register_lock:
             with self._lock:
                 handles = [*self._engines, *self._workers]
@@ -326,6 +364,10 @@ class KVDepotClient:
     def _on_detached(self, reason: str) -> None:
         with self._changed:
             was_connected = self._connection is not None
+            if self._connection is not None and self._connection.jobs is not None:
+                self._connection.jobs.close()
+            # Their jobs are in _pending and fail below; waiters see the connection gone.
+            self._unanswered.clear()
             self._connection = None
             self._early_changes.clear()
             for engine in self._engines:
@@ -349,6 +391,72 @@ class KVDepotClient:
             )
             self._said_gone = True
 
+    def _on_job_socket_lost(self, connection: _Connection, reason: str) -> None:
+        """The job socket closed under a live session: start over, so that no
+        job waits for an end that cannot come."""
+        call = self._stream_call
+        if self._connection is connection and call is not None and not self._closing.is_set():
+            log.warning("kvdepotd's job socket closed (%s); reconnecting", reason)
+            call.cancel()
+
+    def _on_job_reply(self, reply: pb.JobReply) -> None:
+        kind = reply.WhichOneof("kind")
+        if kind == "job_done":
+            done = reply.job_done
+            self._finish(done.job_id, done.ok, done.error)
+            return
+        with self._changed:
+            if reply.request_id in self._replies_wanted:
+                self._replies[reply.request_id] = reply
+                self._changed.notify_all()
+                return
+            unanswered = self._unanswered.pop(reply.request_id, None)
+        if unanswered is None:
+            return  # its session is gone, and the job failed with it
+        job_kind, job_id = unanswered
+        if kind == "refused":
+            error = self._refusal(reply.refused)
+            message = f"kvdepotd refused the {job_kind} job: {error}"
+            if not isinstance(error, Unavailable):
+                log.warning("job %d: %s", job_id, message)
+            self._finish(job_id, False, message)
+        elif kind == "store_submitted":
+            self._record_store_counts(job_id, reply.store_submitted.already_stored, reply.store_submitted.not_stored)
+
+    @staticmethod
+    def _refusal(refused: pb.JobRefused) -> KVDepotError:
+        return _typed_error(status_code(refused.code), refused.message)
+
+    def _job_call(self, connection: _Connection, kind: str, request):
+        """A job request, answered: on the job socket when there is one, else
+        the gRPC call of the same name."""
+        if connection.jobs is None:
+            return self._call(connection, _JOB_METHODS[kind], request)
+        request_id = next(self._request_ids)
+        with self._lock:
+            self._replies_wanted.add(request_id)
+        try:
+            try:
+                connection.jobs.send(pb.JobFrame(request_id=request_id, **{kind: request}))
+            except OSError as e:
+                raise Unavailable(f"kvdepotd is not available: {e}") from None
+            with self._changed:
+                self._changed.wait_for(
+                    lambda: request_id in self._replies or self._connection is not connection, self.call_timeout
+                )
+                reply = self._replies.pop(request_id, None)
+        finally:
+            with self._lock:
+                self._replies_wanted.discard(request_id)
+                self._replies.pop(request_id, None)
+        if reply is None:
+            if self._connection is not connection:
+                raise Unavailable("the connection to kvdepotd was lost; reconnecting")
+            raise Unavailable(f"kvdepotd did not answer {kind} within {self.call_timeout} s")
+        if reply.HasField("refused"):
+            raise self._refusal(reply.refused)
+        return getattr(reply, reply.WhichOneof("kind"))
+
     def _copy_started(self) -> bool:
         with self._lock:
             if self._closing.is_set():
@@ -371,11 +479,7 @@ class KVDepotClient:
             # grpc raises this for a call on a channel closed after the daemon went away.
             raise Unavailable("the connection to kvdepotd is closed; reconnecting") from None
         except grpc.RpcError as e:
-            if e.code() in _GONE:
-                raise Unavailable(f"kvdepotd is not available: {e.details()}") from None
-            if e.code() == grpc.StatusCode.NOT_FOUND and "unknown session" in (e.details() or ""):
-                raise Unavailable("the daemon restarted; reconnecting") from None
-            raise from_rpc_error(e) from None
+            raise _typed_error(e.code(), e.details()) from None
 
     # ------------------------------------------------------------ registration
 
@@ -626,12 +730,12 @@ class KVDepotClient:
             return transfer
         try:
             if kind == "store":
-                response = self._call(connection, "SubmitStore", pb.SubmitStoreRequest(**fields))
+                response = self._job_call(connection, "submit_store", pb.SubmitStoreRequest(**fields))
                 transfer.block_ids = [block_ids[i] for i in response.copy_indices]
                 transfer.slots = list(response.slots)
                 self._record_store_counts(job_id, response.already_stored, response.not_stored)
             else:
-                response = self._call(connection, "SubmitLoad", pb.SubmitLoadRequest(**fields))
+                response = self._job_call(connection, "submit_load", pb.SubmitLoadRequest(**fields))
                 transfer.block_ids = block_ids
                 transfer.slots = list(response.slots)
         except Unavailable as e:
@@ -648,6 +752,21 @@ class KVDepotClient:
         return transfer
 
     def _submit_in_background(self, connection: _Connection, kind: str, job_id: int, fields: dict) -> None:
+        if connection.jobs is not None:
+            request_id = next(self._request_ids)
+            if kind == "store":
+                frame = pb.JobFrame(request_id=request_id, submit_store=pb.SubmitStoreRequest(**fields))
+            else:
+                frame = pb.JobFrame(request_id=request_id, submit_load=pb.SubmitLoadRequest(**fields))
+            with self._lock:
+                self._unanswered[request_id] = (kind, job_id)
+            try:
+                connection.jobs.send(frame)
+            except OSError as e:
+                with self._lock:
+                    self._unanswered.pop(request_id, None)
+                self._finish(job_id, False, f"kvdepotd is not available: {e}")
+            return
         if kind == "store":
             method, request = connection.stub.SubmitStore, pb.SubmitStoreRequest(**fields)
         else:
@@ -665,7 +784,7 @@ class KVDepotClient:
                 if e.code() in _GONE:
                     error = f"kvdepotd is not available: {e.details()}"
                 else:
-                    error = f"kvdepotd refused the {kind} job: {from_rpc_error(e)}"
+                    error = f"kvdepotd refused the {kind} job: {_typed_error(e.code(), e.details())}"
                     log.warning("job %d: %s", job_id, error)
                 self._finish(job_id, False, error)
                 return
@@ -676,9 +795,9 @@ class KVDepotClient:
 
     def _complete(self, connection: _Connection, job_id: int, ok: bool, error: str = "") -> None:
         try:
-            self._call(
+            self._job_call(
                 connection,
-                "CompleteJob",
+                "complete_job",
                 pb.CompleteJobRequest(session_id=connection.session_id, job_id=job_id, ok=ok, error=error),
             )
         except KVDepotError as e:

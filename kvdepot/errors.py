@@ -72,10 +72,22 @@ _BY_CODE = {
 }
 
 
+_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The grpc.StatusCode of a status number (as a JobRefused carries it)."""
+    return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def from_rpc_error(error: grpc.RpcError) -> KVDepotError:
     """The typed error for a failed call, keeping the daemon's message."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
+    return from_status(code, details)
+
+
+def from_status(code: grpc.StatusCode, details: str) -> KVDepotError:
     cls = _BY_CODE.get(code, KVDepotError)
     exc = cls(details or code.name)
     exc.code = code

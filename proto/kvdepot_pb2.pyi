@@ -40,16 +40,18 @@ class BlocksChanged(_message.Message):
     def __init__(self, engine_id: _Optional[int] = ..., ready: _Optional[_Iterable[bytes]] = ..., storing: _Optional[_Iterable[bytes]] = ..., dropped: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SessionStarted(_message.Message):
-    __slots__ = ("session_id", "daemon_instance", "pool", "daemon_version")
+    __slots__ = ("session_id", "daemon_instance", "pool", "daemon_version", "job_socket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_SOCKET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     daemon_instance: str
     pool: PoolInfo
     daemon_version: str
-    def __init__(self, session_id: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+    job_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., daemon_version: _Optional[str] = ..., job_socket: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("shm_path", "slot_bytes", "num_slots", "pinned")
@@ -294,6 +296,50 @@ class CompleteJobRequest(_message.Message):
 class CompleteJobResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class JobFrame(_message.Message):
+    __slots__ = ("request_id", "hello", "submit_store", "submit_load", "complete_job")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_STORE_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_LOAD_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_JOB_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    hello: JobSocketHello
+    submit_store: SubmitStoreRequest
+    submit_load: SubmitLoadRequest
+    complete_job: CompleteJobRequest
+    def __init__(self, request_id: _Optional[int] = ..., hello: _Optional[_Union[JobSocketHello, _Mapping]] = ..., submit_store: _Optional[_Union[SubmitStoreRequest, _Mapping]] = ..., submit_load: _Optional[_Union[SubmitLoadRequest, _Mapping]] = ..., complete_job: _Optional[_Union[CompleteJobRequest, _Mapping]] = ...) -> None: ...
+
+class JobSocketHello(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class JobReply(_message.Message):
+    __slots__ = ("request_id", "store_submitted", "load_submitted", "job_completed", "refused", "job_done")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    JOB_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    JOB_DONE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    store_submitted: SubmitStoreResponse
+    load_submitted: SubmitLoadResponse
+    job_completed: CompleteJobResponse
+    refused: JobRefused
+    job_done: JobDone
+    def __init__(self, request_id: _Optional[int] = ..., store_submitted: _Optional[_Union[SubmitStoreResponse, _Mapping]] = ..., load_submitted: _Optional[_Union[SubmitLoadResponse, _Mapping]] = ..., job_completed: _Optional[_Union[CompleteJobResponse, _Mapping]] = ..., refused: _Optional[_Union[JobRefused, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ...) -> None: ...
+
+class JobRefused(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -118,6 +118,9 @@ class Session:
     recent_job_id_set: set = field(default_factory=set)
     counters: Counters = field(default_factory=Counters)
     ended: bool = False
+    # The session's job socket connection (server/job_socket.py), once it has
+    # one: its JobDone go there instead of to the Attach stream.
+    job_channel: object = None
 
 
 def _block_bytes_of(spec: pb.TensorSpec) -> int:
@@ -209,6 +212,8 @@ class Depot:
         if session.ended:
             return
         session.ended = True
+        if session.job_channel is not None:
+            session.job_channel.close()
         jobs = list(session.jobs.values())
         for job in jobs:
             job.worker.transport.abandon(job)
@@ -227,7 +232,7 @@ class Depot:
             len(jobs),
         )
 
-    def _session(self, session_id: str) -> Session:
+    def session(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
             raise NotFound(
@@ -254,7 +259,7 @@ class Depot:
         return ns
 
     def register_engine(self, session_id: str, spec: pb.NamespaceSpec) -> tuple[int, Namespace]:
-        session = self._session(session_id)
+        session = self.session(session_id)
         ns = self._namespace(spec)
         engine_id = self._new_id()
         session.engines[engine_id] = ns
@@ -262,7 +267,7 @@ class Depot:
         return engine_id, ns
 
     def register_worker(self, request: pb.RegisterWorkerRequest) -> Worker:
-        session = self._session(request.session_id)
+        session = self.session(request.session_id)
         ns = self._namespace(request.namespace)
         if request.rank >= ns.tp_size:
             raise InvalidArgument(f"rank {request.rank} is outside tp_size {ns.tp_size}")
@@ -348,7 +353,7 @@ class Depot:
         return list(keys)
 
     def lookup(self, session_id: str, engine_id: int, keys) -> pb.LookupResponse:
-        session = self._session(session_id)
+        session = self.session(session_id)
         ns = session.engines.get(engine_id)
         if ns is None:
             raise NotFound(f"unknown engine {engine_id} in this session: register it first")
@@ -374,7 +379,7 @@ class Depot:
     def _job_request(self, request) -> tuple[Session, Worker, list[bytes], list[int]]:
         if self.draining:
             raise Unavailable("the daemon is shutting down and takes no new jobs")
-        session = self._session(request.session_id)
+        session = self.session(request.session_id)
         worker = session.workers.get(request.worker_id)
         if worker is None:
             raise NotFound(f"unknown worker {request.worker_id} in this session: register it first")
@@ -456,7 +461,7 @@ class Depot:
         return pb.SubmitLoadResponse(slots=slots)
 
     def complete_job(self, request: pb.CompleteJobRequest) -> None:
-        session = self._session(request.session_id)
+        session = self.session(request.session_id)
         job = session.jobs.get(request.job_id)
         if job is None:
             raise NotFound(f"no job {request.job_id} in flight in this session")
@@ -510,9 +515,12 @@ class Depot:
         if self._jobs_in_flight == 0:
             self._idle.set()
         if notify and not session.ended:
-            session.notifications.put_nowait(
-                pb.Notification(job_done=pb.JobDone(job_id=job.id, ok=ok, error=error))
-            )
+            done = pb.JobDone(job_id=job.id, ok=ok, error=error)
+            channel = session.job_channel
+            if channel is not None and channel.open:
+                channel.send_done(done)
+            else:
+                session.notifications.put_nowait(pb.Notification(job_done=done))
         self._tell_changes()
 
     def release_quarantine(self, now: float | None = None) -> int:
@@ -608,7 +616,7 @@ class Depot:
             )
 
     def report_lookups(self, request: pb.ReportLookupsRequest) -> None:
-        session = self._session(request.session_id)
+        session = self.session(request.session_id)
         ns = session.engines.get(request.engine_id)
         if ns is None:
             raise NotFound(f"unknown engine {request.engine_id} in this session: register it first")

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import kvdepot
 from kvdepot.defaults import grpc_target
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
+from kvdepot.server import job_socket
 from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_config
 from kvdepot.server.depot import Depot
 from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
@@ -201,7 +202,17 @@ async def serve(config: DaemonConfig) -> int:
             ("grpc.optimization_target", "latency"),
         ],
     )
-    pb_grpc.add_KVDepotServicer_to_server(KVDepotService(depot), server)
+    # Jobs have a faster way in than gRPC calls where clients are local anyway
+    # (proto: "job socket"). Without it (a TCP listener, or a path too long for
+    # a second socket) clients use the calls.
+    job_server, job_path = None, ""
+    if unix_path:
+        try:
+            job_server = await job_socket.listen(depot, job_socket.job_socket_path(unix_path))
+            job_path = job_socket.job_socket_path(unix_path)
+        except OSError as e:
+            log.warning("no job socket (%s): clients will run jobs through gRPC calls", e)
+    pb_grpc.add_KVDepotServicer_to_server(KVDepotService(depot, job_path), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -212,6 +223,9 @@ async def serve(config: DaemonConfig) -> int:
     else:
         reason = "the address is in use or not allowed"
     if not bound:
+        if job_server is not None:
+            job_server.close()
+            os.unlink(job_path)
         pool.close()
         guard.release()
         raise StartupError(f"cannot listen on {target}: {reason}")
@@ -240,6 +254,12 @@ async def serve(config: DaemonConfig) -> int:
             "%d job(s) still in flight after %.0f s; exiting anyway", depot.jobs_in_flight, config.drain_timeout
         )
     await server.stop(grace=1.0)
+    if job_server is not None:
+        job_server.close()
+        try:
+            os.unlink(job_path)
+        except FileNotFoundError:
+            pass
     housekeeping.cancel()
     depot.shutdown()  # copies still on the GPU end before the pool is unpinned
     pool.close()

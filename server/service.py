@@ -33,8 +33,10 @@ def _unary(method):
 
 
 class KVDepotService(pb_grpc.KVDepotServicer):
-    def __init__(self, depot: Depot):
+    def __init__(self, depot: Depot, job_socket: str = ""):
         self.depot = depot
+        # Told to every session; empty when the daemon has no job socket.
+        self.job_socket = job_socket
 
     async def Attach(self, request, context):
         try:
@@ -48,6 +50,7 @@ class KVDepotService(pb_grpc.KVDepotServicer):
                     daemon_instance=self.depot.instance,
                     pool=self.depot.pool_info(),
                     daemon_version=self.depot.version,
+                    job_socket=self.job_socket,
                 )
             )
             while True:

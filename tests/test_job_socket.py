@@ -1,0 +1,200 @@
+"""The job socket (proto: "job socket"): jobs run on it by default, its protocol
+rules are enforced, a broken connection costs a reconnect and nothing else,
+and where there is no job socket the gRPC calls still do the same work."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import grpc
+import pytest
+import torch
+
+from conftest import wait_until
+from kvcache import attach_worker, block_of, prompt_keys
+from kvdepot import errors
+from kvdepot.proto import kvdepot_pb2 as pb
+from test_daemon_lifecycle import free_port
+
+LENGTH = struct.Struct("<I")
+
+
+class RawJobSocket:
+    """Speaks the job socket's framing directly, without the client library."""
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(path)
+
+    def send(self, frame: pb.JobFrame) -> None:
+        data = frame.SerializeToString()
+        self.sock.sendall(LENGTH.pack(len(data)) + data)
+
+    def _exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                return data
+            data += chunk
+        return data
+
+    def reply(self) -> pb.JobReply | None:
+        """The next reply, or None when the daemon closed the connection."""
+        header = self._exactly(LENGTH.size)
+        if len(header) < LENGTH.size:
+            return None
+        reply = pb.JobReply()
+        reply.ParseFromString(self._exactly(LENGTH.unpack(header)[0]))
+        return reply
+
+    def closed_by_daemon(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def raw_session(daemon):
+    """A session of our own, without the client library (and so without a job socket)."""
+    from kvdepot.defaults import PROTOCOL_VERSION
+    from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(f"unix:{daemon.socket}")
+    stream = pb_grpc.KVDepotStub(channel).Attach(pb.AttachRequest(client_name="raw", protocol_version=PROTOCOL_VERSION))
+    return channel, stream, next(stream).started.session_id
+
+
+def round_trip(client, worker, tensors, job_id: int, prompt: int) -> None:
+    """Stores 4 blocks, loads them into 4 other blocks, and checks the bytes."""
+    keys = prompt_keys(4, prompt=prompt)
+    store = client.submit_store(worker, job_id, keys, [0, 1, 2, 3])
+    assert client.wait([store], 10)[store].ok
+    load = client.submit_load(worker, job_id + 1, keys, [100, 101, 102, 103])
+    assert client.wait([load], 10)[load].ok
+    for src, dst in ((0, 100), (1, 101), (2, 102), (3, 103)):
+        for a, b in zip(block_of(tensors, "per_layer", src), block_of(tensors, "per_layer", dst)):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_jobs_run_on_the_job_socket_by_default(daemon, client_factory):
+    client = client_factory(daemon)
+    assert client._connection.jobs is not None
+    worker, engine, tensors = attach_worker(client, seed=31)
+    round_trip(client, worker, tensors, 1, prompt=310)
+    assert client.lookup(engine, prompt_keys(4, prompt=310)).ready_blocks == 4
+    totals = client.stats().totals
+    assert (totals.stored_blocks, totals.loaded_blocks) == (4, 4)
+
+
+def test_protocol_rules_are_enforced(daemon, client_factory):
+    client = client_factory(daemon)
+    worker, engine, tensors = attach_worker(client, seed=32)
+    path = daemon.socket + ".jobs"
+    session_id = client._connection.session_id
+    store = pb.SubmitStoreRequest(session_id=session_id, worker_id=worker.worker_id, job_id=77,
+                                  keys=prompt_keys(1, prompt=320), block_ids=[5])
+
+    # Hello must come first; an unknown session is refused; either way the connection ends.
+    raw = RawJobSocket(path)
+    raw.send(pb.JobFrame(request_id=3, submit_store=store))
+    reply = raw.reply()
+    assert reply.request_id == 3 and reply.refused.code == 9  # FAILED_PRECONDITION
+    assert "first frame on a job socket must be hello" in reply.refused.message
+    assert raw.closed_by_daemon()
+    raw = RawJobSocket(path)
+    raw.send(pb.JobFrame(hello=pb.JobSocketHello(session_id="nope")))
+    reply = raw.reply()
+    assert reply.refused.code == 5 and "unknown session 'nope'" in reply.refused.message
+    assert raw.closed_by_daemon()
+    # A session has one job socket: the client's own holds it.
+    raw = RawJobSocket(path)
+    raw.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=session_id)))
+    assert "has a job socket connection already" in raw.reply().refused.message
+    assert raw.closed_by_daemon()
+
+    # A connection of another session cannot submit for this one.
+    channel, stream, other_session = raw_session(daemon)
+    raw = RawJobSocket(path)
+    raw.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=other_session)))
+    raw.send(pb.JobFrame(request_id=4, submit_store=store))
+    reply = raw.reply()
+    assert reply.request_id == 4 and reply.refused.code == 3  # INVALID_ARGUMENT
+    assert f"belongs to session {other_session}" in reply.refused.message
+    # An empty frame is refused, and the connection stays usable.
+    raw.send(pb.JobFrame(request_id=5))
+    assert "empty JobFrame" in raw.reply().refused.message
+    raw.send(pb.JobFrame(request_id=6, hello=pb.JobSocketHello(session_id=session_id)))
+    assert "said hello already" in raw.reply().refused.message
+    # Bytes that are no JobFrame, and a frame over the limit, close the connection.
+    raw.sock.sendall(LENGTH.pack(3) + b"\xff\xff\xff")
+    assert raw.closed_by_daemon()
+    raw = RawJobSocket(path)
+    raw.sock.sendall(LENGTH.pack(0xFFFFFFFF))
+    assert raw.closed_by_daemon()
+    raw.close()
+    stream.cancel()
+    channel.close()
+
+    # None of it touched the daemon or the sessions.
+    assert daemon.running
+    round_trip(client, worker, tensors, 10, prompt=321)
+    assert client.stats().totals.failed_jobs == 0
+
+
+def test_a_request_answered_on_the_job_socket_as_the_call_would(daemon, client_factory):
+    client = client_factory(daemon)
+    worker, engine, tensors = attach_worker(client, seed=33)
+    channel, stream, session_id = raw_session(daemon)
+    raw = RawJobSocket(daemon.socket + ".jobs")
+    raw.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=session_id)))
+    keys = prompt_keys(2, prompt=330)
+    raw.send(pb.JobFrame(request_id=1, submit_load=pb.SubmitLoadRequest(
+        session_id=session_id, worker_id=worker.worker_id, job_id=1, keys=keys, block_ids=[0, 1])))
+    reply = raw.reply()
+    # The worker is the first client's: unknown in this session, as SubmitLoad would say.
+    assert reply.request_id == 1 and reply.refused.code == 5
+    assert f"unknown worker {worker.worker_id}" in reply.refused.message
+    # Ending the session (its Attach stream) closes its job socket too.
+    stream.cancel()
+    assert raw.closed_by_daemon()
+    raw.close()
+    channel.close()
+
+
+def test_a_job_socket_the_daemon_closes_costs_a_reconnect_and_nothing_else(daemon, client_factory):
+    client = client_factory(daemon)
+    worker, engine, tensors = attach_worker(client, seed=34)
+    round_trip(client, worker, tensors, 1, prompt=340)
+    first_session = client._connection.session_id
+    # A frame that does not parse: the daemon closes this client's job socket.
+    client._connection.jobs._sock.sendall(LENGTH.pack(2) + b"\xff\xff")
+    wait_until(lambda: client.reconnects == 1 and client.connected, what="the client to reconnect")
+    assert client._connection.session_id != first_session
+    wait_until(lambda: worker.registered, what="the worker to be registered again")
+    round_trip(client, worker, tensors, 10, prompt=341)
+    assert "closing a job socket connection that sent a frame that is not a JobFrame" in daemon.log()
+
+
+def test_without_a_job_socket_jobs_go_through_grpc_calls(start_daemon, tmp_path):
+    from kvdepot.client import KVDepotClient
+
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    address = f"127.0.0.1:{free_port()}"
+    daemon = start_daemon(listen=address, auth_token_file=str(token_file))
+    client = KVDepotClient(address, auth_token="s3cret").connect(10)
+    try:
+        assert client._connection.jobs is None
+        worker, engine, tensors = attach_worker(client, seed=35)
+        round_trip(client, worker, tensors, 1, prompt=350)
+        with pytest.raises(errors.FailedPrecondition, match="is not stored"):
+            client.submit_load(worker, 5, prompt_keys(1, prompt=351), [9])
+    finally:
+        client.close()
+    assert daemon.running
