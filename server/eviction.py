@@ -34,11 +34,7 @@ class LRUPolicy:
         self._order.pop(key, None)
 
     def victim(self, evictable: Evictable, incoming: Key | None = None) -> Key | None:
-        for key in self._order:
-            if evictable(key):
-                del self._order[key]
-                return key
-        return None
+        return _take_first(self._order, evictable)
 
 
 class ARCPolicy:
@@ -99,12 +95,34 @@ class ARCPolicy:
         if not from_t1_first:
             order.reverse()
         for live, ghost in order:
-            for key in live:
-                if evictable(key):
-                    del live[key]
-                    ghost[key] = None
-                    return key
+            key = _take_first(live, evictable)
+            if key is not None:
+                ghost[key] = None
+                return key
         return None
+
+
+def _take_first(keys: OrderedDict, evictable: Evictable) -> Key | None:
+    """Removes and returns the oldest evictable key.
+
+    Pinned keys passed over move to the recent end, as if used now: they are in
+    use, by a job in flight. Left in place, a load of old blocks would make
+    every eviction until it ends walk past all of them again: with the 2048
+    oldest blocks pinned, a 2048-block store into a full pool made 4 million
+    checks and held the event loop for 0.3 s (5 ms now).
+    """
+    passed = []
+    found = None
+    for key in keys:
+        if evictable(key):
+            found = key
+            break
+        passed.append(key)
+    for key in passed:
+        keys.move_to_end(key)
+    if found is not None:
+        del keys[found]
+    return found
 
 
 def make_policy(name: str, capacity: int):

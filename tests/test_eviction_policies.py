@@ -9,11 +9,34 @@ def test_lru_evicts_least_recently_used_and_skips_pinned():
     lru = LRUPolicy(4)
     for k in "abcd":
         lru.insert(k)
-    lru.touch("a")
+    lru.touch("a")  # order: b c d a
     assert lru.victim(lambda k: k != "b") == "c"
-    assert lru.victim(lambda k: True) == "b"
+    # b was in use (pinned) when eviction passed it: it now counts as recent.
+    assert lru.victim(lambda k: True) == "d"
     assert lru.victim(lambda k: False) is None
     assert len(lru) == 2
+    assert lru.victim(lambda k: True) == "a"
+
+
+def test_pinned_keys_are_passed_over_once_not_at_every_eviction():
+    """A load of the oldest blocks pins them for its whole copy; each eviction
+    in the meantime must not walk past them again."""
+    for policy in (LRUPolicy(1000), ARCPolicy(1000)):
+        for k in range(1000):
+            policy.insert(k)
+        pinned = set(range(200))
+        checks = []
+
+        def evictable(k):
+            checks.append(k)
+            return k not in pinned
+
+        assert policy.victim(evictable) == 200
+        assert len(checks) == 201
+        checks.clear()
+        for expected in range(201, 300):
+            assert policy.victim(evictable) == expected
+        assert len(checks) == 99, type(policy).__name__
 
 
 def test_arc_protects_frequent_keys_from_a_scan():
