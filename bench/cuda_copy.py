@@ -272,6 +272,8 @@ def main() -> int:
     parser.add_argument("--interference", action="store_true",
                         help="also measure how much the copies slow a bf16 matmul on the same GPU")
     parser.add_argument("--pool-size", default="24GiB")
+    parser.add_argument("--pool-dir", default=None,
+                        help="the daemon's --pool-dir (default: a folder in /dev/shm); a hugetlbfs mount for huge pages")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
@@ -289,7 +291,7 @@ def main() -> int:
     log_file = open(log_path, "w")
     daemon = subprocess.Popen(
         [sys.executable, "-m", "kvdepot.server", "--listen", socket, "--pool-size", args.pool_size,
-         "--slot-size", str(BLOCK), "--pool-dir", folder, "--pin", "on"],
+         "--slot-size", str(BLOCK), "--pool-dir", args.pool_dir or folder, "--pin", "on"],
         stderr=log_file, text=True, env=env)
     while "ready on" not in open(log_path).read():
         if daemon.poll() is not None:

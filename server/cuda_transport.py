@@ -44,10 +44,13 @@ log = logging.getLogger("kvdepot.cuda")
 COPY_MODE = os.environ.get("KVDEPOT_COPY_MODE", "dma")
 # Staging in "dma" mode: a ring of STAGING_BUFFERS buffers per direction and
 # GPU, of STAGING_BYTES each. Two let the copy engine move one chunk while the
-# kernel fills (or drains) the other. In-process on an H200, stores and loads at
-# once moved 94-97 GB/s in 64 MiB chunks and 90-91 GB/s in 32 MiB ones.
-# KVDEPOT_STAGING_BYTES trades the daemon's GPU memory for chunk size.
-STAGING_BYTES = int(os.environ.get("KVDEPOT_STAGING_BYTES") or 64 << 20)
+# kernel fills (or drains) the other. The chunk size decides the rate of stores
+# and loads running together: with 4 GiB jobs of each direction in flight
+# (bench/cuda_copy.py, H200) 0.77 of the two-way peak in 64 MiB chunks, 0.83 in
+# 128 MiB ones and 0.93 in 256 MiB ones (1 GiB jobs: 0.87, 0.94, 0.96); a third
+# 64 MiB buffer changed nothing. One way, 64 MiB already reached 0.99.
+# KVDEPOT_STAGING_BYTES trades the daemon's GPU memory (4 buffers a GPU) for that.
+STAGING_BYTES = int(os.environ.get("KVDEPOT_STAGING_BYTES") or 256 << 20)
 STAGING_BUFFERS = 2
 
 # Interprocess events a worker may use (the client uses a small ring of them).
