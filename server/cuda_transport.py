@@ -53,6 +53,10 @@ COPY_MODE = os.environ.get("KVDEPOT_COPY_MODE", "dma")
 STAGING_BYTES = int(os.environ.get("KVDEPOT_STAGING_BYTES") or 256 << 20)
 STAGING_BUFFERS = 2
 
+# Jobs up to this many bytes (of pool slots) end with the completion thread
+# spinning instead of sleeping; at most about 1 ms at the bus rate. 0: never.
+SPIN_BYTES = int(os.environ.get("KVDEPOT_SPIN_BYTES") or 64 << 20)
+
 # Interprocess events a worker may use (the client uses a small ring of them).
 MAX_EVENTS_PER_WORKER = 1024
 
@@ -461,8 +465,11 @@ class CudaTransport(Transport):
                 if to_host and not self._skip_event_wait:
                     fence_readback = torch.empty(1, dtype=torch.int64, pin_memory=True)
                     fence_readback.copy_(copies.fence, non_blocking=True)
-                # Blocking: the completion thread sleeps in the driver instead of spinning a core.
-                done = torch.cuda.Event(blocking=True)
+                # A small job's end is waited for by spinning (the driver's default, without
+                # the GIL): waking a thread that sleeps in the driver costs a small job a
+                # noticeable part of its time. A bigger job's thread sleeps instead of
+                # spinning a core for the whole copy.
+                done = torch.cuda.Event(blocking=len(job.block_ids) * self._pool.slot_bytes > SPIN_BYTES)
                 done.record(ends_on)
             finally:
                 torch.cuda.set_stream(caller_stream)
