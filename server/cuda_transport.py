@@ -53,8 +53,9 @@ COPY_MODE = os.environ.get("KVDEPOT_COPY_MODE", "dma")
 STAGING_BYTES = int(os.environ.get("KVDEPOT_STAGING_BYTES") or 256 << 20)
 STAGING_BUFFERS = 2
 
-# Jobs up to this many bytes (of pool slots) end with the completion thread
-# spinning instead of sleeping; at most about 1 ms at the bus rate. 0: never.
+# A job of up to this many bytes (of pool slots) that finds its stream idle ends
+# with the completion thread spinning instead of sleeping: at most about 1 ms at
+# the bus rate. 0: never.
 SPIN_BYTES = int(os.environ.get("KVDEPOT_SPIN_BYTES") or 64 << 20)
 
 # Interprocess events a worker may use (the client uses a small ring of them).
@@ -96,6 +97,10 @@ class _Stream:
         self._loop = loop
         self._on_done = on_done
         self._pending: queue.Queue = queue.Queue()
+        # Jobs tracked (counted by the event loop's thread) and ended (counted by
+        # the completion thread): one writer each, so no update is lost.
+        self._tracked = 0
+        self._ended = 0
         self._thread = threading.Thread(target=self._run, name=f"kvdepot-{name}-{device}", daemon=True)
         self._thread.start()
 
@@ -108,7 +113,13 @@ class _Stream:
         if self.kernels is not None:
             self.kernels.synchronize()
 
+    @property
+    def idle(self) -> bool:
+        """No job of this direction is queued or running."""
+        return self._tracked == self._ended
+
     def track(self, event: torch.cuda.Event, job, keep_alive, fence_readback=None) -> None:
+        self._tracked += 1
         self._pending.put((event, job, keep_alive, fence_readback))
 
     def _run(self) -> None:
@@ -126,6 +137,7 @@ class _Stream:
                     ok, error = False, "the worker's compute did not finish (the worker died?)"
             except RuntimeError as e:  # a failed copy (e.g. an illegal address) poisons the context
                 ok, error = False, f"copy failed on the GPU: {e}"
+            self._ended += 1
             self._loop.call_soon_threadsafe(self._on_done, job, ok, error)
 
     def stop(self) -> None:
@@ -465,11 +477,12 @@ class CudaTransport(Transport):
                 if to_host and not self._skip_event_wait:
                     fence_readback = torch.empty(1, dtype=torch.int64, pin_memory=True)
                     fence_readback.copy_(copies.fence, non_blocking=True)
-                # A small job's end is waited for by spinning (the driver's default, without
-                # the GIL): waking a thread that sleeps in the driver costs a small job a
-                # noticeable part of its time. A bigger job's thread sleeps instead of
-                # spinning a core for the whole copy.
-                done = torch.cuda.Event(blocking=len(job.block_ids) * self._pool.slot_bytes > SPIN_BYTES)
+                # The end of a small job on an idle stream is waited for by spinning (the
+                # driver's default, without the GIL): waking a thread that sleeps in the
+                # driver costs such a job a noticeable part of its time. Behind other jobs,
+                # or for a big job, the thread sleeps instead of spinning a core.
+                spin = stream.idle and len(job.block_ids) * self._pool.slot_bytes <= SPIN_BYTES
+                done = torch.cuda.Event(blocking=not spin)
                 done.record(ends_on)
             finally:
                 torch.cuda.set_stream(caller_stream)
