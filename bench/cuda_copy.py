@@ -101,6 +101,11 @@ class Jobs:
         bad = [r for r in results.values() if not r.ok]
         if bad:
             raise RuntimeError(f"job failed: {bad[0].error}")
+        # Rates count every block a job names: one the daemon skipped would inflate them.
+        skipped = sum(r.not_stored + r.already_stored for r in results.values())
+        if skipped:
+            raise RuntimeError(f"{skipped} block(s) of a store were not copied (every slot pinned by jobs in "
+                               "flight, or stored already): raise --pool-size or lower --depth")
 
     def sustained(self, plan, depth: int, reps: int = 3) -> float:
         """Runs the (kind, keys, block_ids) jobs of `plan` with up to `depth` of each
