@@ -335,8 +335,9 @@ class KVDepotClient:
                 connection.jobs = JobSocket(
                     started.job_socket,
                     started.session_id,
-                    self._on_job_reply,
+                    lambda reply: self._on_job_reply(connection, reply),
                     lambda reason: self._on_job_socket_lost(connection, reason),
+                    self.call_timeout,
                 )
             except OSError as e:
                 if not self._said_no_job_socket:
@@ -392,14 +393,18 @@ class KVDepotClient:
             self._said_gone = True
 
     def _on_job_socket_lost(self, connection: _Connection, reason: str) -> None:
-        """The job socket closed under a live session: start over, so that no
-        job waits for an end that cannot come."""
+        """The job socket closed (or failed a write) under a live session: start
+        over, so that no job waits for an end that cannot come."""
         call = self._stream_call
         if self._connection is connection and call is not None and not self._closing.is_set():
             log.warning("kvdepotd's job socket closed (%s); reconnecting", reason)
             call.cancel()
 
-    def _on_job_reply(self, reply: pb.JobReply) -> None:
+    def _on_job_reply(self, connection: _Connection, reply: pb.JobReply) -> None:
+        if self._connection is not connection:
+            # Buffered on a connection that has ended: its jobs failed with it, and
+            # a job id may have been used again since.
+            return
         kind = reply.WhichOneof("kind")
         if kind == "job_done":
             done = reply.job_done
@@ -439,6 +444,7 @@ class KVDepotClient:
             try:
                 connection.jobs.send(pb.JobFrame(request_id=request_id, **{kind: request}))
             except OSError as e:
+                self._on_job_socket_lost(connection, str(e))
                 raise Unavailable(f"kvdepotd is not available: {e}") from None
             with self._changed:
                 self._changed.wait_for(
@@ -766,6 +772,7 @@ class KVDepotClient:
                 with self._lock:
                     self._unanswered.pop(request_id, None)
                 self._finish(job_id, False, f"kvdepotd is not available: {e}")
+                self._on_job_socket_lost(connection, str(e))
             return
         if kind == "store":
             method, request = connection.stub.SubmitStore, pb.SubmitStoreRequest(**fields)
@@ -809,8 +816,9 @@ class KVDepotClient:
             result = self._results.get(job_id)
             if result is not None:  # the daemon's completion came first
                 result.already_stored, result.not_stored = already_stored, not_stored
-            else:
+            elif job_id in self._pending:
                 self._store_counts[job_id] = (already_stored, not_stored)
+            # else its result was handed over already: nobody would read the counts
 
     def _finish(self, job_id: int, ok: bool, error: str = "") -> None:
         with self._changed:

@@ -1,7 +1,7 @@
 """The client's end of the daemon's job socket (proto: "job socket").
 
 Frames go out from whichever thread submits; one reader thread hands every
-JobReply to the client. Either side closing the connection is reported once.
+JobReply to the client. The connection closing under it is reported once.
 """
 
 from __future__ import annotations
@@ -20,13 +20,21 @@ _LENGTH = struct.Struct("<I")
 MAX_FRAME_BYTES = 64 << 20
 
 
+class JobSocketRefused(OSError):
+    """The daemon did not take the hello: this session cannot use the job socket."""
+
+
 class JobSocket:
+    """Connects and says hello; raises OSError (JobSocketRefused when the daemon
+    answers no) within `timeout` seconds, which also bounds every later write."""
+
     def __init__(
         self,
         path: str,
         session_id: str,
         on_reply: Callable[[pb.JobReply], None],
         on_lost: Callable[[str], None],
+        timeout: float,
     ):
         self._on_reply = on_reply
         self._on_lost = on_lost
@@ -34,17 +42,26 @@ class JobSocket:
         self._send_lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            self._sock.settimeout(timeout)
             self._sock.connect(path)
             self.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=session_id)))
+            self._reader = self._sock.makefile("rb", buffering=1 << 16)
+            answer = self._read_reply()
+            if answer is None or not answer.HasField("ready"):
+                why = answer.refused.message if answer is not None and answer.HasField("refused") else "no answer"
+                raise JobSocketRefused(f"the daemon refused the job socket's hello: {why}")
+            # From here reads block for as long as nothing comes, and a write that
+            # cannot go out within `timeout` (a daemon that stopped reading) fails.
+            self._sock.settimeout(None)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
         except OSError:
             self._sock.close()
             raise
-        self._reader = self._sock.makefile("rb", buffering=1 << 16)
         self._thread = threading.Thread(target=self._read, name="kvdepot-jobs", daemon=True)
         self._thread.start()
 
     def send(self, frame: pb.JobFrame) -> None:
-        """Raises OSError when the connection is gone."""
+        """Raises OSError when the connection is gone or the daemon does not read."""
         data = frame.SerializeToString()
         with self._send_lock:
             self._sock.sendall(_LENGTH.pack(len(data)) + data)
@@ -56,22 +73,25 @@ class JobSocket:
         except OSError:
             pass
 
+    def _read_reply(self) -> pb.JobReply | None:
+        """The next reply; None when the connection ended. Raises ValueError for a bad frame."""
+        header = self._reader.read(_LENGTH.size)
+        if len(header) < _LENGTH.size:
+            return None
+        (length,) = _LENGTH.unpack(header)
+        if length > MAX_FRAME_BYTES:
+            raise ValueError(f"the daemon sent a frame of {length} bytes")
+        data = self._reader.read(length)
+        if len(data) < length:
+            return None
+        reply = pb.JobReply()
+        reply.ParseFromString(data)
+        return reply
+
     def _read(self) -> None:
         reason = "the daemon closed the job socket"
         try:
-            while True:
-                header = self._reader.read(_LENGTH.size)
-                if len(header) < _LENGTH.size:
-                    break
-                (length,) = _LENGTH.unpack(header)
-                if length > MAX_FRAME_BYTES:
-                    reason = f"the daemon sent a frame of {length} bytes"
-                    break
-                data = self._reader.read(length)
-                if len(data) < length:
-                    break
-                reply = pb.JobReply()
-                reply.ParseFromString(data)
+            while (reply := self._read_reply()) is not None:
                 self._on_reply(reply)
         except (OSError, ValueError) as e:
             reason = f"the job socket failed: {e}"
@@ -83,3 +103,8 @@ class JobSocket:
             self._sock.close()
             if not self._closed:
                 self._on_lost(reason)
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))

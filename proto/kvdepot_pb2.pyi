@@ -318,20 +318,26 @@ class JobSocketHello(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class JobReply(_message.Message):
-    __slots__ = ("request_id", "store_submitted", "load_submitted", "job_completed", "refused", "job_done")
+    __slots__ = ("request_id", "store_submitted", "load_submitted", "job_completed", "refused", "job_done", "ready")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_SUBMITTED_FIELD_NUMBER: _ClassVar[int]
     LOAD_SUBMITTED_FIELD_NUMBER: _ClassVar[int]
     JOB_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     JOB_DONE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     store_submitted: SubmitStoreResponse
     load_submitted: SubmitLoadResponse
     job_completed: CompleteJobResponse
     refused: JobRefused
     job_done: JobDone
-    def __init__(self, request_id: _Optional[int] = ..., store_submitted: _Optional[_Union[SubmitStoreResponse, _Mapping]] = ..., load_submitted: _Optional[_Union[SubmitLoadResponse, _Mapping]] = ..., job_completed: _Optional[_Union[CompleteJobResponse, _Mapping]] = ..., refused: _Optional[_Union[JobRefused, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ...) -> None: ...
+    ready: JobSocketReady
+    def __init__(self, request_id: _Optional[int] = ..., store_submitted: _Optional[_Union[SubmitStoreResponse, _Mapping]] = ..., load_submitted: _Optional[_Union[SubmitLoadResponse, _Mapping]] = ..., job_completed: _Optional[_Union[CompleteJobResponse, _Mapping]] = ..., refused: _Optional[_Union[JobRefused, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., ready: _Optional[_Union[JobSocketReady, _Mapping]] = ...) -> None: ...
+
+class JobSocketReady(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class JobRefused(_message.Message):
     __slots__ = ("code", "message")

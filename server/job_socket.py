@@ -46,6 +46,9 @@ class JobConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self.session = None
+        # JobDone of jobs that ended while a request was being handled: they go
+        # out after its answer (a job can end inside its own submit).
+        self._held_dones: list | None = None
 
     @property
     def open(self) -> bool:
@@ -83,7 +86,11 @@ class JobConnection(asyncio.Protocol):
         del buffer[:start]
 
     def send_done(self, done: pb.JobDone) -> None:
-        self._transport.write(frame(pb.JobReply(job_done=done)))
+        message = frame(pb.JobReply(job_done=done))
+        if self._held_dones is not None:
+            self._held_dones.append(message)
+        else:
+            self._transport.write(message)
 
     def close(self) -> None:
         if self._transport is not None:
@@ -93,16 +100,26 @@ class JobConnection(asyncio.Protocol):
         log.warning("closing a job socket connection that sent %s", what)
         self._transport.close()
 
-    def _refuse(self, request_id: int, error: Exception) -> None:
+    @staticmethod
+    def _refusal(request_id: int, error: Exception) -> bytes:
         code = error.code.value[0] if isinstance(error, KVDepotError) else _INTERNAL
         refused = pb.JobRefused(code=code, message=str(error))
-        self._transport.write(frame(pb.JobReply(request_id=request_id, refused=refused)))
+        return frame(pb.JobReply(request_id=request_id, refused=refused))
 
     def _handle(self, request: pb.JobFrame) -> None:
         kind = request.WhichOneof("kind")
         if self.session is None:
             self._bind(request, kind)
             return
+        self._held_dones = []
+        try:
+            self._transport.write(self._answer(request, kind))
+            for message in self._held_dones:
+                self._transport.write(message)
+        finally:
+            self._held_dones = None
+
+    def _answer(self, request: pb.JobFrame, kind: str) -> bytes:
         reply = pb.JobReply(request_id=request.request_id)
         try:
             if kind == "submit_store":
@@ -120,13 +137,11 @@ class JobConnection(asyncio.Protocol):
             else:
                 raise InvalidArgument("an empty JobFrame: set one of its requests")
         except KVDepotError as e:
-            self._refuse(request.request_id, e)
-            return
+            return self._refusal(request.request_id, e)
         except Exception as e:
             log.exception("job socket %s failed", kind)
-            self._refuse(request.request_id, RuntimeError(f"{kind} failed: see the daemon's log ({e})"))
-            return
-        self._transport.write(frame(reply))
+            return self._refusal(request.request_id, RuntimeError(f"{kind} failed: see the daemon's log ({e})"))
+        return frame(reply)
 
     def _bind(self, request: pb.JobFrame, kind: str) -> None:
         try:
@@ -136,11 +151,12 @@ class JobConnection(asyncio.Protocol):
             if session.job_channel is not None and session.job_channel.open:
                 raise FailedPrecondition(f"session {session.id} has a job socket connection already")
         except (FailedPrecondition, NotFound) as e:
-            self._refuse(request.request_id, e)
+            self._transport.write(self._refusal(request.request_id, e))
             self._transport.close()
             return
         session.job_channel = self
         self.session = session
+        self._transport.write(frame(pb.JobReply(request_id=request.request_id, ready=pb.JobSocketReady())))
 
     def _check_session(self, session_id: str) -> None:
         if session_id != self.session.id:
@@ -159,5 +175,9 @@ async def listen(depot, path: str) -> asyncio.AbstractServer:
         pass
     loop = asyncio.get_running_loop()
     server = await loop.create_unix_server(lambda: JobConnection(depot), path)
-    os.chmod(path, 0o660)
+    try:
+        os.chmod(path, 0o660)
+    except OSError:
+        server.close()
+        raise
     return server

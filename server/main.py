@@ -224,8 +224,7 @@ async def serve(config: DaemonConfig) -> int:
         reason = "the address is in use or not allowed"
     if not bound:
         if job_server is not None:
-            job_server.close()
-            os.unlink(job_path)
+            _close_job_socket(job_server, job_path)
         pool.close()
         guard.release()
         raise StartupError(f"cannot listen on {target}: {reason}")
@@ -255,17 +254,21 @@ async def serve(config: DaemonConfig) -> int:
         )
     await server.stop(grace=1.0)
     if job_server is not None:
-        job_server.close()
-        try:
-            os.unlink(job_path)
-        except FileNotFoundError:
-            pass
+        _close_job_socket(job_server, job_path)
     housekeeping.cancel()
     depot.shutdown()  # copies still on the GPU end before the pool is unpinned
     pool.close()
     guard.release()
     log.info("kvdepotd stopped")
     return 0
+
+
+def _close_job_socket(server: asyncio.AbstractServer, path: str) -> None:
+    server.close()
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # some event loops remove it on close
+        pass
 
 
 async def _set_health(servicer, name: str, status) -> None:

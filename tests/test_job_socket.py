@@ -122,6 +122,7 @@ def test_protocol_rules_are_enforced(daemon, client_factory):
     channel, stream, other_session = raw_session(daemon)
     raw = RawJobSocket(path)
     raw.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=other_session)))
+    assert raw.reply().HasField("ready")
     raw.send(pb.JobFrame(request_id=4, submit_store=store))
     reply = raw.reply()
     assert reply.request_id == 4 and reply.refused.code == 3  # INVALID_ARGUMENT
@@ -153,6 +154,7 @@ def test_a_request_answered_on_the_job_socket_as_the_call_would(daemon, client_f
     channel, stream, session_id = raw_session(daemon)
     raw = RawJobSocket(daemon.socket + ".jobs")
     raw.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=session_id)))
+    assert raw.reply().HasField("ready")
     keys = prompt_keys(2, prompt=330)
     raw.send(pb.JobFrame(request_id=1, submit_load=pb.SubmitLoadRequest(
         session_id=session_id, worker_id=worker.worker_id, job_id=1, keys=keys, block_ids=[0, 1])))
@@ -198,3 +200,16 @@ def test_without_a_job_socket_jobs_go_through_grpc_calls(start_daemon, tmp_path)
     finally:
         client.close()
     assert daemon.running
+
+
+def test_a_job_socket_that_cannot_be_opened_leaves_jobs_on_grpc(daemon, client_factory, caplog):
+    """As when a container mounts only the gRPC socket file: the client says so once
+    and runs its jobs through the calls."""
+    import os
+
+    os.unlink(daemon.socket + ".jobs")
+    client = client_factory(daemon)
+    assert client._connection.jobs is None
+    assert "cannot open kvdepotd's job socket" in caplog.text
+    worker, engine, tensors = attach_worker(client, seed=36)
+    round_trip(client, worker, tensors, 1, prompt=360)
