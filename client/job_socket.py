@@ -12,12 +12,11 @@ import struct
 import threading
 from collections.abc import Callable
 
+from kvdepot.defaults import JOB_FRAME_HEADER, MAX_JOB_FRAME_BYTES
 from kvdepot.proto import kvdepot_pb2 as pb
 
 log = logging.getLogger("kvdepot.client")
 
-_LENGTH = struct.Struct("<I")
-MAX_FRAME_BYTES = 64 << 20
 
 
 class JobSocketRefused(OSError):
@@ -64,7 +63,7 @@ class JobSocket:
         """Raises OSError when the connection is gone or the daemon does not read."""
         data = frame.SerializeToString()
         with self._send_lock:
-            self._sock.sendall(_LENGTH.pack(len(data)) + data)
+            self._sock.sendall(JOB_FRAME_HEADER.pack(len(data)) + data)
 
     def close(self) -> None:
         self._closed = True
@@ -75,11 +74,11 @@ class JobSocket:
 
     def _read_reply(self) -> pb.JobReply | None:
         """The next reply; None when the connection ended. Raises ValueError for a bad frame."""
-        header = self._reader.read(_LENGTH.size)
-        if len(header) < _LENGTH.size:
+        header = self._reader.read(JOB_FRAME_HEADER.size)
+        if len(header) < JOB_FRAME_HEADER.size:
             return None
-        (length,) = _LENGTH.unpack(header)
-        if length > MAX_FRAME_BYTES:
+        (length,) = JOB_FRAME_HEADER.unpack(header)
+        if length > MAX_JOB_FRAME_BYTES:
             raise ValueError(f"the daemon sent a frame of {length} bytes")
         data = self._reader.read(length)
         if len(data) < length:

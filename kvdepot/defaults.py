@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 
 # Length of a block key: a 256-bit content hash.
 KEY_BYTES = 32
@@ -11,6 +12,11 @@ KEY_BYTES = 32
 PROTOCOL_VERSION = 1
 
 SOCKET_ENV = "KVDEPOT_SOCKET"
+
+# The job socket's framing (proto: "job socket"): a 4-byte little-endian length
+# before each message, and the longest message either side accepts.
+JOB_FRAME_HEADER = struct.Struct("<I")
+MAX_JOB_FRAME_BYTES = 64 << 20
 
 
 def default_socket_path() -> str:

@@ -13,17 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import struct
 
 from google.protobuf.message import DecodeError
 
+from kvdepot.defaults import JOB_FRAME_HEADER, MAX_JOB_FRAME_BYTES
 from kvdepot.errors import FailedPrecondition, InvalidArgument, KVDepotError, NotFound
 from kvdepot.proto import kvdepot_pb2 as pb
 
 log = logging.getLogger("kvdepot.jobs")
 
-MAX_FRAME_BYTES = 64 << 20
-LENGTH = struct.Struct("<I")
 
 # The grpc.StatusCode number of an error that is not a KVDepotError: a bug.
 _INTERNAL = 13
@@ -35,7 +33,7 @@ def job_socket_path(grpc_socket_path: str) -> str:
 
 def frame(message) -> bytes:
     data = message.SerializeToString()
-    return LENGTH.pack(len(data)) + data
+    return JOB_FRAME_HEADER.pack(len(data)) + data
 
 
 class JobConnection(asyncio.Protocol):
@@ -67,17 +65,17 @@ class JobConnection(asyncio.Protocol):
         buffer = self._buffer
         buffer += data
         start = 0
-        while self.open and len(buffer) - start >= LENGTH.size:
-            (length,) = LENGTH.unpack_from(buffer, start)
-            if length > MAX_FRAME_BYTES:
-                self._drop(f"a frame of {length} bytes (the limit is {MAX_FRAME_BYTES})")
+        while self.open and len(buffer) - start >= JOB_FRAME_HEADER.size:
+            (length,) = JOB_FRAME_HEADER.unpack_from(buffer, start)
+            if length > MAX_JOB_FRAME_BYTES:
+                self._drop(f"a frame of {length} bytes (the limit is {MAX_JOB_FRAME_BYTES})")
                 return
-            end = start + LENGTH.size + length
+            end = start + JOB_FRAME_HEADER.size + length
             if len(buffer) < end:
                 break
             request = pb.JobFrame()
             try:
-                request.ParseFromString(bytes(buffer[start + LENGTH.size : end]))
+                request.ParseFromString(bytes(buffer[start + JOB_FRAME_HEADER.size : end]))
             except DecodeError:
                 self._drop("a frame that is not a JobFrame")
                 return
