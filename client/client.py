@@ -420,11 +420,7 @@ class KVDepotClient:
             return  # its session is gone, and the job failed with it
         job_kind, job_id = unanswered
         if kind == "refused":
-            error = self._refusal(reply.refused)
-            message = f"kvdepotd refused the {job_kind} job: {error}"
-            if not isinstance(error, Unavailable):
-                log.warning("job %d: %s", job_id, message)
-            self._finish(job_id, False, message)
+            self._submit_failed(job_kind, job_id, self._refusal(reply.refused))
         elif kind == "store_submitted":
             self._record_store_counts(job_id, reply.store_submitted.already_stored, reply.store_submitted.not_stored)
 
@@ -788,17 +784,22 @@ class KVDepotClient:
             try:
                 response = call.result()
             except grpc.RpcError as e:
-                if e.code() in _GONE:
-                    error = f"kvdepotd is not available: {e.details()}"
-                else:
-                    error = f"kvdepotd refused the {kind} job: {_typed_error(e.code(), e.details())}"
-                    log.warning("job %d: %s", job_id, error)
-                self._finish(job_id, False, error)
+                self._submit_failed(kind, job_id, _typed_error(e.code(), e.details()))
                 return
             if kind == "store":
                 self._record_store_counts(job_id, response.already_stored, response.not_stored)
 
         call.add_done_callback(submitted)
+
+    def _submit_failed(self, kind: str, job_id: int, error: KVDepotError) -> None:
+        """A submit nobody waited for failed: the daemon is gone (quietly), or
+        it refused the request (a bug in the caller: logged)."""
+        if isinstance(error, Unavailable):
+            message = str(error)
+        else:
+            message = f"kvdepotd refused the {kind} job: {error}"
+            log.warning("job %d: %s", job_id, message)
+        self._finish(job_id, False, message)
 
     def _complete(self, connection: _Connection, job_id: int, ok: bool, error: str = "") -> None:
         try:
