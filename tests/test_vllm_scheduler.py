@@ -269,6 +269,47 @@ def test_decode_tokens_stored_only_when_asked(engines, daemon):
     assert totals(daemon).stored_blocks == 4 + 2
 
 
+def test_eager_mode_stores_each_block_in_the_step_that_completes_it(engines, daemon):
+    # A small token budget chunks the prefills of requests that keep arriving
+    # while others decode, so steps mix one-token and many-token requests.
+    engine = engines(max_num_seqs=6, max_num_batched_tokens=40, num_blocks=200)
+    lengths = [23, 70, 41, 96, 16, 55, 33, 80, 47, 64]
+    planned: dict[str, set[int]] = {}
+    added = chunked_steps = decode_only_steps = 0
+    for step in range(400):
+        if step % 4 == 0 and added < len(lengths):
+            engine.add(f"r{added}", prompt(50 + added, lengths[added]), max_tokens=12 + 3 * added)
+            added += 1
+        if added == len(lengths) and not engine.scheduler.has_requests():
+            break
+        result = engine.step()
+        so = result.scheduler_output
+        new_ids = {r.req_id for r in so.scheduled_new_reqs}
+        if any(n > 1 and r not in new_ids for r, n in so.num_scheduled_tokens.items()):
+            chunked_steps += 1
+        elif so.num_scheduled_tokens and not new_ids:
+            decode_only_steps += 1
+        owner = {}
+        for req_id in so.num_scheduled_tokens:
+            for index, block in enumerate(engine.worker.block_ids_of(req_id)[0]):
+                owner[block] = (req_id, index)
+        for job in so.kv_connector_metadata.stores:
+            for block in job.groups[0].block_ids:
+                req_id, index = owner[block]
+                planned.setdefault(req_id, set()).add(index)
+        for req_id in so.num_scheduled_tokens:
+            request = engine.scheduler.requests.get(req_id)
+            if request is None:  # finished in this step
+                continue
+            whole = request.num_computed_tokens // BLOCK
+            assert planned.get(req_id, set()) == set(range(whole)), (step, req_id)
+    else:
+        raise AssertionError("not done after 400 steps")
+    assert chunked_steps and decode_only_steps, "the test needs both kinds of step"
+    engine.run()
+    assert totals(daemon).failed_jobs == 0
+
+
 def test_lazy_mode_stores_at_finish(engines, daemon):
     engine = engines({"mode": "lazy"})
     engine.add("a", prompt(40, 70), max_tokens=5)
