@@ -1,10 +1,16 @@
 """What KVDepotConnector costs vLLM's scheduler and worker per engine step, against no connector.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/connector_overhead.py [--steps 2000] [--running 64,128,256]
-        [--forward-ms MS] [--forward-read-mb MB] [--connector kvdepot|null] [--connector-config JSON] [--compute] [--json [PATH]]
+        [--forward-ms MS] [--forward-read-mb MB] [--connector kvdepot|null|vllm-offloading]
+        [--connector-config JSON] [--compute] [--json [PATH]]
 
 `--connector null` runs a connector that does nothing instead, which measures what vLLM itself
-spends on having a connector at all.
+spends on having a connector at all. `--connector vllm-offloading` runs vLLM's own CPU offloading
+(`OffloadingConnector`, 1 GiB of CPU blocks) for comparison: all of its scheduler side and worker
+bookkeeping, but its transfers, CUDA copies in vLLM, complete at once and move nothing here.
+
+`bench/engine_overhead.py` measures the same ratio inside vLLM's real engine, with a forward pass
+between the steps; see "The harness has no model" below for why the two differ.
 
 Starts a real `kvdepotd` (256 MiB pool in /dev/shm, 64 KiB slots, unpinned) in a temp dir and drives vLLM's
 REAL v1 `Scheduler` step by step through `tests/vllm_harness.py` (no model: the harness's
@@ -208,6 +214,10 @@ class Engine:
             s["all_hooks"].append(sum(hooks.values()))
             for h, ns in hooks.items():
                 self.totals["hook:" + h] += ns
+        meta = so.kv_connector_metadata
+        if hasattr(meta, "store_jobs"):  # vLLM's OffloadingConnector: count its jobs here
+            self.totals["offloading_loads"] += len(meta.load_jobs)
+            self.totals["offloading_stores"] += len(meta.store_jobs)
         s["running"].append(len(sched.running))
         self.totals["tokens"] += so.total_num_scheduled_tokens
         self.totals["preempted"] += len(so.preempted_req_ids or ())
@@ -216,6 +226,8 @@ class Engine:
     def connector_counters(self) -> dict:
         conn = self.scheduler.connector
         side = getattr(conn, "_scheduler", None) if conn is not None else None
+        if side is None and "offloading_stores" in self.totals:
+            return {"loads": self.totals["offloading_loads"], "stores": self.totals["offloading_stores"]}
         return dict(getattr(side, "counters", {}) or {})
 
     def close(self) -> None:
@@ -286,10 +298,51 @@ def _null_connector_class():
     return NullConnector
 
 
+def _instant_offloading_connector_class():
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+    from vllm.v1.kv_offload.base import TransferResult
+
+    class InstantTransfers:
+        """Stands in for the offloading worker's CUDA copies: every transfer is
+        done at once and reported at the next get_finished. No bytes move."""
+
+        def __init__(self):
+            self._done: list[int] = []
+
+        def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+            self._done.append(job_id)
+            return True
+
+        def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+            self._done.append(job_id)
+            return True
+
+        def get_finished(self):
+            done, self._done = self._done, []
+            return [TransferResult(job_id, True) for job_id in done]
+
+        def wait(self, job_ids) -> None:
+            pass
+
+        def shutdown(self) -> None:
+            pass
+
+    class InstantOffloadingConnector(OffloadingConnector):
+        """vLLM's own OffloadingConnector, all of its scheduler side and worker
+        bookkeeping, with transfers that cost nothing (its copies need CUDA)."""
+
+        def register_kv_caches(self, kv_caches):
+            self.connector_worker.worker = InstantTransfers()
+
+    return InstantOffloadingConnector
+
+
 def __getattr__(name):
-    # vLLM imports kv_connector_module_path "connector_overhead" and reads NullConnector.
+    # vLLM imports kv_connector_module_path "connector_overhead" and reads the class.
     if name == "NullConnector":
         return _null_connector_class()
+    if name == "InstantOffloadingConnector":
+        return _instant_offloading_connector_class()
     raise AttributeError(name)
 
 
@@ -302,6 +355,11 @@ def run_one(n: int, args, socket: str, log) -> dict:
     if args.connector == "null":
         # What vLLM itself spends on having any connector: this file's NullConnector.
         conn_cfg = vh.make_vllm_config("connector_overhead", "NullConnector", {}, block_size=BLOCK_SIZE, **common)
+    elif args.connector == "vllm-offloading":
+        # vLLM's own CPU offloading, for comparison (1 GiB of CPU blocks).
+        conn_cfg = vh.make_vllm_config(
+            "connector_overhead", "InstantOffloadingConnector", {"cpu_bytes_to_use": 1 << 30}, block_size=BLOCK_SIZE, **common
+        )
     else:
         conn_cfg = vh.make_vllm_config("kvdepot.connector", "KVDepotConnector", extra, block_size=BLOCK_SIZE, **common)
     plain_cfg = vh.make_vllm_config(None, None, block_size=BLOCK_SIZE, **common)
@@ -384,7 +442,7 @@ def markdown(results: list[dict]) -> str:
             f"| {r['running']} | {r['steps']} | {p['sched']['p50_us']:.0f} | {c['sched']['p50_us']:.0f} | "
             f"**{r['ratio_p50']:.3f}** | {p['sched']['mean_us']:.0f} | {c['sched']['mean_us']:.0f} | "
             f"**{r['ratio_mean']:.3f}** | {c['hooks']['p50_us']:.0f} / {c['hooks']['p99_us']:.0f} | "
-            f"{cc.get('hit_tokens', 0)} / {cc.get('loads', 0)} / {cc.get('stores', 0)} | "
+            f"{cc.get('hit_tokens', '-')} / {cc.get('loads', 0)} / {cc.get('stores', 0)} | "
             f"{c['preempted']} / {p['preempted']} |"
         )
     return "\n".join(lines)
@@ -417,8 +475,9 @@ def main() -> int:
     ap.add_argument("--slot-size", default="64KiB")
     ap.add_argument("--pool-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                     help="where the daemon's pool file goes (a temp folder is made inside; default /dev/shm)")
-    ap.add_argument("--connector", choices=("kvdepot", "null"), default="kvdepot",
-                    help="null: a connector that does nothing, to measure vLLM's own cost of having one")
+    ap.add_argument("--connector", choices=("kvdepot", "null", "vllm-offloading"), default="kvdepot",
+                    help="null: a connector that does nothing, to measure vLLM's own cost of having one; "
+                    "vllm-offloading: vLLM's own OffloadingConnector with transfers that cost nothing")
     ap.add_argument("--connector-config", default="{}", metavar="JSON",
                     help='more kv_connector_extra_config for KVDepotConnector, e.g. \'{"mode": "lazy"}\'')
     ap.add_argument("--json", nargs="?", const="-", metavar="PATH", help="also write JSON (to stdout with no PATH)")
@@ -477,12 +536,17 @@ def main() -> int:
             f"tokens {c['tokens']} vs {p['tokens']}; counters {c['connector_counters']}"
         )
     if args.json:
-        doc = json.dumps({"info": info, "results": results}, indent=2)
-        if args.json == "-":
-            print(doc)
-        else:
-            Path(args.json).write_text(doc + "\n")
+        write_json(args.json, {"info": info, "results": results})
     return 0
+
+
+def write_json(where: str, doc: dict) -> None:
+    """--json: to standard output for "-", else to that file."""
+    text = json.dumps(doc, indent=2)
+    if where == "-":
+        print(text)
+    else:
+        Path(where).write_text(text + "\n")
 
 
 if __name__ == "__main__":
