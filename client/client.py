@@ -754,26 +754,20 @@ class KVDepotClient:
         return transfer
 
     def _submit_in_background(self, connection: _Connection, kind: str, job_id: int, fields: dict) -> None:
+        request = pb.SubmitStoreRequest(**fields) if kind == "store" else pb.SubmitLoadRequest(**fields)
         if connection.jobs is not None:
             request_id = next(self._request_ids)
-            if kind == "store":
-                frame = pb.JobFrame(request_id=request_id, submit_store=pb.SubmitStoreRequest(**fields))
-            else:
-                frame = pb.JobFrame(request_id=request_id, submit_load=pb.SubmitLoadRequest(**fields))
             with self._lock:
                 self._unanswered[request_id] = (kind, job_id)
             try:
-                connection.jobs.send(frame)
+                connection.jobs.send(pb.JobFrame(request_id=request_id, **{f"submit_{kind}": request}))
             except OSError as e:
                 with self._lock:
                     self._unanswered.pop(request_id, None)
                 self._finish(job_id, False, f"kvdepotd is not available: {e}")
                 self._on_job_socket_lost(connection, str(e))
             return
-        if kind == "store":
-            method, request = connection.stub.SubmitStore, pb.SubmitStoreRequest(**fields)
-        else:
-            method, request = connection.stub.SubmitLoad, pb.SubmitLoadRequest(**fields)
+        method = connection.stub.SubmitStore if kind == "store" else connection.stub.SubmitLoad
         try:
             call = method.future(request, timeout=self.call_timeout, metadata=self._metadata)
         except ValueError:  # the channel closed under us: the daemon went away

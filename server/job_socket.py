@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 
+import grpc
 from google.protobuf.message import DecodeError
 
 from kvdepot.defaults import JOB_FRAME_HEADER, MAX_JOB_FRAME_BYTES
@@ -21,10 +22,6 @@ from kvdepot.errors import FailedPrecondition, InvalidArgument, KVDepotError, No
 from kvdepot.proto import kvdepot_pb2 as pb
 
 log = logging.getLogger("kvdepot.jobs")
-
-
-# The grpc.StatusCode number of an error that is not a KVDepotError: a bug.
-_INTERNAL = 13
 
 
 def job_socket_path(grpc_socket_path: str) -> str:
@@ -100,7 +97,9 @@ class JobConnection(asyncio.Protocol):
 
     @staticmethod
     def _refusal(request_id: int, error: Exception) -> bytes:
-        code = error.code.value[0] if isinstance(error, KVDepotError) else _INTERNAL
+        # An error that is not a KVDepotError is a bug in the daemon: INTERNAL.
+        status = error.code if isinstance(error, KVDepotError) else grpc.StatusCode.INTERNAL
+        code = status.value[0]
         refused = pb.JobRefused(code=code, message=str(error))
         return frame(pb.JobReply(request_id=request_id, refused=refused))
 
