@@ -10,7 +10,9 @@ Rules it keeps:
   lookups are answered from it; their counts reach the daemon's stats once a
   second.
 - Per-step work is proportional to what changed: a running request costs one
-  comparison unless it completed a block this step.
+  lookup in a small dict unless it completed a block this step. Its own state
+  is not read then: after the forward pass those objects are out of the CPU
+  caches, and reading each one costs more than the comparison itself.
 - A hit never covers the last prompt token (vLLM must compute one for logits),
   and counts whole blocks only.
 - Blocks this engine is loading already are not loaded twice: a request whose
@@ -52,8 +54,6 @@ class RequestState:
     block_ids: list[list[int]]
     # Blocks [0, stored_upto) are in the daemon already or in a store job.
     stored_upto: int = 0
-    # Tokens computed when the next block can be stored (inf: nothing more).
-    next_store_at: float = 0
     # Tokens whose KV exists once the last scheduled step has run.
     num_computed: int = 0
     # Tokens the GPU prefix cache had at the last lookup.
@@ -118,6 +118,9 @@ class SchedulerSide:
         self._reporter = threading.Thread(target=self._report_lookups, name="kvdepot-report", daemon=True)
         self._reporter.start()
         self._reqs: dict[str, RequestState] = {}
+        # Request id -> tokens computed once its next block can be stored;
+        # absent when the request may store nothing more.
+        self._store_at: dict[str, int] = {}
         self._jobs: dict[int, JobState] = {}
         self._next_job_id = 1
         # Keys of blocks this engine is loading now -> number of loads.
@@ -144,18 +147,22 @@ class SchedulerSide:
             )
             limit = policy.store_limit_tokens(request.num_prompt_tokens, math.inf)
             limit_blocks = None if limit == math.inf else int(limit) // bs
-            st = RequestState(
-                request, RequestKeys(request, bs), policy, limit_blocks, [[] for _ in self.groups], next_store_at=bs
-            )
-            if limit_blocks == 0:
-                st.next_store_at = math.inf
+            st = RequestState(request, RequestKeys(request, bs), policy, limit_blocks, [[] for _ in self.groups])
+            if limit_blocks != 0:
+                self._store_at[request.request_id] = bs
             self._reqs[request.request_id] = st
         return st
 
     def _set_stored(self, st: RequestState, blocks: int) -> None:
         st.stored_upto = blocks
-        done = st.limit_blocks is not None and blocks >= st.limit_blocks
-        st.next_store_at = math.inf if done else (blocks + 1) * self.block_size
+        if st.limit_blocks is not None and blocks >= st.limit_blocks:
+            self._store_at.pop(st.request.request_id, None)
+        else:
+            self._store_at[st.request.request_id] = (blocks + 1) * self.block_size
+
+    def _forget(self, req_id: str) -> None:
+        del self._reqs[req_id]
+        self._store_at.pop(req_id, None)
 
     def on_new_request(self, request) -> None:
         """Hashes the prompt now, outside the scheduling step."""
@@ -297,18 +304,12 @@ class SchedulerSide:
             st.block_ids = [[] for _ in self.groups]
             st.num_computed = 0
 
-        reqs = self._reqs
         if self.config.mode == "eager":
-            # A request costs one comparison here unless it completed a block.
-            ready = [
-                (st, computed)
-                for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items()
-                if (st := reqs.get(req_id)) is not None
-                and (computed := st.request.num_computed_tokens + num_tokens) >= st.next_store_at
-            ]
+            ready = self._completed_blocks(scheduler_output) if self._store_at else None
             if ready:
                 self._store_job(ready)
         else:
+            reqs = self._reqs
             for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
                 st = reqs.get(req_id)
                 if st is not None:
@@ -324,6 +325,24 @@ class SchedulerSide:
         )
         self._new_loads, self._new_stores, self._new_flush, self._await_stores = [], [], set(), {}
         return meta
+
+    def _completed_blocks(self, scheduler_output) -> list[tuple[RequestState, int]]:
+        """(state, tokens computed after this step) of the requests that complete a block to store.
+
+        Reads vLLM's per-step lists and `_store_at` only (see the module's rules).
+        """
+        store_at, scheduled, reqs = self._store_at, scheduler_output.num_scheduled_tokens, self._reqs
+        ready = []
+        for new in scheduler_output.scheduled_new_reqs:
+            at = store_at.get(new.req_id)
+            if at is not None and (computed := new.num_computed_tokens + scheduled[new.req_id]) >= at:
+                ready.append((reqs[new.req_id], computed))
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            at = store_at.get(req_id)
+            if at is not None and (computed := computed + scheduled[req_id]) >= at:
+                ready.append((reqs[req_id], computed))
+        return ready
 
     def _track_block_ids(self, scheduler_output) -> None:
         new_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
@@ -477,7 +496,7 @@ class SchedulerSide:
                 continue
             st.jobs.discard(job.job_id)
             if st.finished and not st.jobs:
-                del self._reqs[req_id]
+                self._forget(req_id)
 
     def request_finished(self, request) -> tuple[bool, None]:
         """True (keep the GPU blocks) while store jobs still read them."""
@@ -487,12 +506,13 @@ class SchedulerSide:
         st.finished = True
         if self.config.mode == "lazy":
             self._store_job([(st, request.num_computed_tokens)])
+        self._store_at.pop(request.request_id, None)  # never scheduled again
         stores = sorted(j for j in st.jobs if self._jobs[j].job.is_store)
         if stores:
             self._await_stores[request.request_id] = stores
             return True, None
         if not st.jobs:
-            del self._reqs[request.request_id]
+            self._forget(request.request_id)
         return False, None
 
     def has_pending_push_work(self) -> bool:

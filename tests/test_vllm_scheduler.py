@@ -230,6 +230,36 @@ def test_preemption_flushes_stores_and_resumes_from_them(engines, daemon):
     assert stats.failed_jobs == 0
 
 
+def test_finished_requests_leave_no_bookkeeping_behind(engines, daemon):
+    # An engine runs for weeks: whatever way a request ends (finished, aborted
+    # while its stores are in flight, preempted and resumed, limited by its
+    # policy), the connector must forget it once its transfers are done.
+    import vllm_harness as h
+
+    engine = engines(num_blocks=12, max_num_seqs=4)
+    engine.add("preempted-0", prompt(60, 60), max_tokens=40)
+    engine.add("preempted-1", prompt(61, 60), max_tokens=40)
+    engine.add("limited", prompt(62, 70), max_tokens=5, kv_transfer_params={"kvdepot_store": 40})
+    engine.add("aborted", prompt(63, 70), max_tokens=30)
+    side = engine.side
+    aborted = preempted = False
+    for _ in range(400):
+        if not engine.scheduler.has_requests() and not side.has_pending_push_work():
+            break
+        result = engine.step()
+        preempted |= bool(result.preempted_req_ids)
+        if not aborted and "aborted" in side._reqs and side._reqs["aborted"].jobs:
+            h.abort(engine.scheduler, "aborted")  # its prompt blocks' store is not done yet
+            aborted = True
+    else:
+        raise AssertionError("not done after 400 steps")
+    assert preempted and aborted, "the test needs a preemption and an abort"
+    worker = engine.worker.connector._worker
+    assert (side._reqs, side._store_at, side._jobs, side._loading, side._fences) == ({}, {}, {}, {}, {})
+    assert (worker._inflight, worker._awaiting, worker._unsubmitted) == ({}, {}, [])
+    assert totals(daemon).failed_jobs == 0
+
+
 def test_lazy_mode_stores_a_preempted_request_before_its_blocks_go(engines, daemon):
     engine = engines({"mode": "lazy"}, num_blocks=10, max_num_seqs=2)
     engine.add("p0", prompt(15, 60), max_tokens=40)
