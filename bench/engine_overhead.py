@@ -1,7 +1,7 @@
 """What KVDepotConnector costs vLLM's scheduler inside a real engine, against no connector.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/engine_overhead.py [--steps 1000] [--running 64,128,256]
-        [--rounds 2] [--connector kvdepot|null] [--connector-config JSON] [--json [PATH]]
+        [--rounds 2] [--connector kvdepot|null] [--connector-config JSON] [--calls] [--json [PATH]]
 
 `bench/connector_overhead.py` drives vLLM's Scheduler with a stand-in for the model runner, so
 nothing but the connector's worker hooks runs between two scheduler steps there, and the
@@ -24,6 +24,10 @@ Each engine keeps N requests unfinished, topping up as requests finish, with the
 of `connector_overhead.py` (shared prefixes, repeats, unique prompts; max_tokens 32-160, EOS
 ignored), seeded per N so both configurations see the same requests. The first `--warmup` steps
 of each process are not measured. Each engine's KV cache is 1 GiB (VLLM_CPU_KVCACHE_SPACE).
+
+`--calls` also times each connector method the Scheduler calls, per step, and prints where the
+connector's share of the step goes. The timers add their own cost to the connector
+configuration, so quote the ratio of a run without `--calls`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,19 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
 BLOCK_SIZE = 32  # vLLM 0.32's CPU attention backend needs a multiple of 32
+
+# The connector's methods that vLLM's Scheduler calls (timed with --calls).
+SCHEDULER_CALLS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "take_events",
+    "has_pending_push_work",
+    "get_kv_connector_stats",
+)
 
 
 def run_engine(args) -> int:
@@ -85,6 +102,28 @@ def run_engine(args) -> int:
     times: list[int] = []
     measuring = False
     pending = [0]
+    calls_ns: dict[str, int] = {}
+    calls_count: dict[str, int] = {}
+    timing_calls = [False]  # on during the measured steps only
+
+    def timed_call(name, fn):
+        def wrapper(*a, **kw):
+            start = time.perf_counter_ns()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if timing_calls[0]:
+                    calls_ns[name] = calls_ns.get(name, 0) + time.perf_counter_ns() - start
+                    calls_count[name] = calls_count.get(name, 0) + 1
+
+        return wrapper
+
+    if args.calls and scheduler.connector is not None:
+        # On the instance: the Scheduler calls them through self.connector.
+        for name in SCHEDULER_CALLS:
+            method = getattr(scheduler.connector, name, None)
+            if method is not None:
+                setattr(scheduler.connector, name, timed_call(name, method))
 
     def timed(fn):
         def wrapper(*a, **kw):
@@ -109,6 +148,7 @@ def run_engine(args) -> int:
             engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), params)
             unfinished += 1
         pending[0] = 0
+        timing_calls[0] = measuring
         outputs = engine.step()
         unfinished -= sum(1 for out in outputs if out.finished)
         if measuring:
@@ -117,7 +157,9 @@ def run_engine(args) -> int:
         measuring = steps >= args.warmup
     side = getattr(scheduler.connector, "_scheduler", None)
     counters = dict(getattr(side, "counters", {}) or {})
-    Path(args.out).write_text(json.dumps({"sched_ns": times, "connector_counters": counters}))
+    Path(args.out).write_text(
+        json.dumps({"sched_ns": times, "connector_counters": counters, "calls_ns": calls_ns, "calls": calls_count})
+    )
     return 0
 
 
@@ -131,6 +173,8 @@ def main() -> int:
                     help="null: connector_overhead.py's connector that does nothing (vLLM's own cost of one)")
     ap.add_argument("--connector-config", default="{}", metavar="JSON",
                     help="more kv_connector_extra_config for KVDepotConnector, e.g. '{\"mode\": \"lazy\"}'")
+    ap.add_argument("--calls", action="store_true",
+                    help="also time each connector method the Scheduler calls (adds the timers' cost)")
     ap.add_argument("--json", nargs="?", const="-", metavar="PATH", help="also write JSON (to stdout with no PATH)")
     # One engine process (started by this script).
     ap.add_argument("--engine", choices=("conn", "plain"), dest="config", help=argparse.SUPPRESS)
@@ -163,12 +207,16 @@ def main() -> int:
             for n in counts:
                 samples = {"conn": [], "plain": []}
                 counters: dict[str, int] = {}
+                calls_ns: dict[str, int] = {}
+                calls: dict[str, int] = {}
                 order = [c for r in range(args.rounds) for c in (("conn", "plain") if r % 2 == 0 else ("plain", "conn"))]
                 for i, config in enumerate(order):
                     out = scratch / f"{config}-{n}-{i}.json"
                     cmd = [sys.executable, __file__, "--engine", config, "--running", str(n), "--steps", str(args.steps),
                            "--warmup", str(args.warmup), "--model", str(model), "--socket", daemon.socket,
                            "--seed", str(n), "--connector", args.connector, "--connector-config", args.connector_config, "--out", str(out)]  # fmt: skip
+                    if args.calls:
+                        cmd.append("--calls")
                     t0 = time.monotonic()
                     proc = subprocess.run(cmd, env=vllm_env(scratch / f"vllm-{config}-{n}-{i}"), stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -178,11 +226,18 @@ def main() -> int:
                     taken = doc["sched_ns"]
                     for name, value in doc["connector_counters"].items():
                         counters[name] = counters.get(name, 0) + value
+                    for name, value in doc.get("calls_ns", {}).items():
+                        calls_ns[name] = calls_ns.get(name, 0) + value
+                        calls[name] = calls.get(name, 0) + doc["calls"][name]
                     samples[config] += taken
                     log(f"[N={n}] {config} process {i + 1}/{len(order)}: {len(taken)} steps, sched p50 "
                         f"{pct(taken, 0.5) / 1e3:.0f} us ({time.monotonic() - t0:.0f} s)")  # fmt: skip
                 us = {c: [x / 1e3 for x in v] for c, v in samples.items()}
                 row = {"running": n, "steps": len(us["conn"]), "connector_counters": counters}
+                if args.calls:
+                    # Per measured step of the connector configuration, whichever steps called them.
+                    row["calls_us_per_step"] = {k: v / 1e3 / row["steps"] for k, v in calls_ns.items()}
+                    row["calls_per_step"] = {k: v / row["steps"] for k, v in calls.items()}
                 for c, v in us.items():
                     row[c] = {"p50_us": pct(v, 0.5), "mean_us": statistics.fmean(v), "p99_us": pct(v, 0.99)}
                 row["ratio_p50"] = row["conn"]["p50_us"] / row["plain"]["p50_us"]
@@ -209,6 +264,16 @@ def main() -> int:
         print(f"| {r['running']} | {r['steps']} | {p['p50_us']:.0f} | {c['p50_us']:.0f} | **{r['ratio_p50']:.3f}** | "
               f"{p['mean_us']:.0f} | {c['mean_us']:.0f} | **{r['ratio_mean']:.3f}** | {p['p99_us']:.0f} / {c['p99_us']:.0f} | "
               f"{cc.get('hit_tokens', '-')} / {cc.get('loads', 0)} / {cc.get('stores', 0)} |")  # fmt: skip
+    if args.calls:
+        print("\nConnector methods the Scheduler called, µs per measured step (timers included):\n")
+        names = [n for n in SCHEDULER_CALLS if any(n in r["calls_us_per_step"] for r in results)]
+        print("| running | " + " | ".join(f"`{n}`" for n in names) + " | total | total ÷ no-connector step (mean) |")
+        print("| --- " * (len(names) + 3) + "|")
+        for r in results:
+            per_step = r["calls_us_per_step"]
+            total = sum(per_step.values())
+            cells = " | ".join(f"{per_step.get(n, 0):.1f} ({r['calls_per_step'].get(n, 0):.2f} calls)" for n in names)
+            print(f"| {r['running']} | {cells} | {total:.1f} | {total / r['plain']['mean_us']:.3f} |")
     if args.json:
         write_json(args.json, {"results": results, "wall_s": wall})
     return 0
