@@ -504,8 +504,11 @@ class SchedulerSide:
         if st is None:
             return False, None
         st.finished = True
-        if self.config.mode == "lazy":
-            self._store_job([(st, request.num_computed_tokens)])
+        # Whole blocks not yet planned: in lazy mode all of them. In eager mode,
+        # with async scheduling (vLLM's default on GPUs), a block's last token
+        # id arrives a step after its KV, so the block the last step completed
+        # can be stored only now; without async scheduling there is none.
+        self._store_job([(st, request.num_computed_tokens)])
         self._store_at.pop(request.request_id, None)  # never scheduled again
         stores = sorted(j for j in st.jobs if self._jobs[j].job.is_store)
         if stores:

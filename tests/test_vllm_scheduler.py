@@ -340,6 +340,35 @@ def test_eager_mode_stores_each_block_in_the_step_that_completes_it(engines, dae
     assert totals(daemon).failed_jobs == 0
 
 
+def test_async_scheduling_stores_every_block_and_loads_it_back_exactly(engines, daemon):
+    # vLLM on GPUs schedules step t+1 before it has step t's sampled token
+    # (async scheduling, on by default there). A block whose KV is complete
+    # may then still lack its last token id, which its key covers: it must be
+    # stored a step later, with the right key, not skipped nor mis-keyed.
+    import vllm_harness as h
+
+    engine = engines(async_scheduling=True)
+    assert type(engine.scheduler).__name__ == "AsyncScheduler"
+    requests = {"a": (prompt(70, 40), 45), "b": (prompt(71, 64), 33), "c": (prompt(72, 17), 60)}
+    for req_id, (tokens, max_tokens) in requests.items():
+        engine.add(req_id, tokens, max_tokens=max_tokens)
+    results = h.run_async(engine.scheduler, engine.worker)
+    assert any(r.scheduler_output.num_scheduled_tokens for r in results)
+    engine.run()  # the last stores
+    # KV exists for every token but the last sampled one; every whole block of it is stored.
+    assert totals(daemon).stored_blocks == sum((len(t) + n - 1) // BLOCK for t, n in requests.values())
+    assert totals(daemon).failed_jobs == 0
+
+    # The whole sequence of "a" (prompt and its 45 sampled tokens, all 7) comes back bit for bit.
+    tokens, max_tokens = requests["a"]
+    engine.reset_gpu_cache()
+    engine.add("again", tokens + [7] * max_tokens, max_tokens=1)
+    whole = (len(tokens) + max_tokens - 1) // BLOCK
+    assert engine.computed_when_scheduled("again") == whole * BLOCK
+    assert engine.worker.check_request_tokens("again", 0, whole * BLOCK) == []
+    engine.run()
+
+
 def test_lazy_mode_stores_at_finish(engines, daemon):
     engine = engines({"mode": "lazy"})
     engine.add("a", prompt(40, 70), max_tokens=5)

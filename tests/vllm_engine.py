@@ -106,7 +106,14 @@ def wait_for_copy(scheduler, timeout: float = 10.0) -> None:
 
 
 def make_engine(
-    daemon, extra: dict | None = None, *, num_blocks: int = 64, groups: str = "full", kv_events: bool = False, **options
+    daemon,
+    extra: dict | None = None,
+    *,
+    num_blocks: int = 64,
+    groups: str = "full",
+    kv_events: bool = False,
+    async_scheduling: bool = False,
+    **options,
 ) -> Engine:
     config = h.make_vllm_config(
         "kvdepot.connector",
@@ -121,6 +128,6 @@ def make_engine(
         # Events on, published nowhere: a test puts its own recorder in.
         config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     kv_cache_config = h.make_kv_cache_config(config, num_blocks=num_blocks, groups=groups)
-    scheduler = h.make_scheduler(config, kv_cache_config)
+    scheduler = h.make_scheduler(config, kv_cache_config, async_scheduling=async_scheduling)
     worker = h.WorkerSide(config, kv_cache_config)
     return Engine(config, kv_cache_config, scheduler, worker)

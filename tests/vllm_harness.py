@@ -489,19 +489,22 @@ def make_kv_cache_config(
 # ---------------------------------------------------------------------------
 
 
-def make_scheduler(vllm_config, kv_cache_config, *, log_stats: bool = True):
-    """The real ``vllm.v1.core.sched.scheduler.Scheduler``.
+def make_scheduler(vllm_config, kv_cache_config, *, log_stats: bool = True, async_scheduling: bool = False):
+    """The real ``vllm.v1.core.sched.scheduler.Scheduler``, or its ``AsyncScheduler``.
 
     vLLM creates the SCHEDULER-role connector inside the constructor; it is
     ``scheduler.connector``.  Block sizes are resolved as ``EngineCore`` does.
+    ``async_scheduling``: the scheduler vLLM uses on GPUs by default (the CPU
+    platform turns it off); drive it with ``run_async``.
     """
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    sched = Scheduler(
+    sched = (AsyncScheduler if async_scheduling else Scheduler)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -1080,6 +1083,30 @@ def step(scheduler, worker: WorkerSide, *, sampled_token: SampledToken = 7, comp
     mro = model_output(worker, so, order, kv_out, sampled_token)
     engine_outputs = scheduler.update_from_output(so, mro)
     return StepResult(so, mro, engine_outputs, kv_out)
+
+
+def run_async(scheduler, worker: WorkerSide, *, max_steps: int = 200, sampled_token: SampledToken = 7) -> list[StepResult]:
+    """Steps in async scheduling's order until no request is left.
+
+    As ``EngineCore.step_with_batch_queue`` with two batches in flight: step
+    t+1 is scheduled (and its metadata built) before step t's output is
+    processed, so the scheduler plans a step without the token the previous
+    one samples.  The worker runs the steps in order.
+    """
+    results: list[StepResult] = []
+    in_flight = None
+    for _ in range(max_steps):
+        so = scheduler.schedule() if scheduler.has_requests() else None
+        if so is not None:
+            kv_out, order = worker.execute_model(so)
+            mro = model_output(worker, so, order, kv_out, sampled_token)
+        if in_flight is not None:
+            done_so, done_mro = in_flight
+            results.append(StepResult(done_so, done_mro, scheduler.update_from_output(done_so, done_mro), done_mro.kv_connector_output))
+        in_flight = (so, mro) if so is not None else None
+        if in_flight is None and not scheduler.has_requests():
+            return results
+    raise AssertionError(f"run_async: requests left after {max_steps} steps")
 
 
 def run_until(
