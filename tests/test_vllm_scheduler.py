@@ -230,24 +230,27 @@ def test_preemption_flushes_stores_and_resumes_from_them(engines, daemon):
     assert stats.failed_jobs == 0
 
 
-def test_finished_requests_leave_no_bookkeeping_behind(engines, daemon):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_finished_requests_leave_no_bookkeeping_behind(engines, daemon, async_scheduling):
     # An engine runs for weeks: whatever way a request ends (finished, aborted
     # while its stores are in flight, preempted and resumed, limited by its
     # policy), the connector must forget it once its transfers are done.
     import vllm_harness as h
 
-    engine = engines(num_blocks=12, max_num_seqs=4)
+    engine = engines(num_blocks=12, max_num_seqs=4, async_scheduling=async_scheduling)
     engine.add("preempted-0", prompt(60, 60), max_tokens=40)
     engine.add("preempted-1", prompt(61, 60), max_tokens=40)
     engine.add("limited", prompt(62, 70), max_tokens=5, kv_transfer_params={"kvdepot_store": 40})
     engine.add("aborted", prompt(63, 70), max_tokens=30)
     side = engine.side
+    loop = h.AsyncLoop(engine.scheduler, engine.worker) if async_scheduling else None
     aborted = preempted = False
     for _ in range(400):
-        if not engine.scheduler.has_requests() and not side.has_pending_push_work():
+        in_flight = loop is not None and loop.in_flight is not None
+        if not engine.scheduler.has_requests() and not side.has_pending_push_work() and not in_flight:
             break
-        result = engine.step()
-        preempted |= bool(result.preempted_req_ids)
+        result = loop.step() if loop is not None else engine.step()
+        preempted |= bool(result and result.preempted_req_ids)
         if not aborted and "aborted" in side._reqs and side._reqs["aborted"].jobs:
             h.abort(engine.scheduler, "aborted")  # its prompt blocks' store is not done yet
             aborted = True

@@ -1085,26 +1085,43 @@ def step(scheduler, worker: WorkerSide, *, sampled_token: SampledToken = 7, comp
     return StepResult(so, mro, engine_outputs, kv_out)
 
 
-def run_async(scheduler, worker: WorkerSide, *, max_steps: int = 200, sampled_token: SampledToken = 7) -> list[StepResult]:
-    """Steps in async scheduling's order until no request is left.
+class AsyncLoop:
+    """Drives an ``AsyncScheduler`` in ``EngineCore.step_with_batch_queue``'s order.
 
-    As ``EngineCore.step_with_batch_queue`` with two batches in flight: step
-    t+1 is scheduled (and its metadata built) before step t's output is
-    processed, so the scheduler plans a step without the token the previous
-    one samples.  The worker runs the steps in order.
+    With two batches in flight, step t+1 is scheduled (and its connector
+    metadata built) before step t's output is processed, so the scheduler
+    plans a step without the token the previous one samples.  The worker runs
+    the steps in order.
     """
-    results: list[StepResult] = []
-    in_flight = None
-    for _ in range(max_steps):
-        so = scheduler.schedule() if scheduler.has_requests() else None
+
+    def __init__(self, scheduler, worker: WorkerSide, sampled_token: SampledToken = 7):
+        self.scheduler, self.worker, self.sampled_token = scheduler, worker, sampled_token
+        self.in_flight = None
+
+    def step(self) -> StepResult | None:
+        """Schedules and runs the next step (if any request is left), then
+        processes the previous step's output; returns that step, or None."""
+        so = self.scheduler.schedule() if self.scheduler.has_requests() else None
         if so is not None:
-            kv_out, order = worker.execute_model(so)
-            mro = model_output(worker, so, order, kv_out, sampled_token)
-        if in_flight is not None:
-            done_so, done_mro = in_flight
-            results.append(StepResult(done_so, done_mro, scheduler.update_from_output(done_so, done_mro), done_mro.kv_connector_output))
-        in_flight = (so, mro) if so is not None else None
-        if in_flight is None and not scheduler.has_requests():
+            kv_out, order = self.worker.execute_model(so)
+            mro = model_output(self.worker, so, order, kv_out, self.sampled_token)
+        done, self.in_flight = self.in_flight, ((so, mro) if so is not None else None)
+        if done is None:
+            return None
+        done_so, done_mro = done
+        engine_outputs = self.scheduler.update_from_output(done_so, done_mro)
+        return StepResult(done_so, done_mro, engine_outputs, done_mro.kv_connector_output)
+
+
+def run_async(scheduler, worker: WorkerSide, *, max_steps: int = 200, sampled_token: SampledToken = 7) -> list[StepResult]:
+    """Steps in async scheduling's order (``AsyncLoop``) until no request is left."""
+    loop = AsyncLoop(scheduler, worker, sampled_token)
+    results: list[StepResult] = []
+    for _ in range(max_steps):
+        result = loop.step()
+        if result is not None:
+            results.append(result)
+        if loop.in_flight is None and not scheduler.has_requests():
             return results
     raise AssertionError(f"run_async: requests left after {max_steps} steps")
 
