@@ -18,7 +18,6 @@ from kvdepot.proto import kvdepot_pb2 as pb
 log = logging.getLogger("kvdepot.client")
 
 
-
 class JobSocketRefused(OSError):
     """The daemon did not take the hello: this session cannot use the job socket."""
 

@@ -508,8 +508,10 @@ class SchedulerSide:
         # with async scheduling (vLLM's default on GPUs), a block's last token
         # id arrives a step after its KV, so the block the last step completed
         # can be stored only now; without async scheduling there is none.
-        self._store_job([(st, request.num_computed_tokens)])
-        self._store_at.pop(request.request_id, None)  # never scheduled again
+        store_at = self._store_at.pop(request.request_id, None)  # never scheduled again
+        if store_at is not None and min(request.num_computed_tokens, request.num_tokens) >= store_at:
+            self._store_job([(st, request.num_computed_tokens)])
+            self._store_at.pop(request.request_id, None)
         stores = sorted(j for j in st.jobs if self._jobs[j].job.is_store)
         if stores:
             self._await_stores[request.request_id] = stores
