@@ -11,7 +11,7 @@ _EXPORTS = {
     "EngineHandle": "kvdepot.client.client",
     "WorkerHandle": "kvdepot.client.client",
     "Transfer": "kvdepot.client.client",
-    "block_keys": "kvdepot.client.keys",
+    "block_keys": "kvdepot.keys",
     "OperatorClient": "kvdepot.client.cli",
 }
 

@@ -26,6 +26,7 @@ from kvdepot.client.job_socket import JobSocket
 from kvdepot.client.shm_copy import BlockCopier, MappedPool
 from kvdepot.client.tensors import normalize_block_dims, tensor_layout, tensor_spec
 from kvdepot.defaults import PROTOCOL_VERSION, default_socket_path, grpc_target
+from kvdepot.keys import KEY_VERSION
 from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable, from_status, status_code
 from kvdepot.layout import WorkerLayout
 from kvdepot.proto import kvdepot_pb2 as pb
@@ -179,9 +180,15 @@ class Transfer:
 
 
 def namespace_spec(namespace: pb.NamespaceSpec | Mapping) -> pb.NamespaceSpec:
+    """The namespace as sent, with this release's key_version unless it names one."""
+    spec = pb.NamespaceSpec()
     if isinstance(namespace, pb.NamespaceSpec):
-        return namespace
-    return pb.NamespaceSpec(**namespace)
+        spec.CopyFrom(namespace)
+    else:
+        spec = pb.NamespaceSpec(**namespace)
+    if not spec.key_version:
+        spec.key_version = KEY_VERSION
+    return spec
 
 
 class KVDepotClient:

@@ -1,10 +1,11 @@
 """Block keys and namespaces of a vLLM engine.
 
 vLLM's own block hashes start from a random seed unless PYTHONHASHSEED is
-set, so they differ between processes and restarts. kvdepot keys are SHA-256
-chained over explicit bytes: the token ids of each block and vLLM's per-block
-extra keys (LoRA adapter, multimodal inputs, cache salt, prompt embeddings), so
-the same prompt gives the same keys in every engine, every time.
+set, so they differ between processes and restarts. A request's keys are
+kvdepot's own (kvdepot/keys.py, docs/keys.md) over its token ids and vLLM's
+per-block extra keys (LoRA adapter, multimodal inputs, cache salt, prompt
+embeddings): the same prompt gives the same keys in every engine, every time,
+and the same as any other client that follows docs/keys.md.
 
 What must match for engines to share blocks at all (model, dtype, block size,
 layout, TP size) goes into the namespace, not the keys.
@@ -12,54 +13,10 @@ layout, TP size) goes into the namespace, not the keys.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from dataclasses import dataclass
-from typing import Any, Sequence
 
-from kvdepot.defaults import KEY_BYTES
+from kvdepot.keys import chain_key, chain_plain
 from kvdepot.proto import kvdepot_pb2 as pb
-
-_ROOT = hashlib.sha256(b"kvdepot-vllm-v1" + b"\0" * KEY_BYTES).digest()
-
-
-def encode_extra(value: Any) -> bytes:
-    """A canonical, type-tagged encoding of vLLM's extra keys (tuples of str, bytes, int...)."""
-    if value is None:
-        return b"n"
-    if isinstance(value, bool):
-        return b"T" if value else b"F"
-    if isinstance(value, int):
-        text = str(value).encode()
-        return b"i" + struct.pack("<I", len(text)) + text
-    if isinstance(value, float):
-        return b"f" + struct.pack("<d", value)
-    if isinstance(value, str):
-        data = value.encode()
-        return b"s" + struct.pack("<I", len(data)) + data
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        data = bytes(value)
-        return b"b" + struct.pack("<I", len(data)) + data
-    if isinstance(value, (tuple, list)):
-        return b"t" + struct.pack("<I", len(value)) + b"".join(encode_extra(v) for v in value)
-    # Anything else (a future vLLM extra-key type): its repr is stable for
-    # value types, and a change only costs cache misses, never wrong blocks.
-    data = repr(value).encode()
-    return b"r" + struct.pack("<I", len(data)) + data
-
-
-_TOKEN_FORMATS: dict[int, struct.Struct] = {}
-_NO_EXTRA = encode_extra(None)
-
-
-def chain_key(parent: bytes | None, token_ids: Sequence[int], extra: Any = None) -> bytes:
-    """SHA-256 of the parent key, the block's token count and ids (int64 LE), and its extra keys."""
-    n = len(token_ids)
-    fmt = _TOKEN_FORMATS.get(n)
-    if fmt is None:
-        fmt = _TOKEN_FORMATS[n] = struct.Struct(f"<I{n}q")
-    tail = _NO_EXTRA if extra is None else encode_extra(extra)
-    return hashlib.sha256((parent or _ROOT) + fmt.pack(n, *token_ids) + tail).digest()
 
 
 class RequestKeys:
@@ -100,16 +57,8 @@ class RequestKeys:
         if num_blocks * size > len(tokens):
             raise ValueError(f"request {request.request_id} has no block {num_blocks - 1} yet")
         if self._plain and (have > 0 or not request.cache_salt):
-            # Blocks without extra keys, hashed where decode spends its time:
-            # one pack for all new blocks, then one SHA-256 per block over the
-            # same bytes chain_key hashes.
-            packed = _pack_tokens(tokens[have * size : num_blocks * size])
-            head = _block_header(size)
-            width = 8 * size
-            parent = keys[-1] if keys else _ROOT
-            for i in range(0, len(packed), width):
-                parent = _sha256(parent + head + packed[i : i + width] + _NO_EXTRA).digest()
-                keys.append(parent)
+            # Blocks without extra keys: where decode spends its time.
+            keys += chain_plain(keys[-1] if keys else None, tokens[have * size : num_blocks * size], size)
             return
         while len(keys) < num_blocks:
             start = len(keys) * size
@@ -122,27 +71,6 @@ class RequestKeys:
                     request, start, start + size, self._next_mm_index
                 )
             keys.append(chain_key(keys[-1] if keys else None, tokens[start : start + size], extra))
-
-
-_sha256 = hashlib.sha256
-_PACKERS: dict[int, struct.Struct] = {}
-_HEADERS: dict[int, bytes] = {}
-
-
-def _pack_tokens(token_ids: Sequence[int]) -> bytes:
-    n = len(token_ids)
-    packer = _PACKERS.get(n)
-    if packer is None:
-        packer = _PACKERS[n] = struct.Struct(f"<{n}q")
-    return packer.pack(*token_ids)
-
-
-def _block_header(block_size: int) -> bytes:
-    """The token count chain_key puts before a block's token ids."""
-    head = _HEADERS.get(block_size)
-    if head is None:
-        head = _HEADERS[block_size] = struct.pack("<I", block_size)
-    return head
 
 
 @dataclass(frozen=True)

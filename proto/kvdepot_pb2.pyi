@@ -76,7 +76,7 @@ class JobDone(_message.Message):
     def __init__(self, job_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class NamespaceSpec(_message.Message):
-    __slots__ = ("model", "revision", "kv_dtype", "block_size", "layout", "tp_size", "kv_group", "extra")
+    __slots__ = ("model", "revision", "kv_dtype", "block_size", "layout", "tp_size", "kv_group", "extra", "key_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class NamespaceSpec(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    KEY_VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     kv_dtype: str
@@ -93,7 +94,8 @@ class NamespaceSpec(_message.Message):
     tp_size: int
     kv_group: int
     extra: str
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layout: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_group: _Optional[int] = ..., extra: _Optional[str] = ...) -> None: ...
+    key_version: int
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layout: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_group: _Optional[int] = ..., extra: _Optional[str] = ..., key_version: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("session_id", "namespace")

@@ -141,13 +141,14 @@ def namespace_identity(spec: pb.NamespaceSpec) -> tuple:
         spec.tp_size,
         spec.kv_group,
         spec.extra,
+        spec.key_version,
     )
 
 
 def namespace_name(spec: pb.NamespaceSpec) -> str:
     name = spec.model + (f"@{spec.revision}" if spec.revision else "")
     name += f":{spec.kv_dtype or '-'}:bs{spec.block_size}:{spec.layout or '-'}"
-    name += f":tp{spec.tp_size}:g{spec.kv_group}"
+    name += f":tp{spec.tp_size}:g{spec.kv_group}:k{spec.key_version}"
     return name + (f":{spec.extra}" if spec.extra else "")
 
 
@@ -250,6 +251,11 @@ class Depot:
             raise InvalidArgument("namespace.block_size must be at least 1")
         if spec.tp_size < 1:
             raise InvalidArgument("namespace.tp_size must be at least 1")
+        if spec.key_version < 1:
+            raise InvalidArgument(
+                "namespace.key_version is required: the version of the block-key definition "
+                "the client's keys follow (docs/keys.md)"
+            )
         identity = namespace_identity(spec)
         ns = self.namespaces.get(identity)
         if ns is None:

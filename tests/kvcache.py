@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvdepot.client.keys import block_keys
+from kvdepot.keys import KEY_VERSION, block_keys
 
 LAYERS = 4
 NUM_BLOCKS = 128
@@ -20,6 +20,7 @@ def namespace(layout: str, tp_size: int = 1, model: str = "tiny-llama") -> dict:
         block_size=BLOCK_SIZE,
         layout=layout,
         tp_size=tp_size,
+        key_version=KEY_VERSION,
     )
 
 

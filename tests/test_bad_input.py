@@ -92,6 +92,9 @@ def test_unknown_session_engine_and_worker(setup):
     expect(grpc.StatusCode.INVALID_ARGUMENT, raw_call, client, "RegisterEngine",
            pb.RegisterEngineRequest(session_id=session_id, namespace=pb.NamespaceSpec(model="m", block_size=16)),
            match="tp_size must be at least 1")
+    expect(grpc.StatusCode.INVALID_ARGUMENT, raw_call, client, "RegisterEngine",
+           pb.RegisterEngineRequest(session_id=session_id, namespace=pb.NamespaceSpec(model="m", block_size=16, tp_size=1)),
+           match="namespace.key_version is required")
     assert_still_intact(client, engine, worker, tensors, keys)
 
 
