@@ -6,7 +6,7 @@ import argparse
 import os
 import re
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from kvdepot.defaults import default_socket_path
 
@@ -55,6 +55,8 @@ class Option:
     help: str
     kind: type = str
     choices: tuple[str, ...] | None = None
+    # A byte count, written like 64GiB or 4096.
+    size: bool = False
 
     @property
     def env(self) -> str:
@@ -77,12 +79,14 @@ OPTIONS = [
         "pool_size",
         "1GiB",
         "Host memory for cached blocks, e.g. 64GiB. Allocated and (with CUDA) pinned at start.",
+        size=True,
     ),
     Option(
         "slot_size",
         "2MiB",
         "Bytes of one pool slot. A slot holds one block of one TP rank (all its layers): "
         "2MiB fits Llama-3.1-8B at 16 tokens per block. A worker whose block is larger is refused.",
+        size=True,
     ),
     Option(
         "pool_dir",
@@ -135,6 +139,52 @@ OPTIONS = [
         "text (for people) or json (one object a line, for log collectors).",
         choices=("text", "json"),
     ),
+    # Tuning of the CUDA transport (docs/benchmarks.md has the measurements
+    # behind each default).
+    Option(
+        "copy_mode",
+        "dma",
+        "How CUDA copies cross PCIe: dma (a kernel gathers a job's pages into GPU staging "
+        "buffers, or scatters them from there, and the copy engines move whole runs of slots) "
+        "or kernel (a kernel reads and writes the pinned pool itself; it slows the engine's own "
+        "kernels far more).",
+        choices=("dma", "kernel"),
+    ),
+    Option(
+        "staging_bytes",
+        "256MiB",
+        "Size of each of the four GPU staging buffers of the dma mode (two per direction). "
+        "Smaller buffers leave the engine more GPU memory and lower the rate of stores and "
+        "loads running together.",
+        size=True,
+    ),
+    Option(
+        "spin_bytes",
+        "64MiB",
+        "A CUDA job of up to this many bytes that finds its stream idle is waited for by "
+        "spinning a core rather than sleeping, which shortens small jobs; 0: never spin.",
+        size=True,
+    ),
+    Option(
+        "copy_chunk_bytes",
+        "16KiB",
+        "Bytes one program of the copy kernel moves at a time (a power of two, 64 or more).",
+        size=True,
+    ),
+    Option(
+        "copy_programs",
+        0,
+        "Programs the copy kernel launches; 0: one per SM for copies over PCIe, two per SM "
+        "for gathers into staging buffers.",
+        kind=int,
+    ),
+    Option(
+        "pin_chunk_bytes",
+        "1GiB",
+        "The pool is registered with CUDA in pieces of this size; one DMA copy never crosses "
+        "two of them.",
+        size=True,
+    ),
 ]
 
 
@@ -151,16 +201,14 @@ class DaemonConfig:
     drain_timeout: float
     log_level: str
     log_format: str
-
-    @property
-    def auth_token(self) -> str | None:
-        if not self.auth_token_file:
-            return None
-        with open(self.auth_token_file, encoding="utf-8") as f:
-            token = f.read().strip()
-        if not token:
-            raise ConfigError(f"auth token file {self.auth_token_file} is empty")
-        return token
+    copy_mode: str
+    staging_bytes: int
+    spin_bytes: int
+    copy_chunk_bytes: int
+    copy_programs: int
+    pin_chunk_bytes: int
+    # Read from auth_token_file when the configuration is loaded; never logged.
+    auth_token: str | None = field(default=None, repr=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,14 +274,29 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> D
         values["listen"] = default_socket_path()
     config = DaemonConfig(**values)
     _check(config)
+    if config.auth_token_file:
+        config.auth_token = read_token(config.auth_token_file)
     return config
+
+
+def read_token(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read the auth token file {path}: {e.strerror}") from e
+    except UnicodeDecodeError:
+        raise ConfigError(f"the auth token file {path} is not UTF-8 text") from None
+    if not token:
+        raise ConfigError(f"the auth token file {path} is empty")
+    return token
 
 
 def _convert(opt: Option, value, source: str):
     if value is None:
         return None
     try:
-        if opt.name in ("pool_size", "slot_size"):
+        if opt.size:
             return parse_size(value)
         value = opt.kind(value)
     except (TypeError, ValueError) as e:
@@ -254,7 +317,18 @@ def _check(config: DaemonConfig) -> None:
         raise ConfigError("pin_threads must be 0 (automatic) or more")
     if config.drain_timeout < 0:
         raise ConfigError("drain_timeout must not be negative")
+    chunk = config.copy_chunk_bytes
+    if chunk < 64 or chunk & (chunk - 1):
+        raise ConfigError(f"copy_chunk_bytes must be a power of two of at least 64, not {chunk}")
+    if config.copy_programs < 0:
+        raise ConfigError("copy_programs must be 0 (automatic) or more")
+    for name in ("staging_bytes", "pin_chunk_bytes"):
+        if getattr(config, name) < config.slot_size:
+            raise ConfigError(
+                f"{name} ({getattr(config, name)}) must hold at least one pool slot ({config.slot_size} bytes)"
+            )
 
 
 def describe(config: DaemonConfig) -> dict:
-    return {f.name: getattr(config, f.name) for f in fields(config)}
+    """The configuration for the log: everything but the token."""
+    return {f.name: getattr(config, f.name) for f in fields(config) if f.name != "auth_token"}

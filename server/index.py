@@ -13,26 +13,13 @@ stores of the same keys, which follow at once, never evict it first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from kvdepot.errors import FailedPrecondition
 from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.namespaces import Namespace
 from kvdepot.server.pool import HostPool
-from kvdepot.server.stats import Counters
-
-
-@dataclass(eq=False)
-class Namespace:
-    id: int
-    name: str
-    tp_size: int
-    counters: Counters = field(default_factory=Counters)
-    # Layout of each rank's shard, fixed by the first worker of that rank.
-    rank_signatures: dict = field(default_factory=dict)
-    rank_block_bytes: dict = field(default_factory=dict)
-    ready_blocks: int = 0
-    used_slots: int = 0
 
 
 class Block:

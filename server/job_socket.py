@@ -2,10 +2,11 @@
 stream socket, handled on the event loop without gRPC (the framing and the
 rules are in proto/kvdepot.proto, "job socket").
 
-A small CUDA job spent about half its submit-to-completion time in the two
-gRPC hops (the request in, JobDone out), most of it waking gRPC's threads on
-both sides. Here a request is read by the event loop itself and its answer,
-and later its JobDone, are written from the loop straight into the socket.
+Jobs are what an engine does every step, and a gRPC call wakes gRPC's threads
+on both sides twice (the request in, JobDone out), a large part of a small
+job's time (docs/benchmarks.md). Here a request is read by the event loop
+itself and its answer, and later its JobDone, are written from the loop
+straight into the socket.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ class JobConnection(asyncio.Protocol):
         self._transport = transport
 
     def connection_lost(self, exc) -> None:
-        if self.session is not None and self.session.job_channel is self:
+        if self.session is not None and self.session.outbox.job_channel is self:
             # Later JobDone go back to the Attach stream, which still ends the session.
-            self.session.job_channel = None
+            self.session.outbox.job_channel = None
         self._transport = None
 
     def data_received(self, data: bytes) -> None:
@@ -145,13 +146,13 @@ class JobConnection(asyncio.Protocol):
             if kind != "hello":
                 raise FailedPrecondition("the first frame on a job socket must be hello")
             session = self._depot.session(request.hello.session_id)
-            if session.job_channel is not None and session.job_channel.open:
+            if session.outbox.has_job_channel():
                 raise FailedPrecondition(f"session {session.id} has a job socket connection already")
         except (FailedPrecondition, NotFound) as e:
             self._transport.write(self._refusal(request.request_id, e))
             self._transport.close()
             return
-        session.job_channel = self
+        session.outbox.job_channel = self
         self.session = session
         self._transport.write(frame(pb.JobReply(request_id=request.request_id, ready=pb.JobSocketReady())))
 

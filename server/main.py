@@ -26,6 +26,7 @@ from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_conf
 from kvdepot.server.depot import Depot
 from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
 from kvdepot.server.service import KVDepotService, TokenAuthInterceptor
+from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
 log = logging.getLogger("kvdepot")
 
@@ -171,6 +172,7 @@ async def serve(config: DaemonConfig) -> int:
             name=pool_prefix + instance,
             pin=config.pin,
             threads=config.pin_threads,
+            pin_chunk_bytes=config.pin_chunk_bytes,
         )
     except (PoolError, StartupError) as e:
         if guard:
@@ -187,6 +189,7 @@ async def serve(config: DaemonConfig) -> int:
     )
 
     depot = Depot(pool, config.eviction, instance, kvdepot.__version__)
+    add_transports(depot, pool, config)
     interceptors = [TokenAuthInterceptor(token)] if unix_path is None else []
     server = grpc.aio.server(
         interceptors=interceptors,
@@ -261,6 +264,25 @@ async def serve(config: DaemonConfig) -> int:
     guard.release()
     log.info("kvdepotd stopped")
     return 0
+
+
+def add_transports(depot: Depot, pool: HostPool, config: DaemonConfig) -> None:
+    depot.add_transport(SharedMemoryTransport(depot.finish_job))
+    if pool.pinned:
+        # Only a pinned pool can be copied to by the GPU; torch is loaded already.
+        from kvdepot.server.transports.cuda import CudaTransport
+
+        depot.add_transport(
+            CudaTransport(
+                depot.finish_job,
+                pool,
+                mode=config.copy_mode,
+                staging_bytes=config.staging_bytes,
+                spin_bytes=config.spin_bytes,
+                chunk_bytes=config.copy_chunk_bytes,
+                programs=config.copy_programs,
+            )
+        )
 
 
 def _close_job_socket(server: asyncio.AbstractServer, path: str) -> None:

@@ -19,9 +19,6 @@ from typing import Callable
 
 log = logging.getLogger("kvdepot.pool")
 
-# Pool memory is pinned this much at a time: a multiple of any sane slot size,
-# so no slot straddles two CUDA registrations.
-PIN_CHUNK_BYTES = int(os.environ.get("KVDEPOT_PIN_CHUNK_BYTES", 1 << 30))  # smaller in tests
 # Faulted in this much at a time, by several threads.
 POPULATE_CHUNK_BYTES = 256 << 20
 
@@ -120,9 +117,12 @@ class HostPool:
         name: str,
         pin: str = "auto",
         threads: int = 0,
+        pin_chunk_bytes: int = 1 << 30,
         progress: Callable[[str], None] | None = None,
     ):
         self.slot_bytes = slot_bytes
+        # Pinned in registrations of whole slots, so that no slot straddles two.
+        self.registration_bytes = max(1, pin_chunk_bytes // slot_bytes) * slot_bytes
         self.num_slots = size // slot_bytes
         self.size = self.num_slots * slot_bytes
         self.huge_pages = huge_page_bytes(directory)
@@ -235,8 +235,8 @@ class HostPool:
             registered.append(self._base + offset)
 
         try:
-            # One thread: the driver serialises registrations, and measured on an
-            # H200, 16 threads took 1.7x as long as one.
+            # One thread: the driver serialises registrations, and more threads
+            # only made it slower (docs/benchmarks.md).
             self.pin_seconds = self._run_chunks("pinning the pool", register, self.registration_bytes, 1)
         except PoolError:
             for ptr in registered:
@@ -255,21 +255,11 @@ class HostPool:
         )
 
     @property
-    def registration_bytes(self) -> int:
-        """The pool is pinned in registrations of this size (whole slots): one DMA
-        copy must not cross from one into the next."""
-        return max(1, PIN_CHUNK_BYTES // self.slot_bytes) * self.slot_bytes
-
-    @property
     def base_address(self) -> int:
         """Address of slot 0; with CUDA, also valid on the GPUs (mapped, UVA)."""
         return self._base
 
     # ------------------------------------------------------------ slots
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
 
     @property
     def used_slots(self) -> int:

@@ -54,7 +54,7 @@ class KVDepotService(pb_grpc.KVDepotServicer):
                 )
             )
             while True:
-                yield await session.notifications.get()
+                yield await session.outbox.stream.get()
         finally:
             # Reached when the client closes the stream or its connection drops
             # (exit, crash, kill -9), and when the server stops.

@@ -1,4 +1,5 @@
-"""Counters kept for the whole daemon, each namespace and each client."""
+"""Counters kept for the whole daemon, each namespace and each client, and the
+GetStats answer built from them."""
 
 from __future__ import annotations
 
@@ -56,3 +57,39 @@ class BusyClock:
         if self._in_flight:
             return self._total + time.monotonic() - self._since
         return self._total
+
+
+def stats_response(depot) -> pb.GetStatsResponse:
+    """GetStats' answer: the depot's state and counters, for operators."""
+    pool = depot.pool
+    used = pool.used_slots
+    transports = depot.transports.values()
+    response = pb.GetStatsResponse(
+        daemon_version=depot.version,
+        daemon_instance=depot.instance,
+        uptime_seconds=time.monotonic() - depot.started,
+        pool=depot.pool_info(),
+        used_slots=used,
+        pinned_slots=depot.index.pinned_slots,
+        quarantined_slots=depot.quarantine.slots,
+        open_ipc_mappings=sum(t.open_mappings for t in transports),
+        gpus=[gpu for t in transports for gpu in t.gpu_stats()],
+        occupancy=used / pool.num_slots,
+        eviction_policy=depot.policy.name,
+        totals=depot.totals.to_proto(depot.store_clock.seconds, depot.load_clock.seconds),
+        sessions_ended=depot.sessions_ended,
+    )
+    for ns in depot.namespaces:
+        response.namespaces.add(
+            name=ns.name, counters=ns.counters.to_proto(), ready_blocks=ns.ready_blocks, used_slots=ns.used_slots
+        )
+    for session in depot.sessions.values():
+        response.clients.add(
+            session_id=session.id,
+            client_name=session.client_name,
+            pid=session.pid,
+            counters=session.counters.to_proto(),
+            jobs_in_flight=len(session.jobs),
+            workers=len(session.workers),
+        )
+    return response

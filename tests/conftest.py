@@ -42,9 +42,11 @@ class Daemon:
     """A kvdepotd process. The pool file goes in the test's folder, never /dev/shm,
     so a daemon killed by a test leaves nothing behind."""
 
-    def __init__(self, folder: Path, env: dict | None = None, **options):
+    def __init__(self, folder: Path, env: dict | None = None, launcher: str | None = None, **options):
         self.folder = folder
         self.env = env or {}
+        # A script of the tests' that runs the daemon instead of `-m kvdepot.server`.
+        self.launcher = launcher
         self.socket = str(folder / "kvdepot.sock")
         self.options = {"pool_size": "4MiB", "slot_size": "16KiB", "pin": "off", "pool_dir": str(folder)}
         self.options.update(options)
@@ -52,7 +54,7 @@ class Daemon:
         self.starts = 0
 
     def args(self) -> list[str]:
-        args = [sys.executable, "-m", "kvdepot.server"]
+        args = [sys.executable, self.launcher] if self.launcher else [sys.executable, "-m", "kvdepot.server"]
         if "listen" not in self.options:
             args += ["--listen", self.socket]
         for name, value in self.options.items():
@@ -103,10 +105,11 @@ def start_daemon(tmp_path):
     """Starts daemons; each still running at the end must exit 0 on SIGTERM."""
     daemons: list[Daemon] = []
 
-    def start(folder: Path | None = None, wait: bool = True, env: dict | None = None, **options) -> Daemon:
+    def start(folder: Path | None = None, wait: bool = True, env: dict | None = None, launcher: str | None = None,
+              **options) -> Daemon:
         folder = folder or tmp_path / f"d{len(daemons)}"
         folder.mkdir(exist_ok=True)
-        daemon = Daemon(folder, env=env, **options)
+        daemon = Daemon(folder, env=env, launcher=launcher, **options)
         daemons.append(daemon)
         return daemon.start(wait=wait)
 

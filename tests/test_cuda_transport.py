@@ -22,7 +22,8 @@ pytestmark = [
 ]
 
 WORKER = str(Path(__file__).resolve().parent / "worker_proc.py")
-SKIP_WAIT = {"KVDEPOT_TEST_ONLY_SKIP_STORE_EVENT_WAIT": "1"}
+# Runs a daemon whose stores do not wait for the compute (injected by the test).
+WITHOUT_COMPUTE_WAIT = str(Path(__file__).resolve().parent / "daemon_without_compute_wait.py")
 
 
 def gpu_daemon(start_daemon, **options):
@@ -53,15 +54,15 @@ def same(a, b) -> bool:
 # and the ring of buffers wraps inside one job; and the kernel-only mode.
 COPY_MODES = {
     "dma": {},
-    "dma-small-staging": {"KVDEPOT_STAGING_BYTES": str(4 * 16384)},
-    "kernel": {"KVDEPOT_COPY_MODE": "kernel"},
+    "dma-small-staging": {"staging_bytes": str(4 * 16384)},
+    "kernel": {"copy_mode": "kernel"},
 }
 
 
 @pytest.mark.parametrize("mode", list(COPY_MODES))
 @pytest.mark.parametrize("layout", ["per_layer", "block_major", "mla", "group1"])
 def test_gpu_blocks_round_trip_bit_exact_between_processes(start_daemon, tmp_path, layout, mode):
-    daemon = gpu_daemon(start_daemon, env=COPY_MODES[mode])
+    daemon = gpu_daemon(start_daemon, **COPY_MODES[mode])
     a_out, b_before, b_out = tmp_path / "a.pt", tmp_path / "b0.pt", tmp_path / "b.pt"
     stored = run_worker("store", "--socket", daemon.socket, "--layout", layout, "--device", "cuda",
                         "--seed", "1", "--blocks", "64", "--first-block", "0", "--out", str(a_out))
@@ -144,7 +145,7 @@ def test_a_store_waits_for_the_compute_that_wrote_the_blocks(start_daemon, clien
 
 
 def test_without_the_event_wait_the_same_test_sees_corruption(start_daemon, client_factory):
-    assert corrupt_stores(gpu_daemon(start_daemon, env=SKIP_WAIT), client_factory, tries=5) > 0
+    assert corrupt_stores(gpu_daemon(start_daemon, launcher=WITHOUT_COMPUTE_WAIT), client_factory, tries=5) > 0
 
 
 def test_a_flushed_store_is_not_hurt_by_reusing_its_blocks(start_daemon, client_factory):
@@ -191,7 +192,7 @@ def test_kill_9_of_a_worker_while_its_copies_run(start_daemon, client_factory, t
 
 def test_jobs_whose_slots_cross_two_pinned_registrations(start_daemon, client_factory):
     # 1 MiB registrations of 16 KiB slots: a 100-block job spans two of them.
-    daemon = gpu_daemon(start_daemon, env={"KVDEPOT_PIN_CHUNK_BYTES": str(1 << 20)})
+    daemon = gpu_daemon(start_daemon, pin_chunk_bytes=str(1 << 20))
     client = client_factory(daemon)
     (a, source), (b, target) = gpu_worker(client, seed=40), gpu_worker(client, seed=41)
     keys = prompt_keys(100, prompt=4000)
@@ -209,7 +210,7 @@ def test_jobs_whose_slots_cross_two_pinned_registrations(start_daemon, client_fa
 def test_stores_and_loads_at_once_stay_bit_exact(start_daemon, client_factory, mode):
     """Both directions run together, several jobs of each in flight, so the
     chunks of consecutive jobs share the staging ring."""
-    daemon = gpu_daemon(start_daemon, env=COPY_MODES[mode])
+    daemon = gpu_daemon(start_daemon, **COPY_MODES[mode])
     client = client_factory(daemon)
     (a, source), (b, target) = gpu_worker(client, seed=50), gpu_worker(client, seed=51)
     first = [prompt_keys(30, prompt=5000 + j) for j in range(2)]

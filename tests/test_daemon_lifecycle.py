@@ -79,12 +79,20 @@ def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_daemon, c
         (["--eviction", "fifo"], "invalid choice: 'fifo'"),
         (["--listen", "127.0.0.1:0"], "refusing to serve TCP"),
         (["--pool-size", "100TiB"], "fits nowhere"),
+        (["--auth-token-file", "/nonexistent/token"], "cannot read the auth token file /nonexistent/token"),
+        (["--auth-token-file", "EMPTY"], "is empty"),
+        (["--copy-chunk-bytes", "1000"], "copy_chunk_bytes must be a power of two"),
+        (["--copy-mode", "pio"], "invalid choice: 'pio'"),
+        (["--staging-bytes", "1KiB"], "staging_bytes (1024) must hold at least one pool slot"),
     ],
 )
 def test_bad_configuration_is_refused_with_a_clear_message(tmp_path, args, message):
+    (tmp_path / "EMPTY").write_text("\n")
+    args = [str(tmp_path / "EMPTY") if a == "EMPTY" else a for a in args]
     proc = run_daemon("--pin", "off", *(["--listen", str(tmp_path / "s.sock")] if "--listen" not in args else []), *args)
     assert proc.returncode in (1, 2)
     assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_configuration_from_toml_and_environment(tmp_path):
@@ -98,6 +106,13 @@ def test_configuration_from_toml_and_environment(tmp_path):
     assert config.slot_size == 512 << 10  # flag over file
     assert config.eviction == "arc"  # file over default
     assert config.listen == "/tmp/x.sock"
+    # The CUDA transport's tuning goes through the same three layers.
+    config_file.write_text('copy_mode = "kernel"\nstaging_bytes = "64MiB"\nspin_bytes = 0\n')
+    config = load_config(["--config", str(config_file), "--spin-bytes", "1MiB"],
+                         environ={"KVDEPOT_STAGING_BYTES": "128MiB", "KVDEPOT_PIN_CHUNK_BYTES": "4MiB"})
+    assert config.copy_mode == "kernel"
+    assert (config.staging_bytes, config.spin_bytes, config.pin_chunk_bytes) == (128 << 20, 1 << 20, 4 << 20)
+    assert config.copy_chunk_bytes == 16384 and config.copy_programs == 0  # defaults
     config_file.write_text('pool_sise = "2GiB"\n')
     with pytest.raises(ValueError, match="unknown option\\(s\\) pool_sise"):
         load_config(["--config", str(config_file)], environ={})
@@ -107,7 +122,8 @@ def test_help_explains_every_option():
     proc = run_daemon("--help")
     assert proc.returncode == 0
     for flag in ("--listen", "--pool-size", "--slot-size", "--pool-dir", "--eviction", "--pin",
-                 "--auth-token-file", "--drain-timeout", "--log-format", "KVDEPOT_POOL_SIZE"):
+                 "--auth-token-file", "--drain-timeout", "--log-format", "KVDEPOT_POOL_SIZE", "--copy-mode",
+                 "--staging-bytes", "--spin-bytes", "--copy-chunk-bytes", "--copy-programs", "--pin-chunk-bytes"):
         assert flag in proc.stdout
 
 

@@ -13,7 +13,6 @@ on every GPU.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,31 +21,20 @@ import triton.language as tl
 
 from kvdepot.layout import WorkerLayout
 
-# Bytes one program copies at a time; pages are split into chunks of this size.
-CHUNK_BYTES = int(os.environ.get("KVDEPOT_COPY_CHUNK_BYTES", 16384))
-if CHUNK_BYTES < 64 or CHUNK_BYTES & (CHUNK_BYTES - 1):
-    raise ValueError(f"KVDEPOT_COPY_CHUNK_BYTES must be a power of two of at least 64, not {CHUNK_BYTES}")
-# Programs a copy launches, each looping over its share of the chunks.
-# KVDEPOT_COPY_PROGRAMS overrides both defaults below.
-_PROGRAMS_OVERRIDE = int(os.environ.get("KVDEPOT_COPY_PROGRAMS", 0))
-
-
 @functools.lru_cache(maxsize=None)
 def pcie_programs(device: int) -> int:
     """Programs of a copy that reads or writes the pinned pool over PCIe ("kernel"
-    mode). On an H200, 32 or 64 programs left PCIe at 40% (too few bytes in
-    flight), one per SM reached 90%, and twice that no more while blocking the
-    other direction (see docs/benchmarks.md)."""
-    return _PROGRAMS_OVERRIDE or torch.cuda.get_device_properties(device).multi_processor_count
+    mode): one per SM keeps enough bytes in flight to fill PCIe; more only
+    block the other direction (docs/benchmarks.md)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
 def staging_programs(device: int) -> int:
     """Programs of a gather into (or scatter from) a GPU staging buffer: memory on
-    both sides is HBM, so more bytes in flight pay. On an H200, two per SM halved
-    the time of a 16-block gather (0.097 -> 0.046 ms); four or eight per SM gained
-    nothing more."""
-    return _PROGRAMS_OVERRIDE or 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    both sides is HBM, so more bytes in flight pay, up to two per SM
+    (docs/benchmarks.md)."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # Pages and their addresses must be aligned to this for 16-byte accesses.
@@ -153,16 +141,18 @@ def launch(
     pool_base: int,
     slot_bytes: int,
     to_host: bool,
-    programs: int | None = None,
+    chunk_bytes: int,
+    programs: int,
 ) -> None:
     """Enqueues the copies of one job on the current stream of the table's device.
 
-    programs: how many programs share the work (default: pcie_programs)."""
-    chunks = triton.cdiv(table.max_page_bytes, CHUNK_BYTES)
+    chunk_bytes: bytes one program copies at a time (a power of two, >= 64);
+    programs: how many programs share the work."""
+    chunks = triton.cdiv(table.max_page_bytes, chunk_bytes)
     work = block_ids.numel() * table.pages_per_block * chunks
     if work >= 2**31 - 2**20:  # the kernel's loop counter is 32-bit
         raise ValueError(f"a job of {work} page chunks is too large for one launch; split it")
-    _copy_pages[(min(work, programs or pcie_programs(block_ids.device.index)),)](
+    _copy_pages[(min(work, programs),)](
         block_ids,
         slots,
         table.page_gpu,
@@ -175,6 +165,6 @@ def launch(
         chunks,
         work,
         TO_HOST=to_host,
-        CHUNK=CHUNK_BYTES,
+        CHUNK=chunk_bytes,
         num_warps=4,
     )

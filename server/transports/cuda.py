@@ -1,30 +1,21 @@
 """The CUDA transport: the daemon copies between the workers' GPU KV caches,
 opened once through CUDA IPC, and its pinned pool, on streams of its own.
 
-Per GPU there is a store stream and a load stream, so both directions run at
-once; each stream's jobs complete in order. In "dma" mode each direction also
-has a kernel stream: a job's pages are gathered into (or scattered from) a ring
-of staging buffers in chunks, so that the copy engine moves one chunk while the
-kernel prepares the next, also across jobs. A store starts only once the
-worker's interprocess event, recorded after the compute that wrote the blocks,
-has completed; a job is reported done from a completion thread only once its
-copies have finished on the GPU. A worker's mappings are closed only after the
-last copy touching them.
-
-The daemon waits for a worker's event on the host (a gate thread polls it),
-not with cudaStreamWaitEvent on its shared store stream: the event of a worker
-killed mid-compute never completes, and a stream waiting on it would stall the
-stores of every engine on that GPU. A gated store that never opens is dropped
-when its client goes away, before anything was queued on the GPU.
+Per GPU there is a store stream and a load stream (cuda_streams.py), so both
+directions run at once; each stream's jobs complete in order. In "dma" mode
+each direction also has a kernel stream: a job's pages are gathered into (or
+scattered from) a ring of staging buffers in chunks, so that the copy engine
+moves one chunk while the kernel prepares the next, also across jobs. A store
+starts only once the worker's interprocess event, recorded after the compute
+that wrote the blocks, has completed (the gate); a job is reported done only
+once its copies have finished on the GPU. A worker's mappings are closed only
+after the last copy touching them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import queue
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -32,175 +23,23 @@ import torch
 from kvdepot import cuda
 from kvdepot.errors import FailedPrecondition, InvalidArgument
 from kvdepot.proto import kvdepot_pb2 as pb
-from kvdepot.server import copy_kernel, gpu_memory
-from kvdepot.server.transport import Transport
+from kvdepot.server.transports import copy_kernel, gpu_memory
+from kvdepot.server.transports.base import Finish, Transport
+from kvdepot.server.transports.cuda_streams import ComputeGate, CopyStream, completed
 
 log = logging.getLogger("kvdepot.cuda")
 
-# How pages cross PCIe. "dma": a kernel gathers a job's pages into a staging
-# buffer on the GPU (or scatters them from it), and the copy engines move whole
-# runs of slots; "kernel": the page-copy kernel reads and writes the pinned pool
-# itself over PCIe. See docs/benchmarks.md for why the default is what it is.
-COPY_MODE = os.environ.get("KVDEPOT_COPY_MODE", "dma")
-# Staging in "dma" mode: a ring of STAGING_BUFFERS buffers per direction and
-# GPU, of STAGING_BYTES each. Two let the copy engine move one chunk while the
-# kernel fills (or drains) the other. The chunk size decides the rate of stores
-# and loads running together: with 4 GiB jobs of each direction in flight
-# (bench/cuda_copy.py, H200) 0.77 of the two-way peak in 64 MiB chunks, 0.83 in
-# 128 MiB ones and 0.93 in 256 MiB ones (1 GiB jobs: 0.87, 0.94, 0.96); a third
-# 64 MiB buffer changed nothing. One way, 64 MiB already reached 0.99.
-# KVDEPOT_STAGING_BYTES trades the daemon's GPU memory (4 buffers a GPU) for that.
-STAGING_BYTES = int(os.environ.get("KVDEPOT_STAGING_BYTES") or 256 << 20)
-STAGING_BUFFERS = 2
-
-# A job of up to this many bytes (of pool slots) that finds its stream idle ends
-# with the completion thread spinning instead of sleeping: at most about 1 ms at
-# the bus rate. 0: never.
-SPIN_BYTES = int(os.environ.get("KVDEPOT_SPIN_BYTES") or 64 << 20)
+COPY_MODES = ("dma", "kernel")
 
 # Interprocess events a worker may use (the client uses a small ring of them).
 MAX_EVENTS_PER_WORKER = 1024
-
-# Test-only: store without waiting for the worker's compute event, to show
-# that the ordering test can fail. Never set it in production.
-SKIP_EVENT_WAIT_ENV = "KVDEPOT_TEST_ONLY_SKIP_STORE_EVENT_WAIT"
-
-
-class _Stream:
-    """One direction of one GPU: its streams, its staging ring, and the thread
-    that reports its jobs as they finish, in order.
-
-    `stream` runs the copy engine's transfers; in "dma" mode `kernels` runs the
-    gather/scatter kernels beside it. A job's last operation (a store's last
-    transfer, a load's last scatter) decides on which of the two it ends; the
-    jobs of one direction end in order on that stream.
-    """
-
-    def __init__(self, device: int, name: str, loop: asyncio.AbstractEventLoop, on_done, staging_shape):
-        self.stream = torch.cuda.Stream(device=device)
-        self.kernels = torch.cuda.Stream(device=device) if staging_shape else None
-        # Each buffer holds rows of one pool slot; only this direction uses them.
-        self.buffers = (
-            [torch.empty(staging_shape, dtype=torch.uint8, device=device) for _ in range(STAGING_BUFFERS)]
-            if staging_shape
-            else []
-        )
-        # Per buffer: recorded when a chunk is in it (`filled`) and when the chunk
-        # has left it (`drained`). Re-recorded chunk after chunk: a wait holds on
-        # to the record it was enqueued after, so no event is made per chunk.
-        self.filled = [torch.cuda.Event() for _ in self.buffers]
-        self.drained = [torch.cuda.Event() for _ in self.buffers]
-        self.used = [False] * len(self.buffers)
-        self.next_buffer = 0
-        # Row i of a buffer holds the i-th block of a chunk: made once, not per chunk.
-        self.positions = torch.arange(staging_shape[0], dtype=torch.int64, device=device) if staging_shape else None
-        self._loop = loop
-        self._on_done = on_done
-        self._pending: queue.Queue = queue.Queue()
-        # Jobs tracked (counted by the event loop's thread) and ended (counted by
-        # the completion thread): one writer each, so no update is lost.
-        self._tracked = 0
-        self._ended = 0
-        self._thread = threading.Thread(target=self._run, name=f"kvdepot-{name}-{device}", daemon=True)
-        self._thread.start()
-
-    @property
-    def rows(self) -> int:
-        return self.buffers[0].shape[0]
-
-    def synchronize(self) -> None:
-        self.stream.synchronize()
-        if self.kernels is not None:
-            self.kernels.synchronize()
-
-    @property
-    def idle(self) -> bool:
-        """No job of this direction is queued or running."""
-        return self._tracked == self._ended
-
-    def track(self, event: torch.cuda.Event, job, keep_alive, fence_readback=None) -> None:
-        self._tracked += 1
-        self._pending.put((event, job, keep_alive, fence_readback))
-
-    def _run(self) -> None:
-        while True:
-            item = self._pending.get()
-            if item is None:
-                return
-            event, job, _, fence_readback = item
-            try:
-                event.synchronize()
-                ok, error = True, ""
-                if fence_readback is not None and int(fence_readback[0]) < job.cuda_fence_seq:
-                    # The event fired but the worker never wrote its fence: it died
-                    # before its compute ended, and the blocks hold no valid data.
-                    ok, error = False, "the worker's compute did not finish (the worker died?)"
-            except RuntimeError as e:  # a failed copy (e.g. an illegal address) poisons the context
-                ok, error = False, f"copy failed on the GPU: {e}"
-            self._ended += 1
-            self._loop.call_soon_threadsafe(self._on_done, job, ok, error)
-
-    def stop(self) -> None:
-        self._pending.put(None)
-
-
-def _completed(event: torch.cuda.Event) -> bool:
-    try:
-        return event.query()
-    except RuntimeError:  # the gate reports it as the job's failure
-        return False
-
-
-class _Gate:
-    """Holds stores until their worker's compute event has completed."""
-
-    POLL_SECONDS = 20e-6
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_open, on_failed):
-        self._loop = loop
-        self._on_open = on_open
-        self._on_failed = on_failed
-        self._new: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kvdepot-gate", daemon=True)
-        self._thread.start()
-
-    def hold(self, job, event: torch.cuda.Event) -> None:
-        self._new.put((job, event))
-
-    def _run(self) -> None:
-        waiting: list = []
-        while True:
-            try:
-                item = self._new.get(timeout=None if not waiting else self.POLL_SECONDS)
-                if item is None:
-                    return
-                waiting.append(item)
-                continue  # take everything queued before polling
-            except queue.Empty:
-                pass
-            still = []
-            for job, event in waiting:
-                if job.abandoned:
-                    reason = "the client went away before its compute finished"
-                    self._loop.call_soon_threadsafe(self._on_failed, job, reason)
-                    continue
-                try:
-                    completed = event.query()
-                except RuntimeError as e:  # one bad event must not stop every other store
-                    self._loop.call_soon_threadsafe(self._on_failed, job, f"waiting for the worker's compute failed: {e}")
-                    continue
-                if completed:
-                    self._loop.call_soon_threadsafe(self._on_open, job)
-                else:
-                    still.append((job, event))
-            waiting = still
 
 
 @dataclass
 class _Device:
     index: int
-    store: _Stream
-    load: _Stream
+    store: CopyStream
+    load: CopyStream
 
 
 @dataclass
@@ -241,35 +80,61 @@ class _WorkerCopies:
     closing: bool = False
 
 
+@dataclass(eq=False)
+class _JobState:
+    """Job.transport_state of a CUDA job."""
+
+    copies: _WorkerCopies
+    # A store's compute event, and the fence value its compute writes.
+    event: torch.cuda.Event | None = None
+    fence_seq: int = 0
+
+
 class CudaTransport(Transport):
     name = "cuda_ipc"
+    handle_kind = "cuda_ipc"
     worker_copies = False
+    # Stores wait for the compute that wrote their blocks. Only a test turns
+    # this off, to show that the ordering test can fail without it.
+    wait_for_compute = True
 
-    def __init__(self, depot, pool):
-        self._depot = depot
+    def __init__(
+        self,
+        finish: Finish,
+        pool,
+        *,
+        mode: str = "dma",
+        staging_bytes: int = 256 << 20,
+        spin_bytes: int = 64 << 20,
+        chunk_bytes: int = 16384,
+        programs: int = 0,
+    ):
+        if mode not in COPY_MODES:
+            raise ValueError(f"copy mode must be one of {COPY_MODES}, not {mode!r}")
+        if staging_bytes < pool.slot_bytes:
+            raise ValueError(f"staging_bytes ({staging_bytes}) must hold at least one pool slot ({pool.slot_bytes} bytes)")
+        self._finish_job = finish
         self._pool = pool
         self._pool_base = pool.base_address
+        self._mode = mode
+        self._staging_bytes = staging_bytes
+        self._spin_bytes = spin_bytes
+        self._chunk_bytes = chunk_bytes
+        self._programs = programs
         self._loop = asyncio.get_running_loop()
         self._devices: dict[int, _Device] = {}
         self._mappings: dict[tuple[int, bytes], _Mapping] = {}
         self._workers: dict[int, _WorkerCopies] = {}
-        self._skip_event_wait = os.environ.get(SKIP_EVENT_WAIT_ENV) == "1"
-        self._gate = _Gate(self._loop, self._gate_opened, self._gate_failed)
+        self._gate = ComputeGate(self._loop, self._gate_opened, self._gate_failed)
         self._held_at_gate = 0
-        if COPY_MODE not in ("dma", "kernel"):
-            raise ValueError(f"KVDEPOT_COPY_MODE must be dma or kernel, not {COPY_MODE!r}")
-        if STAGING_BYTES < pool.slot_bytes:
-            raise ValueError(
-                f"KVDEPOT_STAGING_BYTES ({STAGING_BYTES}) must hold at least one pool slot ({pool.slot_bytes} bytes)"
-            )
         # The pool as rows of slots, for the copy engines: registered with CUDA,
         # so torch copies it asynchronously.
         self._pool_rows = torch.frombuffer(pool.buffer, dtype=torch.uint8, count=pool.size).view(
             pool.num_slots, pool.slot_bytes
         )
-        log.info("CUDA transport: %s copies; pool seen as pinned by torch: %s", COPY_MODE, self._pool_rows.is_pinned())
-        if self._skip_event_wait:
-            log.warning("%s is set: stores do NOT wait for the workers' compute (tests only)", SKIP_EVENT_WAIT_ENV)
+        log.info("CUDA transport: %s copies; pool seen as pinned by torch: %s", mode, self._pool_rows.is_pinned())
+        if not self.wait_for_compute:
+            log.warning("stores do NOT wait for the workers' compute (a test's setting)")
 
     def shutdown(self) -> None:
         """Waits for copies on the GPU: the pool is unpinned after this."""
@@ -298,19 +163,20 @@ class CudaTransport(Transport):
         device = self._devices.get(index)
         if device is None:
             slot = self._pool.slot_bytes
-            shape = (max(1, STAGING_BYTES // slot), slot) if COPY_MODE == "dma" else None
+            shape = (max(1, self._staging_bytes // slot), slot) if self._mode == "dma" else None
             with torch.cuda.device(index):
                 device = _Device(
                     index,
-                    _Stream(index, "store", self._loop, self._finished, shape),
-                    _Stream(index, "load", self._loop, self._finished, shape),
+                    CopyStream(index, "store", self._loop, self._finished, shape),
+                    CopyStream(index, "load", self._loop, self._finished, shape),
                 )
             self._devices[index] = device
         return device
 
     # ------------------------------------------------------------ workers
 
-    def open_worker(self, worker, layout, request) -> None:
+    def open_worker(self, worker, request) -> None:
+        layout = worker.layout
         ipc = []
         if not request.HasField("cuda_fence"):
             raise InvalidArgument("a CUDA worker must register cuda_fence (see the proto)")
@@ -404,18 +270,37 @@ class CudaTransport(Transport):
 
     # ------------------------------------------------------------ jobs
 
+    def prepare_job(self, worker, request, kind: str) -> _JobState:
+        copies = self._workers[worker.id]
+        if kind != "store" or not self.wait_for_compute:
+            return _JobState(copies)
+        handle = request.cuda_event_handle
+        if len(handle) != 64:
+            raise InvalidArgument(
+                "a CUDA store needs cuda_event_handle: the 64-byte IPC handle of an event "
+                "recorded after the compute that wrote the blocks"
+            )
+        event = copies.events.get(handle)
+        if event is None:
+            if len(copies.events) >= MAX_EVENTS_PER_WORKER:
+                raise InvalidArgument(
+                    f"the worker has used {MAX_EVENTS_PER_WORKER} different compute events; reuse them"
+                )
+            try:
+                event = torch.cuda.Event.from_ipc_handle(copies.device.index, handle)
+            except RuntimeError as e:
+                raise InvalidArgument(f"cannot open the store's cuda_event_handle: {e}") from None
+            copies.events[handle] = event
+        return _JobState(copies, event, request.cuda_fence_seq)
+
     def start(self, job) -> None:
-        copies = self._workers[job.worker.id]
-        gated = job.kind == "store" and not self._skip_event_wait and job.blocks
-        # Opened (and checked) in validate_job already: this cannot fail.
-        event = copies.events[job.cuda_event_handle] if gated else None
-        job.transport_state = copies
-        copies.in_flight += 1
+        state: _JobState = job.transport_state
+        state.copies.in_flight += 1
         if not job.blocks:
             self._loop.call_soon(self._finished, job, True, "")
-        elif gated and (self._held_at_gate or not _completed(event)):
+        elif state.event is not None and (self._held_at_gate or not completed(state.event)):
             self._held_at_gate += 1
-            self._gate.hold(job, event)
+            self._gate.hold(job, state.event)
         else:
             # Most stores arrive after their compute ended: no trip through the
             # gate, unless stores wait there (they go first, in order).
@@ -433,8 +318,8 @@ class CudaTransport(Transport):
         self._finished(job, False, reason)
 
     def _launch(self, job) -> None:
-        copies = job.transport_state
-        if job.abandoned:
+        copies = job.transport_state.copies
+        if job.session.ended:
             self._fail(job, "the client went away before its compute finished")
             return
         to_host = job.kind == "store"
@@ -450,7 +335,7 @@ class CudaTransport(Transport):
                 log.critical("the CUDA context on GPU %d is broken: restart kvdepotd", copies.device.index)
             self._finished(job, False, f"the daemon could not start the copy: {e}")
 
-    def _enqueue(self, job, copies, stream: _Stream, to_host: bool) -> None:
+    def _enqueue(self, job, copies, stream: CopyStream, to_host: bool) -> None:
         index = copies.device.index
         # Explicit set_stream rather than stream contexts: this runs once a job on
         # the event loop's thread, and every microsecond here delays the copy.
@@ -465,7 +350,8 @@ class CudaTransport(Transport):
                     slots = torch.tensor(job.slots, dtype=torch.int64, pin_memory=True).to(
                         stream.stream.device, non_blocking=True
                     )
-                    copy_kernel.launch(copies.table, block_ids, slots, self._pool_base, self._pool.slot_bytes, to_host)
+                    copy_kernel.launch(copies.table, block_ids, slots, self._pool_base, self._pool.slot_bytes, to_host,
+                                       self._chunk_bytes, self._programs or copy_kernel.pcie_programs(index))
                     keep_alive = (block_ids, slots)
                     ends_on = stream.stream
                 else:
@@ -473,30 +359,31 @@ class CudaTransport(Transport):
                     # A store ends with its last transfer, a load with its last scatter.
                     ends_on = stream.stream if to_host else stream.kernels
                     torch.cuda.set_stream(stream.stream)
-                fence_readback = None
-                if to_host and not self._skip_event_wait:
-                    fence_readback = torch.empty(1, dtype=torch.int64, pin_memory=True)
-                    fence_readback.copy_(copies.fence, non_blocking=True)
+                fence = None
+                if job.transport_state.event is not None:
+                    readback = torch.empty(1, dtype=torch.int64, pin_memory=True)
+                    readback.copy_(copies.fence, non_blocking=True)
+                    fence = (readback, job.transport_state.fence_seq)
                 # The end of a small job on an idle stream is waited for by spinning (the
                 # driver's default, without the GIL): waking a thread that sleeps in the
                 # driver costs such a job a noticeable part of its time. Behind other jobs,
                 # or for a big job, the thread sleeps instead of spinning a core.
-                spin = stream.idle and len(job.block_ids) * self._pool.slot_bytes <= SPIN_BYTES
+                spin = stream.idle and len(job.block_ids) * self._pool.slot_bytes <= self._spin_bytes
                 done = torch.cuda.Event(blocking=not spin)
                 done.record(ends_on)
             finally:
                 torch.cuda.set_stream(caller_stream)
         # The index tensors must live until the kernel has read them.
-        stream.track(done, job, keep_alive, fence_readback)
+        stream.track(done, job, keep_alive, fence)
 
-    def _copy_via_staging(self, copies, stream: _Stream, block_ids, slots, to_host: bool):
+    def _copy_via_staging(self, copies, stream: CopyStream, block_ids, slots, to_host: bool):
         """Pages to or from a ring of staging buffers by kernel, on the direction's
         kernel stream; buffer rows to or from pool slots by the copy engines, one
         transfer per run of consecutive slots. Chunk by chunk, each side waits
         only for the other's part of the same buffer, so transfers of one chunk
         overlap the kernel of the next. Leaves either stream current."""
         rows = stream.rows
-        programs = copy_kernel.staging_programs(copies.device.index)
+        programs = self._programs or copy_kernel.staging_programs(copies.device.index)
         per_registration = self._pool.registration_bytes // self._pool.slot_bytes
         # All the job's block ids in one upload, on the stream of the kernels that read them.
         torch.cuda.set_stream(stream.kernels)
@@ -512,7 +399,7 @@ class CudaTransport(Transport):
                 if stream.used[b]:
                     stream.kernels.wait_event(drained)
                 copy_kernel.launch(copies.table, ids[first : first + count], stream.positions[:count],
-                                   buffer.data_ptr(), buffer.shape[1], to_host=True, programs=programs)
+                                   buffer.data_ptr(), buffer.shape[1], True, self._chunk_bytes, programs)
                 filled.record(stream.kernels)
                 torch.cuda.set_stream(stream.stream)
                 stream.stream.wait_event(filled)
@@ -529,42 +416,23 @@ class CudaTransport(Transport):
                 torch.cuda.set_stream(stream.kernels)
                 stream.kernels.wait_event(filled)
                 copy_kernel.launch(copies.table, ids[first : first + count], stream.positions[:count],
-                                   buffer.data_ptr(), buffer.shape[1], to_host=False, programs=programs)
+                                   buffer.data_ptr(), buffer.shape[1], False, self._chunk_bytes, programs)
                 drained.record(stream.kernels)
             stream.used[b] = True
         return ids
 
     def _finished(self, job, ok: bool, error: str) -> None:
-        copies = job.transport_state
+        copies = job.transport_state.copies
         copies.in_flight -= 1
-        if job.abandoned:
+        if job.session.ended:
             ok, error = False, "the client went away during the job"
-        self._depot.finish_job(job, ok=ok, error=error)
+        self._finish_job(job, ok, error)
         if copies.closing and copies.in_flight == 0:
             self._release(job.worker.id)
 
     def abandon(self, job) -> None:
-        # A store still at the gate is dropped there. Copies already queued on
-        # the GPU cannot be taken back: the job ends (failed) when they have,
-        # and only then are its slots and the worker's mappings released.
-        job.abandoned = True
-
-    def validate_job(self, worker, job_request, kind: str) -> None:
-        if kind != "store" or self._skip_event_wait:
-            return
-        handle = job_request.cuda_event_handle
-        if len(handle) != 64:
-            raise InvalidArgument(
-                "a CUDA store needs cuda_event_handle: the 64-byte IPC handle of an event "
-                "recorded after the compute that wrote the blocks"
-            )
-        copies = self._workers[worker.id]
-        if handle not in copies.events:
-            if len(copies.events) >= MAX_EVENTS_PER_WORKER:
-                raise InvalidArgument(
-                    f"the worker has used {MAX_EVENTS_PER_WORKER} different compute events; reuse them"
-                )
-            try:
-                copies.events[handle] = torch.cuda.Event.from_ipc_handle(copies.device.index, handle)
-            except RuntimeError as e:
-                raise InvalidArgument(f"cannot open the store's cuda_event_handle: {e}") from None
+        # The session has ended (job.session.ended): a store still at the gate
+        # is dropped there. Copies already queued on the GPU cannot be taken
+        # back: the job ends (failed) when they have, and only then are its
+        # slots and the worker's mappings released.
+        pass

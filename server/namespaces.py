@@ -1,0 +1,104 @@
+"""Namespaces: what makes KV content incompatible, checked and named.
+
+Blocks of two engines meet only when every field of their NamespaceSpec is
+equal; the name is what `kvdepot stats` shows and `kvdepot clear` takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from kvdepot.errors import InvalidArgument, NotFound
+from kvdepot.layout import WorkerLayout
+from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.stats import Counters
+
+
+@dataclass(eq=False)
+class Namespace:
+    id: int
+    name: str
+    tp_size: int
+    counters: Counters = field(default_factory=Counters)
+    # Layout signature of each rank's shard, fixed by the first worker of that rank.
+    rank_signatures: dict[int, tuple] = field(default_factory=dict)
+    ready_blocks: int = 0
+    used_slots: int = 0
+
+    def check_rank_layout(self, rank: int, layout: WorkerLayout) -> None:
+        known = self.rank_signatures.get(rank)
+        if known is not None and known != layout.signature():
+            raise InvalidArgument(
+                f"rank {rank} of namespace {self.name} was registered with another "
+                "layout (dtype, page sizes or pages per block differ): engines that share a "
+                "namespace must share the KV layout"
+            )
+
+    def fix_rank_layout(self, rank: int, layout: WorkerLayout) -> None:
+        self.rank_signatures[rank] = layout.signature()
+
+
+def _identity(spec: pb.NamespaceSpec) -> tuple:
+    return (
+        spec.model,
+        spec.revision,
+        spec.kv_dtype,
+        spec.block_size,
+        spec.layout,
+        spec.tp_size,
+        spec.kv_group,
+        spec.extra,
+        spec.key_version,
+    )
+
+
+def _name(spec: pb.NamespaceSpec) -> str:
+    name = spec.model + (f"@{spec.revision}" if spec.revision else "")
+    name += f":{spec.kv_dtype or '-'}:bs{spec.block_size}:{spec.layout or '-'}"
+    name += f":tp{spec.tp_size}:g{spec.kv_group}:k{spec.key_version}"
+    return name + (f":{spec.extra}" if spec.extra else "")
+
+
+def _check(spec: pb.NamespaceSpec) -> None:
+    if not spec.model:
+        raise InvalidArgument("namespace.model is required")
+    if spec.block_size < 1:
+        raise InvalidArgument("namespace.block_size must be at least 1")
+    if spec.tp_size < 1:
+        raise InvalidArgument("namespace.tp_size must be at least 1")
+    if spec.key_version < 1:
+        raise InvalidArgument(
+            "namespace.key_version is required: the version of the block-key definition "
+            "the client's keys follow (docs/keys.md)"
+        )
+
+
+class Namespaces:
+    """Every namespace some client registered, by identity."""
+
+    def __init__(self, new_id: Callable[[], int], on_create: Callable[[Namespace], None] = lambda ns: None):
+        self._new_id = new_id
+        self._on_create = on_create
+        self._by_identity: dict[tuple, Namespace] = {}
+
+    def of(self, spec: pb.NamespaceSpec) -> Namespace:
+        """The namespace of `spec`, created on first use; InvalidArgument for a bad spec."""
+        _check(spec)
+        identity = _identity(spec)
+        ns = self._by_identity.get(identity)
+        if ns is None:
+            ns = Namespace(id=self._new_id(), name=_name(spec), tp_size=spec.tp_size)
+            self._by_identity[identity] = ns
+            self._on_create(ns)
+        return ns
+
+    def named(self, name: str) -> Namespace:
+        for ns in self._by_identity.values():
+            if ns.name == name:
+                return ns
+        known = ", ".join(sorted(ns.name for ns in self._by_identity.values())) or "none"
+        raise NotFound(f"no namespace {name!r}; known: {known}")
+
+    def __iter__(self) -> Iterator[Namespace]:
+        return iter(self._by_identity.values())

@@ -1,0 +1,88 @@
+"""Where a session's notifications go, and the block changes each call makes.
+
+A session's JobDone go to its job socket connection once it has one, else to
+its Attach stream; everything else (BlocksChanged) goes to the Attach stream.
+The changes one call makes to the block index are collected while it runs and
+sent once it is done: one BlocksChanged per engine of each namespace that
+changed, so an engine's copy of its namespace's keys follows the daemon's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Iterable
+
+from kvdepot.proto import kvdepot_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvdepot.server.depot import Session
+    from kvdepot.server.index import Block
+
+# Keys per BlocksChanged message of a registration snapshot (1 MiB of keys).
+SNAPSHOT_CHUNK_KEYS = 32768
+
+
+class Outbox:
+    """One session's notifications."""
+
+    def __init__(self) -> None:
+        # Read by the session's Attach stream (service.py).
+        self.stream: asyncio.Queue[pb.Notification] = asyncio.Queue()
+        # The session's job socket connection (job_socket.py), once it has one.
+        self.job_channel = None
+
+    def has_job_channel(self) -> bool:
+        return self.job_channel is not None and self.job_channel.open
+
+    def job_done(self, job_id: int, ok: bool, error: str) -> None:
+        done = pb.JobDone(job_id=job_id, ok=ok, error=error)
+        if self.has_job_channel():
+            self.job_channel.send_done(done)
+        else:
+            self.stream.put_nowait(pb.Notification(job_done=done))
+
+    def blocks_changed(self, engine_id: int, ready=(), storing=(), dropped=()) -> None:
+        changed = pb.BlocksChanged(engine_id=engine_id, ready=ready, storing=storing, dropped=dropped)
+        self.stream.put_nowait(pb.Notification(blocks_changed=changed))
+
+    def snapshot(self, engine_id: int, ready: list[bytes], storing: list[bytes]) -> None:
+        """Every ready and storing key of a namespace, for an engine that has just registered."""
+        for start in range(0, max(len(ready), len(storing)), SNAPSHOT_CHUNK_KEYS):
+            end = start + SNAPSHOT_CHUNK_KEYS
+            self.blocks_changed(engine_id, ready=ready[start:end], storing=storing[start:end])
+
+    def close(self) -> None:
+        if self.job_channel is not None:
+            self.job_channel.close()
+
+
+class ChangeFeed:
+    """Block changes of the call being handled, for every engine of their namespaces."""
+
+    def __init__(self, sessions: dict[str, Session]):
+        self._sessions = sessions
+        # Namespace id -> {key: latest state} ("ready", "storing" or "dropped").
+        self._changes: dict[int, dict[bytes, str]] = {}
+
+    def note(self, block: Block, state: str) -> None:
+        self._changes.setdefault(block.ns.id, {})[block.key] = state
+
+    def send(self) -> None:
+        if not self._changes:
+            return
+        changes, self._changes = self._changes, {}
+        messages = {}
+        for ns_id, states in changes.items():
+            lists: dict[str, list[bytes]] = {"ready": [], "storing": [], "dropped": []}
+            for key, state in states.items():
+                lists[state].append(key)
+            messages[ns_id] = lists
+        for session in _live(self._sessions.values()):
+            for engine_id, ns in session.engines.items():
+                lists = messages.get(ns.id)
+                if lists:
+                    session.outbox.blocks_changed(engine_id, **lists)
+
+
+def _live(sessions: Iterable[Session]) -> Iterable[Session]:
+    return (s for s in sessions if not s.ended)

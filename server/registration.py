@@ -1,0 +1,62 @@
+"""A RegisterWorker request's tensors, checked before any handle is opened.
+
+The size of a block follows from the shapes alone, so an oversized or absurd
+registration is refused before a single page offset is computed.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvdepot.errors import InvalidArgument
+from kvdepot.layout import DTYPE_BYTES, MAX_PAGES_PER_WORKER, MAX_TENSORS_PER_WORKER, WorkerLayout, describe
+from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.namespaces import Namespace
+
+
+def _block_bytes_of(spec: pb.TensorSpec) -> int:
+    """Bytes of one block of a tensor, from its shape (0 if the spec is malformed)."""
+    shape = list(spec.shape)
+    if spec.dtype not in DTYPE_BYTES or not 0 <= spec.block_dim < len(shape) or min(shape, default=0) < 1:
+        return 0
+    return DTYPE_BYTES[spec.dtype] * math.prod(shape) // shape[spec.block_dim]
+
+
+def worker_layout(request: pb.RegisterWorkerRequest, ns: Namespace, slot_bytes: int) -> WorkerLayout:
+    """The layout the request's tensors describe; InvalidArgument if it is unusable."""
+    if request.rank >= ns.tp_size:
+        raise InvalidArgument(f"rank {request.rank} is outside tp_size {ns.tp_size}")
+    if not request.tensors:
+        raise InvalidArgument("a worker must register at least one KV-cache tensor")
+    if len(request.handles) != len(request.tensors):
+        raise InvalidArgument(
+            f"{len(request.tensors)} tensors but {len(request.handles)} handles: give one handle for each tensor"
+        )
+    if len(request.tensors) > MAX_TENSORS_PER_WORKER:
+        raise InvalidArgument(f"{len(request.tensors)} tensors; a worker registers at most {MAX_TENSORS_PER_WORKER}")
+    pages = sum(math.prod(t.shape[: t.block_dim]) for t in request.tensors if t.block_dim < len(t.shape))
+    if pages > MAX_PAGES_PER_WORKER:
+        raise InvalidArgument(f"{pages} pages per block over all tensors; a worker has at most {MAX_PAGES_PER_WORKER}")
+    block_bytes = sum(_block_bytes_of(t) for t in request.tensors)
+    if block_bytes > slot_bytes:
+        raise InvalidArgument(
+            f"one block of this worker is {block_bytes} bytes, more than a pool slot ({slot_bytes} bytes): "
+            f"start kvdepotd with --slot-size {block_bytes} or more"
+        )
+    layout = WorkerLayout.of(
+        [
+            describe(
+                name=t.name or f"tensor{i}",
+                dtype=t.dtype,
+                shape=t.shape,
+                strides=t.strides,
+                byte_offset=t.byte_offset,
+                storage_bytes=t.storage_bytes,
+                block_dim=t.block_dim,
+                page_bytes=t.page_bytes,
+            )
+            for i, t in enumerate(request.tensors)
+        ]
+    )
+    ns.check_rank_layout(request.rank, layout)
+    return layout

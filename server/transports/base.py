@@ -1,0 +1,75 @@
+"""The transport interface: who moves a job's bytes.
+
+Everything above a transport (the block index, pins, jobs, completion, stats)
+is the same code whichever moves the bytes. A transport's primitives:
+
+- `open_worker` / `close_worker`: take (and check) a worker's handles when it
+  registers; let go of them once no copy touches them any more.
+- `prepare_job`: check a store or load request before the depot reserves
+  anything, and return the transport's own state for the job (opaque to the
+  depot, kept in `Job.transport_state`).
+- `start`: begin the job's copies. The transport reports the end with the
+  `finish` callback it was made with (`Depot.finish_job`), except where the
+  worker copies (`worker_copies`): the worker then reports with CompleteJob.
+- `abandon`: the job's session ended while the job was in flight; finish or
+  cancel its copies, then report the end.
+
+`worker_copies` also tells the depot who could still be writing a store's
+slots after its session ended: the client's process, for a transport whose
+worker copies, so those slots are held back until that process has exited.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Callable
+
+from kvdepot.proto import kvdepot_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvdepot.server.depot import Job, Worker
+
+# Depot.finish_job(job, ok, error).
+Finish = Callable[["Job", bool, str], None]
+
+
+class Transport(ABC):
+    # For logs and stats.
+    name: str = ""
+    # Which TensorHandle (the `transport` oneof) a worker registers with.
+    handle_kind: str = ""
+    # The client's process copies the bytes and reports with CompleteJob.
+    worker_copies: bool = False
+
+    @abstractmethod
+    def open_worker(self, worker: Worker, request: pb.RegisterWorkerRequest) -> None:
+        """Checks (and opens) the worker's handles; raises InvalidArgument if unusable."""
+
+    @abstractmethod
+    def close_worker(self, worker: Worker) -> None:
+        """Releases the worker's handles once no copy touches them any more."""
+
+    def prepare_job(self, worker: Worker, request, kind: str) -> object:
+        """Refuses a job request this transport cannot run (InvalidArgument);
+        returns the transport's state for the job."""
+        return None
+
+    @abstractmethod
+    def start(self, job: Job) -> None:
+        """Starts the job's copies. Ordering and completion are the transport's."""
+
+    @abstractmethod
+    def abandon(self, job: Job) -> None:
+        """The job's session has ended: finish or cancel its copies, then finish the job."""
+
+    @property
+    def open_mappings(self) -> int:
+        """Mappings of workers' memory the transport holds open now."""
+        return 0
+
+    def gpu_stats(self) -> list[pb.GpuStats]:
+        """The GPUs the transport uses."""
+        return []
+
+    def shutdown(self) -> None:
+        """The daemon exits: wait for (or stop) whatever the transport still runs."""

@@ -1,0 +1,160 @@
+"""The CUDA transport's threads: per GPU and direction a copy stream whose jobs
+a thread reports as they end, and the gate that holds stores until their
+worker's compute has finished.
+
+Both hand their results to the event loop (call_soon_threadsafe): the depot's
+state is touched on the loop's thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+
+import torch
+
+# Staging buffers per direction and GPU: two let the copy engine move one chunk
+# while the kernel fills (or drains) the other; a third gained nothing
+# (docs/benchmarks.md).
+STAGING_BUFFERS = 2
+
+
+class CopyStream:
+    """One direction of one GPU: its streams, its staging ring, and the thread
+    that reports its jobs as they finish, in order.
+
+    `stream` runs the copy engine's transfers; in "dma" mode `kernels` runs the
+    gather/scatter kernels beside it. A job's last operation (a store's last
+    transfer, a load's last scatter) decides on which of the two it ends; the
+    jobs of one direction end in order on that stream.
+    """
+
+    def __init__(self, device: int, name: str, loop: asyncio.AbstractEventLoop, on_done, staging_shape):
+        self.stream = torch.cuda.Stream(device=device)
+        self.kernels = torch.cuda.Stream(device=device) if staging_shape else None
+        # Each buffer holds rows of one pool slot; only this direction uses them.
+        self.buffers = (
+            [torch.empty(staging_shape, dtype=torch.uint8, device=device) for _ in range(STAGING_BUFFERS)]
+            if staging_shape
+            else []
+        )
+        # Per buffer: recorded when a chunk is in it (`filled`) and when the chunk
+        # has left it (`drained`). Re-recorded chunk after chunk: a wait holds on
+        # to the record it was enqueued after, so no event is made per chunk.
+        self.filled = [torch.cuda.Event() for _ in self.buffers]
+        self.drained = [torch.cuda.Event() for _ in self.buffers]
+        self.used = [False] * len(self.buffers)
+        self.next_buffer = 0
+        # Row i of a buffer holds the i-th block of a chunk: made once, not per chunk.
+        self.positions = torch.arange(staging_shape[0], dtype=torch.int64, device=device) if staging_shape else None
+        self._loop = loop
+        self._on_done = on_done
+        self._pending: queue.Queue = queue.Queue()
+        # Jobs tracked (counted by the event loop's thread) and ended (counted by
+        # the completion thread): one writer each, so no update is lost.
+        self._tracked = 0
+        self._ended = 0
+        self._thread = threading.Thread(target=self._run, name=f"kvdepot-{name}-{device}", daemon=True)
+        self._thread.start()
+
+    @property
+    def rows(self) -> int:
+        return self.buffers[0].shape[0]
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        if self.kernels is not None:
+            self.kernels.synchronize()
+
+    @property
+    def idle(self) -> bool:
+        """No job of this direction is queued or running."""
+        return self._tracked == self._ended
+
+    def track(self, event: torch.cuda.Event, job, keep_alive, fence=None) -> None:
+        """Reports `job` once `event` has completed. keep_alive: what the GPU
+        still reads until then. fence: (readback, expected sequence number) of a
+        store, checked after the copy."""
+        self._tracked += 1
+        self._pending.put((event, job, keep_alive, fence))
+
+    def _run(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            event, job, _, fence = item
+            try:
+                event.synchronize()
+                ok, error = True, ""
+                if fence is not None and int(fence[0][0]) < fence[1]:
+                    # The event fired but the worker never wrote its fence: it died
+                    # before its compute ended, and the blocks hold no valid data.
+                    ok, error = False, "the worker's compute did not finish (the worker died?)"
+            except RuntimeError as e:  # a failed copy (e.g. an illegal address) poisons the context
+                ok, error = False, f"copy failed on the GPU: {e}"
+            self._ended += 1
+            self._loop.call_soon_threadsafe(self._on_done, job, ok, error)
+
+    def stop(self) -> None:
+        self._pending.put(None)
+
+
+class ComputeGate:
+    """Holds stores until their worker's compute event has completed.
+
+    The daemon waits for a worker's event on the host, not with
+    cudaStreamWaitEvent on its shared store stream: the event of a worker
+    killed mid-compute never completes, and a stream waiting on it would stall
+    the stores of every engine on that GPU. A store whose session ends while it
+    waits here is dropped before anything was queued on the GPU.
+    """
+
+    POLL_SECONDS = 20e-6
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_open, on_failed):
+        self._loop = loop
+        self._on_open = on_open
+        self._on_failed = on_failed
+        self._new: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvdepot-gate", daemon=True)
+        self._thread.start()
+
+    def hold(self, job, event: torch.cuda.Event) -> None:
+        self._new.put((job, event))
+
+    def _run(self) -> None:
+        waiting: list = []
+        while True:
+            try:
+                item = self._new.get(timeout=None if not waiting else self.POLL_SECONDS)
+                if item is None:
+                    return
+                waiting.append(item)
+                continue  # take everything queued before polling
+            except queue.Empty:
+                pass
+            still = []
+            for job, event in waiting:
+                if job.session.ended:
+                    reason = "the client went away before its compute finished"
+                    self._loop.call_soon_threadsafe(self._on_failed, job, reason)
+                    continue
+                try:
+                    completed = event.query()
+                except RuntimeError as e:  # one bad event must not stop every other store
+                    self._loop.call_soon_threadsafe(self._on_failed, job, f"waiting for the worker's compute failed: {e}")
+                    continue
+                if completed:
+                    self._loop.call_soon_threadsafe(self._on_open, job)
+                else:
+                    still.append((job, event))
+            waiting = still
+
+
+def completed(event: torch.cuda.Event) -> bool:
+    try:
+        return event.query()
+    except RuntimeError:  # the gate reports it as the job's failure
+        return False

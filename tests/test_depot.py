@@ -1,0 +1,307 @@
+"""The depot on its own: no daemon, no sockets, and a transport written for these tests.
+
+The in-process transport keeps each worker's memory as a tensor here and
+copies a job's bytes when the test lets it, so the tests can hold jobs in
+flight and end them, or their sessions, whenever they like.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+
+import pytest
+import torch
+
+from kvdepot import errors
+from kvdepot.client.tensors import tensor_layout, tensor_spec
+from kvdepot.keys import KEY_VERSION, block_keys
+from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.depot import Depot
+from kvdepot.server.pool import HostPool
+from kvdepot.server.transports.base import Transport
+from kvdepot.server.transports.shared_memory import SharedMemoryTransport
+
+SLOT = 4096
+BLOCK_BYTES = 1024
+NUM_BLOCKS = 64
+
+
+class InProcessTransport(Transport):
+    """Serves workers that register shared-memory handles; copies in this process."""
+
+    name = "in-process (tests)"
+    handle_kind = "shared_memory"
+    worker_copies = False
+
+    def __init__(self, finish, pool: HostPool):
+        self._finish = finish
+        self._slots = torch.frombuffer(pool.buffer, dtype=torch.uint8, count=pool.size).view(pool.num_slots, pool.slot_bytes)
+        self.memory: dict[str, torch.Tensor] = {}
+        self.hold = False
+        self.held: list = []
+        self.closed: list[int] = []
+
+    def open_worker(self, worker, request) -> None:
+        if worker.device not in self.memory:
+            raise errors.InvalidArgument(f"no memory {worker.device}")
+
+    def close_worker(self, worker) -> None:
+        self.closed.append(worker.id)
+
+    def start(self, job) -> None:
+        if self.hold:
+            self.held.append(job)
+        else:
+            self.run(job)
+
+    def run(self, job, ok: bool = True) -> None:
+        if ok:
+            memory = self.memory[job.worker.device]
+            for block_id, slot in zip(job.block_ids, job.slots):
+                if job.kind == "store":
+                    self._slots[slot, :BLOCK_BYTES] = memory[block_id]
+                else:
+                    memory[block_id] = self._slots[slot, :BLOCK_BYTES]
+        self._finish(job, ok, "" if ok else "the test failed it")
+
+    def release(self, ok: bool = True) -> None:
+        held, self.held = self.held, []
+        for job in held:
+            self.run(job, ok)
+
+    def abandon(self, job) -> None:
+        if job in self.held:
+            self.held.remove(job)
+            self._finish(job, False, "the client went away during the job")
+
+
+@pytest.fixture
+def depot(tmp_path):
+    pool = HostPool(size=16 * SLOT, slot_bytes=SLOT, directory=str(tmp_path), name="depot-test", pin="off")
+    depot = Depot(pool, "lru", "test-instance", "test")
+    transport = InProcessTransport(depot.finish_job, pool)
+    depot.add_transport(transport)
+    yield depot, transport
+    pool.close()
+
+
+def namespace(tp_size: int = 1) -> pb.NamespaceSpec:
+    return pb.NamespaceSpec(model="m", block_size=16, tp_size=tp_size, key_version=KEY_VERSION)
+
+
+def worker(depot, transport, session, device: str, rank: int = 0, tp_size: int = 1):
+    memory = torch.randint(0, 256, (NUM_BLOCKS, BLOCK_BYTES), dtype=torch.uint8)
+    transport.memory[device] = memory
+    spec = tensor_spec(tensor_layout(memory, 0, "kv"))
+    request = pb.RegisterWorkerRequest(
+        session_id=session.id, namespace=namespace(tp_size), rank=rank, device=device, tensors=[spec],
+        handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker())],
+    )
+    return depot.register_worker(request), memory
+
+
+def keys(n: int, prompt: int) -> list[bytes]:
+    return block_keys([prompt] * (16 * n), 16)
+
+
+def store(depot, session, w, job_id: int, ks, block_ids):
+    return depot.submit_store(pb.SubmitStoreRequest(
+        session_id=session.id, worker_id=w.id, job_id=job_id, keys=ks, block_ids=block_ids))
+
+
+def load(depot, session, w, job_id: int, ks, block_ids):
+    return depot.submit_load(pb.SubmitLoadRequest(
+        session_id=session.id, worker_id=w.id, job_id=job_id, keys=ks, block_ids=block_ids))
+
+
+def notifications(session) -> list:
+    out = []
+    while not session.outbox.stream.empty():
+        out.append(session.outbox.stream.get_nowait())
+    return out
+
+
+def test_a_store_then_a_load_moves_the_exact_bytes_and_tells_the_client(depot):
+    depot, transport = depot
+    session = depot.attach("c", os.getpid(), 1)
+    w, memory = worker(depot, transport, session, "mem0")
+    engine_id, _ = depot.register_engine(session.id, namespace())
+    ks = keys(4, prompt=1)
+    store(depot, session, w, 1, ks, [0, 1, 2, 3])
+    assert depot.lookup(session.id, engine_id, ks).ready_blocks == 4
+    load(depot, session, w, 2, ks, [10, 11, 12, 13])
+    assert torch.equal(memory[10:14], memory[0:4])
+    done = [n.job_done for n in notifications(session) if n.HasField("job_done")]
+    assert [(d.job_id, d.ok) for d in done] == [(1, True), (2, True)]
+    stats = depot.stats()
+    assert stats.pinned_slots == 0 and stats.used_slots == 4
+    assert (stats.totals.stored_blocks, stats.totals.loaded_blocks) == (4, 4)
+
+
+def test_a_store_is_invisible_until_it_commits_and_a_failed_one_never_shows(depot):
+    depot, transport = depot
+    session = depot.attach("c", os.getpid(), 1)
+    w, _ = worker(depot, transport, session, "mem0")
+    engine_id, _ = depot.register_engine(session.id, namespace())
+    notifications(session)
+    transport.hold = True
+    ks = keys(3, prompt=2)
+    store(depot, session, w, 1, ks, [0, 1, 2])
+    answer = depot.lookup(session.id, engine_id, ks)
+    assert answer.status == pb.LookupResponse.NOT_YET and answer.ready_blocks == 0 and answer.storing_blocks == 3
+    with pytest.raises(errors.FailedPrecondition, match="not stored"):
+        load(depot, session, w, 2, ks, [5, 6, 7])
+    assert depot.stats().pinned_slots == 3
+    transport.release(ok=False)
+    assert depot.lookup(session.id, engine_id, ks).ready_blocks == 0
+    stats = depot.stats()
+    assert stats.used_slots == 0 and stats.pinned_slots == 0 and stats.totals.failed_jobs == 1
+    # The engine's copy of the namespace followed: storing, then dropped.
+    changed = [n.blocks_changed for n in notifications(session) if n.HasField("blocks_changed")]
+    assert [set(c.storing) for c in changed if c.storing] == [set(ks)]
+    assert [set(c.dropped) for c in changed if c.dropped] == [set(ks)]
+
+
+def test_pinned_blocks_are_never_evicted(depot):
+    depot, transport = depot
+    session = depot.attach("c", os.getpid(), 1)
+    w, memory = worker(depot, transport, session, "mem0")
+    engine_id, _ = depot.register_engine(session.id, namespace())
+    old = keys(16, prompt=3)
+    store(depot, session, w, 1, old, list(range(16)))  # the pool's 16 slots
+    transport.hold = True
+    load(depot, session, w, 2, old[:2], [40, 41])  # pins the two oldest
+    new = keys(16, prompt=4)
+    response = store(depot, session, w, 3, new, list(range(16, 32)))
+    # Only 14 slots can be taken from unpinned blocks.
+    assert len(response.slots) == 14 and response.not_stored == 2
+    transport.release()
+    assert depot.lookup(session.id, engine_id, old[:2]).ready_blocks == 2
+    assert depot.lookup(session.id, engine_id, old[2:3]).ready_blocks == 0
+    assert torch.equal(memory[40:42], memory[0:2])
+    assert depot.stats().totals.evicted_blocks == 14
+
+
+def test_a_block_is_served_only_once_every_tp_rank_stored_its_shard(depot):
+    depot, transport = depot
+    a = depot.attach("rank0", os.getpid(), 1)
+    b = depot.attach("rank1", os.getpid(), 1)
+    w0, m0 = worker(depot, transport, a, "gpu0", rank=0, tp_size=2)
+    w1, m1 = worker(depot, transport, b, "gpu1", rank=1, tp_size=2)
+    engine_id, _ = depot.register_engine(a.id, namespace(tp_size=2))
+    ks = keys(2, prompt=5)
+    store(depot, a, w0, 1, ks, [0, 1])
+    assert depot.lookup(a.id, engine_id, ks).ready_blocks == 0
+    with pytest.raises(errors.FailedPrecondition):
+        load(depot, b, w1, 2, ks, [5, 6])
+    store(depot, b, w1, 3, ks, [2, 3])
+    assert depot.lookup(a.id, engine_id, ks).ready_blocks == 2
+    # Each rank loads its own shard.
+    load(depot, a, w0, 4, ks, [8, 9])
+    load(depot, b, w1, 5, ks, [8, 9])
+    assert torch.equal(m0[8:10], m0[0:2]) and torch.equal(m1[8:10], m1[2:4])
+    with pytest.raises(errors.InvalidArgument, match="rank 2 is outside tp_size 2"):
+        worker(depot, transport, a, "gpu2", rank=2, tp_size=2)
+
+
+def test_a_session_that_ends_mid_job_releases_everything_and_others_go_on(depot):
+    depot, transport = depot
+    gone = depot.attach("gone", os.getpid(), 1)
+    stays = depot.attach("stays", os.getpid(), 1)
+    w, _ = worker(depot, transport, gone, "mem0")
+    other, _ = worker(depot, transport, stays, "mem1")
+    engine_id, _ = depot.register_engine(stays.id, namespace())
+    stored = keys(4, prompt=6)
+    store(depot, stays, other, 1, stored, [0, 1, 2, 3])
+    transport.hold = True
+    store(depot, gone, w, 1, keys(4, prompt=7), [0, 1, 2, 3])
+    load(depot, gone, w, 2, stored, [8, 9, 10, 11])
+    assert depot.stats().pinned_slots == 8
+    depot.end_session(gone)
+    stats = depot.stats()
+    assert stats.pinned_slots == 0 and stats.used_slots == 4 and stats.totals.failed_jobs == 2
+    assert [c.client_name for c in stats.clients] == ["stays"] and stats.sessions_ended == 1
+    assert transport.closed == [w.id]
+    assert depot.jobs_in_flight == 0
+    # The other session's blocks are there, and its jobs run.
+    assert depot.lookup(stays.id, engine_id, stored).ready_blocks == 4
+    transport.hold = False
+    load(depot, stays, other, 2, stored, [20, 21, 22, 23])
+    with pytest.raises(errors.NotFound, match="unknown session"):
+        store(depot, gone, w, 3, stored, [0, 1, 2, 3])
+
+
+def test_slots_a_live_writer_may_still_touch_stay_out_of_use_until_it_exits(tmp_path):
+    pool = HostPool(size=16 * SLOT, slot_bytes=SLOT, directory=str(tmp_path), name="q", pin="off")
+    depot = Depot(pool, "lru", "i", "v")
+    depot.add_transport(SharedMemoryTransport(depot.finish_job))
+    writer = subprocess.Popen(["sleep", "60"])
+    try:
+        session = depot.attach("writer", writer.pid, 1)
+        w, _ = worker(depot, InProcessTransport(depot.finish_job, pool), session, "mem0")
+        response = store(depot, session, w, 1, keys(4, prompt=8), [0, 1, 2, 3])
+        depot.end_session(session)
+        assert depot.quarantine.slots == 4 and pool.used_slots == 4
+        assert depot.quarantine.release() == 0  # the writer lives
+        writer.kill()
+        writer.wait()
+        assert depot.quarantine.release() == 4
+        assert pool.used_slots == 0
+        assert set(response.slots) <= {pool.allocate() for _ in range(16)}
+    finally:
+        writer.kill()
+        pool.close()
+
+
+def test_a_client_that_completes_its_own_jobs_and_one_that_may_not(tmp_path):
+    pool = HostPool(size=16 * SLOT, slot_bytes=SLOT, directory=str(tmp_path), name="c", pin="off")
+    depot = Depot(pool, "lru", "i", "v")
+    depot.add_transport(SharedMemoryTransport(depot.finish_job))
+    session = depot.attach("c", os.getpid(), 1)
+    w, _ = worker(depot, InProcessTransport(depot.finish_job, pool), session, "mem0")
+    engine_id, _ = depot.register_engine(session.id, namespace())
+    ks = keys(2, prompt=9)
+    store(depot, session, w, 1, ks, [0, 1])
+    with pytest.raises(errors.AlreadyExists):
+        store(depot, session, w, 1, ks, [0, 1])
+    depot.complete_job(pb.CompleteJobRequest(session_id=session.id, job_id=1, ok=True))
+    assert depot.lookup(session.id, engine_id, ks).ready_blocks == 2
+    # The outcome was the call's answer: no JobDone. A finished id stays taken.
+    assert not [n for n in notifications(session) if n.HasField("job_done")]
+    with pytest.raises(errors.AlreadyExists):
+        store(depot, session, w, 1, ks, [0, 1])
+    with pytest.raises(errors.NotFound, match="no job 1 in flight"):
+        depot.complete_job(pb.CompleteJobRequest(session_id=session.id, job_id=1, ok=True))
+    pool.close()
+
+
+def test_jobs_copied_by_the_daemon_cannot_be_completed_by_the_client(depot):
+    depot, transport = depot
+    session = depot.attach("c", os.getpid(), 1)
+    w, _ = worker(depot, transport, session, "mem0")
+    transport.hold = True
+    store(depot, session, w, 1, keys(2, prompt=10), [0, 1])
+    with pytest.raises(errors.FailedPrecondition, match="copied by the daemon"):
+        depot.complete_job(pb.CompleteJobRequest(session_id=session.id, job_id=1, ok=True))
+    transport.release()
+
+
+def test_draining_refuses_new_jobs_and_waits_for_those_in_flight(depot):
+    depot, transport = depot
+    session = depot.attach("c", os.getpid(), 1)
+    w, _ = worker(depot, transport, session, "mem0")
+    transport.hold = True
+    store(depot, session, w, 1, keys(2, prompt=11), [0, 1])
+
+    async def drain_while_the_job_runs():
+        assert not await depot.drain(0.05)
+        with pytest.raises(errors.Unavailable, match="shutting down"):
+            store(depot, session, w, 2, keys(2, prompt=12), [2, 3])
+        asyncio.get_running_loop().call_later(0.05, transport.release)
+        return await depot.drain(5)
+
+    assert asyncio.run(drain_while_the_job_runs())
+    with pytest.raises(errors.Unavailable):
+        depot.attach("late", os.getpid(), 1)
