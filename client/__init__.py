@@ -7,9 +7,9 @@ loading torch.
 _EXPORTS = {
     "KVDepotClient": "kvdepot.client.client",
     "LookupResult": "kvdepot.client.client",
-    "JobResult": "kvdepot.client.client",
-    "EngineHandle": "kvdepot.client.client",
-    "WorkerHandle": "kvdepot.client.client",
+    "JobResult": "kvdepot.client.jobs",
+    "EngineHandle": "kvdepot.client.key_copy",
+    "WorkerHandle": "kvdepot.client.workers",
     "Transfer": "kvdepot.client.client",
     "block_keys": "kvdepot.keys",
     "OperatorClient": "kvdepot.client.cli",

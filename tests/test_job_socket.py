@@ -84,7 +84,7 @@ def round_trip(client, worker, tensors, job_id: int, prompt: int) -> None:
 
 def test_jobs_run_on_the_job_socket_by_default(daemon, client_factory):
     client = client_factory(daemon)
-    assert client._connection.jobs is not None
+    assert client._connection.jobs.kind == "socket"
     worker, engine, tensors = attach_worker(client, seed=31)
     round_trip(client, worker, tensors, 1, prompt=310)
     assert client.lookup(engine, prompt_keys(4, prompt=310)).ready_blocks == 4
@@ -175,7 +175,7 @@ def test_a_job_socket_the_daemon_closes_costs_a_reconnect_and_nothing_else(daemo
     round_trip(client, worker, tensors, 1, prompt=340)
     first_session = client._connection.session_id
     # A frame that does not parse: the daemon closes this client's job socket.
-    client._connection.jobs._sock.sendall(LENGTH.pack(2) + b"\xff\xff")
+    client._connection.jobs.socket._sock.sendall(LENGTH.pack(2) + b"\xff\xff")
     wait_until(lambda: client.reconnects == 1 and client.connected, what="the client to reconnect")
     assert client._connection.session_id != first_session
     wait_until(lambda: worker.registered, what="the worker to be registered again")
@@ -192,7 +192,7 @@ def test_without_a_job_socket_jobs_go_through_grpc_calls(start_daemon, tmp_path)
     daemon = start_daemon(listen=address, auth_token_file=str(token_file))
     client = KVDepotClient(address, auth_token="s3cret").connect(10)
     try:
-        assert client._connection.jobs is None
+        assert client._connection.jobs.kind == "grpc"
         worker, engine, tensors = attach_worker(client, seed=35)
         round_trip(client, worker, tensors, 1, prompt=350)
         with pytest.raises(errors.FailedPrecondition, match="is not stored"):
@@ -209,7 +209,7 @@ def test_a_job_socket_that_cannot_be_opened_leaves_jobs_on_grpc(daemon, client_f
 
     os.unlink(daemon.socket + ".jobs")
     client = client_factory(daemon)
-    assert client._connection.jobs is None
+    assert client._connection.jobs.kind == "grpc"
     assert "cannot open kvdepotd's job socket" in caplog.text
     worker, engine, tensors = attach_worker(client, seed=36)
     round_trip(client, worker, tensors, 1, prompt=360)

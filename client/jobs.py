@@ -1,0 +1,104 @@
+"""Job bookkeeping: which jobs are in flight, their results, and who waits for them.
+
+Results arrive on other threads (the session's stream, the job socket's
+reader, gRPC's callbacks); callers collect them with `wait` (some jobs, e.g. a
+preemption flush) or `take_finished` (everything else, once a step). All state
+is under one lock, the condition's, and nothing is called while holding it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass
+class JobResult:
+    job_id: int
+    ok: bool
+    error: str = ""
+    # Stores: keys left out because they were stored (or being stored) already,
+    # and keys not stored because every slot was pinned by jobs in flight.
+    already_stored: int = 0
+    not_stored: int = 0
+
+
+class JobBook:
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._pending: set[int] = set()
+        # Finished jobs not yet handed over, in the order they finished.
+        self._results: OrderedDict[int, JobResult] = OrderedDict()
+        # Job ids a wait() is blocked on: take_finished() leaves them to it.
+        self._awaited: dict[int, int] = {}
+        # A store's counts from its submit's answer, until its result exists.
+        self._store_counts: dict[int, tuple[int, int]] = {}
+
+    def begin(self, job_id: int) -> bool:
+        """Tracks a new job. False when the id is in flight already: the daemon
+        refuses the new one, and the job that has the id must not be disturbed."""
+        with self._changed:
+            if job_id in self._pending:
+                return False
+            self._pending.add(job_id)
+            self._results.pop(job_id, None)
+            return True
+
+    def drop(self, job_id: int) -> None:
+        """Forgets a job the daemon refused while its caller waited (the caller raises)."""
+        with self._changed:
+            self._pending.discard(job_id)
+
+    def finish(self, job_id: int, ok: bool, error: str = "") -> None:
+        with self._changed:
+            if job_id not in self._pending:
+                return
+            self._pending.discard(job_id)
+            already, not_stored = self._store_counts.pop(job_id, (0, 0))
+            self._results[job_id] = JobResult(job_id, ok, error, already, not_stored)
+            self._changed.notify_all()
+
+    def fail_all(self, error: str) -> None:
+        with self._changed:
+            pending = list(self._pending)
+        for job_id in pending:
+            self.finish(job_id, False, error)
+
+    def store_counts(self, job_id: int, already_stored: int, not_stored: int) -> None:
+        with self._changed:
+            result = self._results.get(job_id)
+            if result is not None:  # the job's end came first
+                result.already_stored, result.not_stored = already_stored, not_stored
+            elif job_id in self._pending:
+                self._store_counts[job_id] = (already_stored, not_stored)
+            # else its result was handed over already: nobody would read the counts
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, JobResult]:
+        """Waits for the jobs to finish and hands over their results."""
+        job_ids = list(job_ids)
+        with self._changed:
+            unknown = [j for j in job_ids if j not in self._pending and j not in self._results]
+            if unknown:
+                raise KeyError(f"no job {unknown[0]} was submitted, or its result was taken already")
+            for j in job_ids:
+                self._awaited[j] = self._awaited.get(j, 0) + 1
+            try:
+                if not self._changed.wait_for(lambda: all(j in self._results for j in job_ids), timeout):
+                    left = [j for j in job_ids if j not in self._results]
+                    raise TimeoutError(f"{len(left)} job(s) still in flight after {timeout} s: {left[:8]}")
+                return {j: self._results.pop(j) for j in job_ids}
+            finally:
+                for j in job_ids:
+                    self._awaited[j] -= 1
+                    if not self._awaited[j]:
+                        del self._awaited[j]
+
+    def take_finished(self) -> list[JobResult]:
+        """Results of every job finished since the last call (and not taken by a wait)."""
+        with self._changed:
+            taken = [r for j, r in self._results.items() if j not in self._awaited]
+            for result in taken:
+                del self._results[result.job_id]
+            return taken

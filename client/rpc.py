@@ -1,0 +1,44 @@
+"""gRPC calls to the daemon, and what their failures mean to a caller."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvdepot.errors import KVDepotError, Unavailable, from_status
+
+# Status codes that mean "the daemon is not there (any more)", not "your request is wrong".
+GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def typed_error(code: grpc.StatusCode, details: str | None) -> KVDepotError:
+    """Unavailable when the daemon is gone or restarted, else the typed error for the status."""
+    if code in GONE:
+        return Unavailable(f"kvdepotd is not available: {details}")
+    if code == grpc.StatusCode.NOT_FOUND and "unknown session" in (details or ""):
+        return Unavailable("the daemon restarted; reconnecting")
+    return from_status(code, details or "")
+
+
+def unary(method, request, timeout: float, metadata):
+    """One unary call; typed errors, and Unavailable when the daemon is gone."""
+    try:
+        return method(request, timeout=timeout, metadata=metadata)
+    except ValueError:
+        # grpc raises this for a call on a channel closed after the daemon went away.
+        raise Unavailable("the connection to kvdepotd is closed; reconnecting") from None
+    except grpc.RpcError as e:
+        raise typed_error(e.code(), e.details()) from None
+
+
+def open_channel(target: str) -> grpc.Channel:
+    return grpc.insecure_channel(
+        target,
+        options=[
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1_000),
+            # Every call is small and an engine step waits on some (docs/benchmarks.md).
+            ("grpc.optimization_target", "latency"),
+        ],
+    )

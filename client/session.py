@@ -1,0 +1,236 @@
+"""The client's session with the daemon: attach, reconnect, register again.
+
+One background thread holds the session's Attach stream: it files the stream's
+JobDone in the JobBook and its BlocksChanged in the engines' key copies. When
+the daemon goes away it fails the jobs in flight, logs it once, and
+reconnects with backoff; once attached again it registers every engine and
+worker again by itself, so callers keep their handles across daemon restarts.
+
+Locks (see client.py for the whole client's rule): `_lock` guards the
+connection and the lists of handles; `_register_lock` serialises
+registrations, so that a handle added during a reconnect is registered
+exactly once, by whoever comes second. It is held across the
+RegisterEngine/RegisterWorker calls, always taken before `_lock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from kvdepot.client.job_channel import GrpcJobChannel, JobChannel, SocketJobChannel
+from kvdepot.client.jobs import JobBook
+from kvdepot.client.key_copy import EngineCopies, EngineHandle
+from kvdepot.client.rpc import open_channel, unary
+from kvdepot.client.shm_copy import MappedPool
+from kvdepot.client.workers import WorkerHandle
+from kvdepot.defaults import PROTOCOL_VERSION
+from kvdepot.errors import KVDepotError, Unavailable
+from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvdepot.client")
+
+
+@dataclass
+class Connection:
+    """One session with one daemon; replaced as a whole on reconnect."""
+
+    stub: pb_grpc.KVDepotStub
+    session_id: str
+    instance: str
+    pool_info: pb.PoolInfo
+    jobs: JobChannel
+    # The daemon's pool, mapped once a worker of the shared-memory transport registers.
+    pool: MappedPool | None = None
+
+
+class Session:
+    def __init__(
+        self,
+        target: str,
+        name: str,
+        metadata: tuple,
+        call_timeout: float,
+        backoff: tuple[float, float],
+        book: JobBook,
+        copies: EngineCopies,
+    ):
+        self.target = target
+        self.name = name
+        self.call_timeout = call_timeout
+        self.reconnects = 0
+        self.closing = threading.Event()
+        self._metadata = metadata
+        self._backoff = backoff
+        self._book = book
+        self._copies = copies
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._register_lock = threading.Lock()
+        self._connection: Connection | None = None
+        self._engines: list[EngineHandle] = []
+        self._workers: list[WorkerHandle] = []
+        self._stream_call = None
+        self._said_gone = False
+        self._said_no_job_socket = False
+        self._thread = threading.Thread(target=self._stream_loop, name="kvdepot-client", daemon=True)
+        self._thread.start()
+
+    @property
+    def connection(self) -> Connection | None:
+        return self._connection
+
+    def wait_connected(self, timeout: float | None) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._connection is not None, timeout)
+
+    def stop(self) -> None:
+        """Ends the session (call after setting `closing`)."""
+        self.closing.set()
+        call = self._stream_call
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=5)
+
+    def call(self, connection: Connection, method: str, request):
+        return unary(getattr(connection.stub, method), request, self.call_timeout, self._metadata)
+
+    # ------------------------------------------------------------ handles
+
+    def add(self, handle: EngineHandle | WorkerHandle) -> None:
+        """Keeps the handle for every future session, and registers it now if attached."""
+        handles = self._engines if isinstance(handle, EngineHandle) else self._workers
+        with self._lock:
+            handles.append(handle)
+        try:
+            with self._register_lock:
+                connection = self._connection
+                if connection is not None and not handle.registered:
+                    self._register(connection, handle)
+        except Unavailable:
+            pass  # registered when the daemon is back
+        except KVDepotError:
+            with self._lock:
+                handles.remove(handle)
+            raise
+
+    def _register(self, connection: Connection, handle: EngineHandle | WorkerHandle) -> None:
+        if isinstance(handle, EngineHandle):
+            request = pb.RegisterEngineRequest(session_id=connection.session_id, namespace=handle.namespace)
+            response = self.call(connection, "RegisterEngine", request)
+            self._copies.registered(handle, connection.session_id, response.engine_id, response.namespace_name)
+            return
+        response = self.call(connection, "RegisterWorker", handle.request(connection.session_id))
+        if handle.copies_itself and connection.pool is None:
+            info = connection.pool_info
+            connection.pool = MappedPool(info.shm_path, info.slot_bytes, info.num_slots)
+        handle.worker_id = response.worker_id
+        handle.namespace_name = response.namespace_name
+
+    # ------------------------------------------------------------ the stream
+
+    def _stream_loop(self) -> None:
+        delay = self._backoff[0]
+        while not self.closing.is_set():
+            channel = open_channel(self.target)
+            reason = "the stream ended"
+            try:
+                stub = pb_grpc.KVDepotStub(channel)
+                call = stub.Attach(
+                    pb.AttachRequest(client_name=self.name, pid=os.getpid(), protocol_version=PROTOCOL_VERSION),
+                    metadata=self._metadata,
+                )
+                self._stream_call = call
+                first = next(call)
+                session_id = first.started.session_id
+                self._on_attached(stub, first.started)
+                delay = self._backoff[0]
+                for notification in call:
+                    kind = notification.WhichOneof("kind")
+                    if kind == "job_done":
+                        done = notification.job_done
+                        self._book.finish(done.job_id, done.ok, done.error)
+                    elif kind == "blocks_changed":
+                        self._copies.note(session_id, notification.blocks_changed)
+            except grpc.RpcError as e:
+                reason = f"{e.code().name}: {e.details()}"
+                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
+                    log.error("kvdepotd refused this client: %s", e.details())
+            except StopIteration:
+                pass
+            except Exception:
+                log.exception("kvdepot client stream failed")
+                reason = "the client's stream thread failed"
+            finally:
+                self._stream_call = None
+                self._on_detached(reason)
+                channel.close()
+            if self.closing.wait(delay * random.uniform(0.5, 1.0)):
+                break
+            delay = min(delay * 2, self._backoff[1])
+
+    def _job_channel(self, stub: pb_grpc.KVDepotStub, started: pb.SessionStarted) -> JobChannel:
+        if started.job_socket:
+            try:
+                return SocketJobChannel(
+                    started.job_socket, started.session_id, self._book, self.call_timeout, self._job_socket_lost
+                )
+            except OSError as e:
+                if not self._said_no_job_socket:
+                    log.warning(
+                        "cannot open kvdepotd's job socket %s (%s): jobs go through gRPC calls", started.job_socket, e
+                    )
+                    self._said_no_job_socket = True
+        return GrpcJobChannel(stub, self._book, self.call_timeout, self._metadata)
+
+    def _on_attached(self, stub: pb_grpc.KVDepotStub, started: pb.SessionStarted) -> None:
+        connection = Connection(
+            stub, started.session_id, started.daemon_instance, started.pool, self._job_channel(stub, started)
+        )
+        with self._register_lock:
+            with self._lock:
+                handles = [*self._engines, *self._workers]
+            for handle in handles:
+                try:
+                    self._register(connection, handle)
+                except KVDepotError as e:
+                    log.error("registering %s again failed: %s", handle.namespace_name or "a handle", e)
+            with self._changed:
+                self._connection = connection
+                self._changed.notify_all()
+        if self._said_gone:
+            self.reconnects += 1
+            log.warning("reconnected to kvdepotd on %s (instance %s)", self.target, connection.instance)
+            self._said_gone = False
+        else:
+            log.info("attached to kvdepotd on %s (instance %s)", self.target, connection.instance)
+
+    def _on_detached(self, reason: str) -> None:
+        with self._changed:
+            connection, self._connection = self._connection, None
+            for worker in self._workers:
+                worker.worker_id = None
+            engines = list(self._engines)
+            self._changed.notify_all()
+        if connection is not None:
+            connection.jobs.close()
+        self._copies.forget_all(engines)
+        closing = self.closing.is_set()
+        self._book.fail_all("the client was closed during the job" if closing else "kvdepotd went away during the job")
+        if (connection is not None or not self._said_gone) and not closing:
+            log.warning("kvdepotd on %s is not available (%s); offloading is off until it returns", self.target, reason)
+            self._said_gone = True
+
+    def _job_socket_lost(self, reason: str) -> None:
+        """The job socket closed (or failed a write) under a live session: start
+        over, so that no job waits for an end that cannot come."""
+        call = self._stream_call
+        if call is not None and not self.closing.is_set():
+            log.warning("kvdepotd's job socket closed (%s); reconnecting", reason)
+            call.cancel()
