@@ -132,12 +132,12 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save(_checked(self._get_connector_metadata()))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving, _ = self._worker.get_finished()
+        # No failed set here: failed loads come out of get_block_ids_with_load_errors.
+        sending, recving, _ = self._worker.transfer_results(failed_as_block_ids=True)
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        # A failed load is also finished: vLLM then recomputes its blocks.
-        sending, recving, failed = self._worker.get_finished()
+        sending, recving, failed = self._worker.transfer_results(failed_as_block_ids=False)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
