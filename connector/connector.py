@@ -14,17 +14,17 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from kvdepot.connector import vllm_compat
+from kvdepot.connector.config import ConnectorConfig
+from kvdepot.connector.keys import offloaded_groups
+from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata
+from kvdepot.connector.vllm_compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     SupportsHMA,
 )
-
-from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.keys import offloaded_groups
-from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata
 
 log = logging.getLogger("kvdepot.connector")
 
@@ -34,7 +34,9 @@ log = logging.getLogger("kvdepot.connector")
 class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
-        config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        vllm_compat.check_version()
+        transfer = vllm_config.kv_transfer_config
+        config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         groups = offloaded_groups(vllm_config, kv_cache_config)
         self._scheduler = None
         self._worker = None
@@ -45,7 +47,6 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             # (evicted meanwhile, daemon gone) must not fail the request, which
             # is what vLLM's default "fail" policy, made for P/D hand-offs, does.
             # The Scheduler reads the policy after creating its connector.
-            transfer = self._kv_transfer_config
             if transfer.kv_load_failure_policy != "recompute":
                 log.info("kvdepot: kv_load_failure_policy %r -> 'recompute'", transfer.kv_load_failure_policy)
                 transfer.kv_load_failure_policy = "recompute"

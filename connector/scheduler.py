@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from kvdepot.connector import vllm_compat
 from kvdepot.connector.config import ConnectorConfig, StorePolicy
 from kvdepot.connector.keys import GroupInfo, RequestKeys
 from kvdepot.connector.metadata import GroupTransfer, KVDepotMetadata, KVDepotWorkerMetadata, TransferJob
@@ -99,6 +100,8 @@ class SchedulerSide:
         self.client = config.client(f"vllm-scheduler-{os.getpid()}")
         events = getattr(vllm_config, "kv_events_config", None)
         self._events_enabled = bool(events and events.enable_kv_cache_events)
+        self._event_types = vllm_compat.kv_event_types() if self._events_enabled else None
+        vllm_compat.check_scheduler_output()
         # Removals are kept for the KV events only (of the first group's blocks).
         self.engines = [
             self.client.register_engine(g.namespace, track_removed=self._events_enabled and i == 0)
@@ -382,11 +385,7 @@ class SchedulerSide:
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         self.kv_cache_manager = kv_cache_manager
-        managers = getattr(getattr(kv_cache_manager, "coordinator", None), "single_type_managers", None)
-        # The per-group managers' own block lists (vLLM 0.32 and 0.33): reading
-        # a few entries there beats copying every block id of the request.
-        if managers is not None and all(hasattr(m, "req_to_blocks") for m in managers):
-            self._block_lists = [managers[g.group_idx].req_to_blocks for g in self.groups]
+        self._block_lists = vllm_compat.manager_block_lists(kv_cache_manager, [g.group_idx for g in self.groups])
 
     def _block_ids_of(self, st: RequestState, start: int, end: int) -> list[list[int]]:
         """GPU block ids [start, end) of each group (fewer where the request has fewer)."""
@@ -437,7 +436,7 @@ class SchedulerSide:
                         keys[pos].append(k)
                         block_ids[pos].append(b)
             if events:
-                runs.append(_stored_run(request, start, end, bs, run_keys))
+                runs.append(_stored_run(request, start, end, bs, run_keys, self._event_types))
             self._set_stored(st, end)
             members.append(st)
         if not members:
@@ -488,7 +487,7 @@ class SchedulerSide:
                 self._loading.pop(k, None)
         if job.is_store and not state.failed:
             for run in state.runs:
-                self._events.append(_stored_event(run, self.block_size))
+                self._events.append(_stored_event(run, self.block_size, self._event_types))
                 self._stored_hashes.update(zip(run.keys, run.block_hashes))
         for req_id in state.req_ids:
             st = self._reqs.get(req_id)
@@ -527,16 +526,15 @@ class SchedulerSide:
 
     def take_events(self) -> list:
         """vLLM KV events, medium CPU: blocks this engine stored, and those the daemon dropped since."""
-        if not self._events_enabled:  # called every step: no import on the way out
+        if not self._events_enabled:
             return []
-        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
-
         events, self._events = self._events, []
         # Hashes are known for the blocks this engine stored; a block another
         # engine stored was never announced by this one, so it is not retracted.
         removed = [self._stored_hashes.pop(k) for k in self.client.take_removed(self.engines[0]) if k in self._stored_hashes]
         if removed:
-            events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM_CPU))
+            types = self._event_types
+            events.append(types.block_removed(block_hashes=removed, medium=types.medium_cpu))
         return events
 
     def reset_cache(self) -> bool:
@@ -577,14 +575,13 @@ def _scheduled_block_ids(scheduler_output):
     for req in scheduler_output.scheduled_new_reqs:
         yield req.req_id, req.block_ids, False
     cached = scheduler_output.scheduled_cached_reqs
-    resumed = getattr(cached, "resumed_req_ids", set())
+    resumed = cached.resumed_req_ids
     for req_id, ids in zip(cached.req_ids, cached.new_block_ids):
         yield req_id, ids, req_id in resumed
 
 
-def _stored_run(request, start: int, end: int, block_size: int, keys: list[bytes]) -> StoredRun:
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
+def _stored_run(request, start: int, end: int, block_size: int, keys: list[bytes], types) -> StoredRun:
+    maybe_convert_block_hash = types.external_hash
     hashes = list(request.block_hashes[start:end]) if len(request.block_hashes) >= end else []
     parent = request.block_hashes[start - 1] if start > 0 and len(request.block_hashes) >= start else None
     lora = request.lora_request
@@ -601,15 +598,13 @@ def _stored_run(request, start: int, end: int, block_size: int, keys: list[bytes
     )
 
 
-def _stored_event(run: StoredRun, block_size: int):
-    from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
-
-    return BlockStored(
+def _stored_event(run: StoredRun, block_size: int, types):
+    return types.block_stored(
         block_hashes=run.block_hashes,
         parent_block_hash=run.parent_hash,
         token_ids=run.token_ids,
         block_size=block_size,
         lora_id=run.lora_id,
-        medium=MEDIUM_CPU,
+        medium=types.medium_cpu,
         lora_name=run.lora_name,
     )

@@ -24,6 +24,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from kvdepot.connector import vllm_compat
 from kvdepot.connector.config import ConnectorConfig
 from kvdepot.connector.keys import GroupInfo
 from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata, TransferJob
@@ -54,15 +55,6 @@ def block_dim(tensor, num_blocks: int, name: str) -> int:
     return max(dims, key=lambda d: tensor.stride(d))
 
 
-def world_rank(vllm_config) -> int:
-    try:
-        from vllm.distributed.parallel_state import get_world_group
-
-        return get_world_group().rank_in_group
-    except Exception:  # no distributed state: a single in-process worker
-        return vllm_config.parallel_config.rank
-
-
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, vllm_config, kv_cache_config, groups: list[GroupInfo]):
         if len(groups) > MAX_GROUPS or max(g.group_idx for g in groups) >= MAX_GROUPS:
@@ -70,7 +62,7 @@ class WorkerSide:
         self.config = config
         self.groups = groups
         self.num_blocks = kv_cache_config.num_blocks
-        self.rank = world_rank(vllm_config)
+        self.rank = vllm_compat.world_rank(vllm_config)
         self.client = config.client(f"vllm-worker-{self.rank}-{os.getpid()}")
         self.workers: dict[int, object] = {}
         self._unsubmitted: list[TransferJob] = []
