@@ -258,7 +258,7 @@ def test_finished_requests_leave_no_bookkeeping_behind(engines, daemon, async_sc
         raise AssertionError("not done after 400 steps")
     assert preempted and aborted, "the test needs a preemption and an abort"
     worker = engine.worker.connector._worker
-    assert (side._reqs, side._store_at, side._jobs, side._loading, side._fences) == ({}, {}, {}, {}, {})
+    assert (side._reqs, side.store.store_at, side._jobs, side.lookup.loading, side.store.fences) == ({}, {}, {}, {}, {})
     assert (worker._inflight, worker._awaiting, worker._unsubmitted) == ({}, {}, [])
     assert totals(daemon).failed_jobs == 0
 
