@@ -76,7 +76,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        # Store jobs read a request's block ids from it when they are needed.
+        # Store planning reads a request's block ids from its per-group lists.
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def on_new_request(self, request) -> None:
@@ -122,7 +122,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads are whole-request and asynchronous: vLLM schedules a request
-        # only after get_finished reported its load.
+        # only after get_transfer_results (or get_finished) reported its load.
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:

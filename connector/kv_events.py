@@ -25,11 +25,8 @@ def events_enabled(vllm_config) -> bool:
 
 @dataclass(eq=False)
 class StoredRun:
-    """Blocks [start, end) of one request inside a store job, for its BlockStored event."""
+    """Blocks of one request inside a store job, for its BlockStored event."""
 
-    req_id: str
-    start: int
-    end: int
     keys: list[bytes]
     block_hashes: list
     parent_hash: object
@@ -61,9 +58,6 @@ class KVEvents:
         parent = hashes[start - 1] if start > 0 and len(hashes) >= start else None
         lora = request.lora_request
         return StoredRun(
-            req_id=request.request_id,
-            start=start,
-            end=end,
             keys=keys,
             block_hashes=run_hashes,
             parent_hash=external_hash(parent) if parent is not None else None,

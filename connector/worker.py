@@ -14,8 +14,8 @@ Per step, in the order vLLM calls it:
 
 Each job becomes one daemon job per KV-cache group. With the shared-memory
 transport (CPU engines) this process copies, in the calling thread: torch
-copies from a second thread deadlocked against vLLM's CPU worker (OpenMP)
-here. With CUDA the daemon copies on its own streams and submit returns at once.
+copies from a second thread deadlock against vLLM's CPU worker (OpenMP).
+With CUDA the daemon copies on its own streams and submit returns at once.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ class WorkerSide:
     def __init__(self, config: ConnectorConfig, vllm_config, kv_cache_config, groups: list[GroupInfo]):
         if len(groups) > MAX_GROUPS or max(g.group_idx for g in groups) >= MAX_GROUPS:
             raise ValueError(f"kvdepot handles at most {MAX_GROUPS} KV-cache groups")
-        self.config = config
         self.groups = groups
         self.num_blocks = kv_cache_config.num_blocks
         self.rank = vllm_compat.world_rank(vllm_config)
