@@ -86,7 +86,7 @@ class BlockIds:
                 if group.window_tokens is not None:
                     ids = st.block_ids[pos]
                     cut = min(len(ids), max(0, (computed - group.window_tokens + 1) // bs))
-                    # Blocks below stored_upto are in a store job already.
+                    # Those below stored_upto are planned: no store reads these ids again.
                     for i in range(st.stored_upto, cut):
                         ids[i] = 0
 

@@ -6,7 +6,7 @@ Rules:
 - Eager mode plans each block in the step that computes its last token's KV;
   lazy mode plans a request's blocks when it finishes or is preempted.
 - Per-step work is proportional to what changed: a running request costs one
-  lookup in a small dict (`_store_at`, the tokens it needs computed before its
+  lookup in a small dict (`store_at`, the tokens it needs computed before its
   next block can be stored) unless it completed a block this step. Its own
   state is not read then: after the forward pass those objects are out of the
   CPU caches, and reading each one costs more than the comparison itself.
