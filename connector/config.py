@@ -52,9 +52,6 @@ class StoreAmount:
             return min(prompt_len, int(self.value))
         return int(math.floor(prompt_len * self.value))
 
-    def __str__(self) -> str:
-        return self.kind if self.kind in ("prompt", "none") else f"{self.kind}={self.value:g}"
-
 
 def parse_store_amount(value: Any) -> StoreAmount:
     """`"prompt"`, `"none"`, an int >= 0 (tokens) or a float in [0, 1] (fraction of the prompt)."""

@@ -14,17 +14,17 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from kvdepot.connector import vllm_compat
+from kvdepot.connector.config import ConnectorConfig
+from kvdepot.connector.keys import offloaded_groups
+from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata
+from kvdepot.connector.vllm_compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     SupportsHMA,
 )
-
-from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.keys import offloaded_groups
-from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata
 
 log = logging.getLogger("kvdepot.connector")
 
@@ -34,7 +34,9 @@ log = logging.getLogger("kvdepot.connector")
 class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
-        config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        vllm_compat.check_version()
+        transfer = vllm_config.kv_transfer_config
+        config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         groups = offloaded_groups(vllm_config, kv_cache_config)
         self._scheduler = None
         self._worker = None
@@ -45,7 +47,6 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             # (evicted meanwhile, daemon gone) must not fail the request, which
             # is what vLLM's default "fail" policy, made for P/D hand-offs, does.
             # The Scheduler reads the policy after creating its connector.
-            transfer = self._kv_transfer_config
             if transfer.kv_load_failure_policy != "recompute":
                 log.info("kvdepot: kv_load_failure_policy %r -> 'recompute'", transfer.kv_load_failure_policy)
                 transfer.kv_load_failure_policy = "recompute"
@@ -75,7 +76,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        # Store jobs read a request's block ids from it when they are needed.
+        # Store planning reads a request's block ids from its per-group lists.
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def on_new_request(self, request) -> None:
@@ -121,7 +122,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads are whole-request and asynchronous: vLLM schedules a request
-        # only after get_finished reported its load.
+        # only after get_transfer_results (or get_finished) reported its load.
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
@@ -132,12 +133,12 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save(_checked(self._get_connector_metadata()))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving, _ = self._worker.get_finished()
+        # No failed set here: failed loads come out of get_block_ids_with_load_errors.
+        sending, recving, _ = self._worker.transfer_results(failed_as_block_ids=True)
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        # A failed load is also finished: vLLM then recomputes its blocks.
-        sending, recving, failed = self._worker.get_finished()
+        sending, recving, failed = self._worker.transfer_results(failed_as_block_ids=False)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvdepot.connector import vllm_compat
 from kvdepot.keys import chain_key, chain_plain
 from kvdepot.proto import kvdepot_pb2 as pb
+
+_extra_keys = vllm_compat.block_hash_extra_keys()
 
 
 class RequestKeys:
@@ -25,14 +28,11 @@ class RequestKeys:
     def __init__(self, request, block_size: int):
         self._request = request
         self._block_size = block_size
+        self._tokens = vllm_compat.request_token_ids(request)
         self._keys: list[bytes] = []
         self._next_mm_index = 0
         # Most requests have no extra keys at all; they skip vLLM's per-block scan.
-        self._plain = not (
-            request.lora_request
-            or getattr(request, "mm_features", None)
-            or getattr(request, "prompt_embeds", None) is not None
-        )
+        self._plain = not vllm_compat.request_has_extra_keys(request)
 
     def upto(self, num_blocks: int) -> list[bytes]:
         """Keys of blocks [0, num_blocks); num_blocks must be whole blocks of the request."""
@@ -48,12 +48,7 @@ class RequestKeys:
         have = len(keys)
         if have >= num_blocks:
             return
-        request, size = self._request, self._block_size
-        # The request's own list: vLLM's all_token_ids wraps it in a
-        # ConstantList whose slicing is a Python call.
-        tokens = getattr(request, "_all_token_ids", None)
-        if tokens is None:
-            tokens = request.all_token_ids
+        request, size, tokens = self._request, self._block_size, self._tokens
         if num_blocks * size > len(tokens):
             raise ValueError(f"request {request.request_id} has no block {num_blocks - 1} yet")
         if self._plain and (have > 0 or not request.cache_salt):
@@ -65,11 +60,7 @@ class RequestKeys:
             if self._plain and (start > 0 or not request.cache_salt):
                 extra = None
             else:
-                from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
-
-                extra, self._next_mm_index = generate_block_hash_extra_keys(
-                    request, start, start + size, self._next_mm_index
-                )
+                extra, self._next_mm_index = _extra_keys(request, start, start + size, self._next_mm_index)
             keys.append(chain_key(keys[-1] if keys else None, tokens[start : start + size], extra))
 
 
@@ -94,13 +85,7 @@ def offloaded_groups(vllm_config, kv_cache_config) -> list[GroupInfo]:
     Raises ValueError for a group kind kvdepot cannot offload (Mamba state,
     cross-attention, ...), rather than offloading a model half-way.
     """
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-        UniformTypeKVCacheSpecs,
-    )
-
+    specs = vllm_compat.kv_cache_spec_types()
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache_dtype = vllm_config.cache_config.cache_dtype
@@ -110,20 +95,20 @@ def offloaded_groups(vllm_config, kv_cache_config) -> list[GroupInfo]:
     groups = []
     for idx, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
+        if isinstance(spec, specs.uniform):
             specs = list(spec.kv_cache_specs.values())
             spec = specs[0]
             if not all(type(s) is type(spec) and s == spec for s in specs):
                 raise ValueError(f"KV-cache group {idx} mixes layer specs; kvdepot needs uniform groups")
         window_blocks = window_tokens = None
-        if isinstance(spec, MLAAttentionSpec):
+        if isinstance(spec, specs.mla):
             kind = "mla"
-        elif isinstance(spec, SlidingWindowSpec):
+        elif isinstance(spec, specs.sliding_window):
             kind = "sliding_window"
             # As vLLM counts a sliding-window hit: the blocks the next token attends to.
             window_blocks = -(-(spec.sliding_window - 1) // spec.block_size)
             window_tokens = spec.sliding_window
-        elif isinstance(spec, FullAttentionSpec):
+        elif isinstance(spec, specs.full):
             kind = "full"
         else:
             raise ValueError(

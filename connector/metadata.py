@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvdepot.connector.vllm_compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass

@@ -9,12 +9,13 @@ Per step, in the order vLLM calls it:
   submitted at the start of the next step, after the sampled tokens' copy,
   and each waits for the compute that wrote its blocks (the client records an
   interprocess event on the current stream at submit).
-- `get_finished` / `build_connector_worker_meta`: report finished jobs.
+- `get_transfer_results` (or `get_finished`), `get_block_ids_with_load_errors`,
+  `build_connector_worker_meta`: report finished and failed jobs.
 
 Each job becomes one daemon job per KV-cache group. With the shared-memory
 transport (CPU engines) this process copies, in the calling thread: torch
-copies from a second thread deadlocked against vLLM's CPU worker (OpenMP)
-here. With CUDA the daemon copies on its own streams and submit returns at once.
+copies from a second thread deadlock against vLLM's CPU worker (OpenMP).
+With CUDA the daemon copies on its own streams and submit returns at once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from kvdepot.connector import vllm_compat
 from kvdepot.connector.config import ConnectorConfig
 from kvdepot.connector.keys import GroupInfo
 from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata, TransferJob
@@ -53,23 +55,13 @@ def block_dim(tensor, num_blocks: int, name: str) -> int:
     return max(dims, key=lambda d: tensor.stride(d))
 
 
-def world_rank(vllm_config) -> int:
-    try:
-        from vllm.distributed.parallel_state import get_world_group
-
-        return get_world_group().rank_in_group
-    except Exception:  # no distributed state: a single in-process worker
-        return vllm_config.parallel_config.rank
-
-
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, vllm_config, kv_cache_config, groups: list[GroupInfo]):
         if len(groups) > MAX_GROUPS or max(g.group_idx for g in groups) >= MAX_GROUPS:
             raise ValueError(f"kvdepot handles at most {MAX_GROUPS} KV-cache groups")
-        self.config = config
         self.groups = groups
         self.num_blocks = kv_cache_config.num_blocks
-        self.rank = world_rank(vllm_config)
+        self.rank = vllm_compat.world_rank(vllm_config)
         self.client = config.client(f"vllm-worker-{self.rank}-{os.getpid()}")
         self.workers: dict[int, object] = {}
         self._unsubmitted: list[TransferJob] = []
@@ -79,7 +71,10 @@ class WorkerSide:
         self._step_meta: KVDepotMetadata | None = None
         self._report = KVDepotWorkerMetadata()
         self._finished_loads: set[str] = set()
-        self._failed_loads: set[str] = set()
+        # Loads that failed and were not reported yet, with their block ids.
+        self._failed_loads: list[TransferJob] = []
+        # GPU blocks of failed loads for get_block_ids_with_load_errors.
+        self._load_error_block_ids: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         for group in self.groups:
@@ -189,26 +184,44 @@ class WorkerSide:
         if not job.is_store:
             self._finished_loads.add(job.req_id)
             if state.failed:
-                # Reported per request (failed_recving): vLLM recomputes the
-                # request. Block ids would not do: with several KV-cache groups
-                # they are not unique, and vLLM refuses them.
-                self._failed_loads.add(job.req_id)
+                self._failed_loads.append(job)
 
-    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
-        """(stores done of finished requests, loads done, loads failed) since the last call."""
+    def transfer_results(self, *, failed_as_block_ids: bool) -> tuple[set[str], set[str], set[str]]:
+        """(stores done of finished requests, loads done, loads failed) since the last call.
+
+        What vLLM's get_transfer_results, get_finished and
+        get_block_ids_with_load_errors answer all comes from here, so that a
+        failed load is reported as failed whichever of them vLLM uses:
+        - Every load that ended is in the loads done, failed or not: that is
+          what releases its request from waiting (vLLM's contract).
+        - A failed load is reported as failed exactly once: per request, in
+          the third set (failed_recving of get_transfer_results); or, with
+          `failed_as_block_ids` (get_finished, which has no failed set), by
+          the GPU block ids it was loading into, which the next
+          get_block_ids_with_load_errors answers. Per request is the way that
+          always works: block ids are only unique within a KV-cache group, so
+          with several groups those are the ids of all of them (more blocks
+          recomputed, never fewer), and vLLM 0.32 and 0.33 refuse block ids for
+          hybrid models (their runners call get_transfer_results).
+        """
         self._collect(self.client.take_finished())
         open_jobs = set(self._inflight) | {j.job_id for j in self._unsubmitted}
         sending = {req_id for req_id, jobs in self._awaiting.items() if not jobs & open_jobs}
         for req_id in sending:
             del self._awaiting[req_id]
         recving, self._finished_loads = self._finished_loads, set()
-        failed, self._failed_loads = self._failed_loads, set()
-        return sending, recving, failed
+        failed_jobs, self._failed_loads = self._failed_loads, []
+        if not failed_as_block_ids:
+            return sending, recving, {job.req_id for job in failed_jobs}
+        for job in failed_jobs:
+            for transfer in job.groups:
+                self._load_error_block_ids.update(transfer.block_ids)
+        return sending, recving, set()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        # Every load is asynchronous and its failure goes out with
-        # get_finished's failed loads (see _job_done).
-        return set()
+        """The GPU blocks of the failed loads that transfer_results reported by block ids."""
+        block_ids, self._load_error_block_ids = self._load_error_block_ids, set()
+        return block_ids
 
     def build_connector_worker_meta(self) -> KVDepotWorkerMetadata | None:
         if not self._report.done:

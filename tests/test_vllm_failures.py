@@ -19,10 +19,14 @@ def stats(daemon):
         return client.connect(10).stats().totals
 
 
-@pytest.mark.parametrize("groups", ["full", "hybrid"])
-def test_a_load_that_fails_is_recomputed(start_daemon, groups):
+@pytest.mark.parametrize(
+    "groups, transfer_api",
+    [("full", "get_transfer_results"), ("hybrid", "get_transfer_results"), ("full", "get_finished")],
+)
+def test_a_load_that_fails_is_reported_failed_and_recomputed(start_daemon, groups, transfer_api):
     daemon = start_daemon(**DAEMON_OPTIONS)
     engine = make_engine(daemon, groups=groups)  # vLLM's default kv_load_failure_policy, "fail"
+    engine.worker.transfer_api = transfer_api
     try:
         # A cache miss must never fail a request: the connector asks for recompute.
         assert engine.scheduler.recompute_kv_load_failures
@@ -32,16 +36,24 @@ def test_a_load_that_fails_is_recomputed(start_daemon, groups):
         engine.reset_gpu_cache()
         engine.add("b", tokens, max_tokens=1)
         planned = engine.scheduler.schedule()
-        assert [job.req_id for job in planned.kv_connector_metadata.loads] == ["b"]
+        (load,) = planned.kv_connector_metadata.loads
+        assert load.req_id == "b"
         # The blocks vanish between the lookup and the load.
         with KVDepotClient(daemon.socket, name="operator") as operator:
             assert operator.connect(10).clear("").cleared_blocks > 0
         kv_output = engine.finish(planned)
-        # Reported for the request; block ids are not unique across KV-cache
-        # groups, and vLLM refuses them for hybrid models.
-        assert kv_output.failed_recving == {"b"}
-        assert kv_output.invalid_block_ids == set()
-        # vLLM computes the whole prompt instead, and the request completes.
+        # Finished either way: that releases the request from its wait.
+        assert kv_output.finished_recving == {"b"}
+        if transfer_api == "get_transfer_results":
+            # Reported for the request, and only so: block ids are not unique
+            # across KV-cache groups, and vLLM refuses them for hybrid models.
+            assert kv_output.failed_recving == {"b"}
+            assert kv_output.invalid_block_ids == set()
+        else:
+            # get_finished has no failed set: the load's GPU blocks say it.
+            assert kv_output.invalid_block_ids == {b for group in load.groups for b in group.block_ids}
+        # vLLM computes the whole prompt instead (it would have started from
+        # block 4 had it taken the empty blocks as loaded), and the request completes.
         assert engine.computed_when_scheduled("b") == 0
         engine.run()
     finally:

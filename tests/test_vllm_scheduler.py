@@ -208,26 +208,63 @@ def test_abort_during_load_keeps_blocks_until_done(engines, daemon):
     assert pool.get_num_free_blocks() == free_before
 
 
+def step_zeroing_load_targets(engine):
+    """One step in which the GPU blocks of each load are zeroed before it runs: what they hold after it came from kvdepot."""
+    import vllm_harness as h
+
+    so = engine.scheduler.schedule()
+    for job in so.kv_connector_metadata.loads:
+        engine.worker.zero_blocks(b for group in job.groups for b in group.block_ids)
+    kv_output, order = engine.worker.execute_model(so)
+    output = h.model_output(engine.worker, so, order, kv_output)
+    return h.StepResult(so, output, engine.scheduler.update_from_output(so, output), kv_output)
+
+
+def run_checking_resumed_loads(engine, max_steps: int = 300):
+    """Runs until done; returns (the steps that preempted a request, {request: blocks it loaded back}).
+
+    When a preempted request is scheduled again, every block it loaded must
+    hold exactly what its first run computed (a known value per layer, token
+    and position), and vLLM must count those blocks as computed: they were
+    zeroed before the load, and nothing wrote them since.
+    """
+    preempting, preempted, loads, loaded = [], set(), {}, {}
+    for _ in range(max_steps):
+        if not engine.scheduler.has_requests() and not engine.side.has_pending_push_work():
+            return preempting, loaded
+        result = step_zeroing_load_targets(engine)
+        so = result.scheduler_output
+        if result.preempted_req_ids:
+            preempting.append(result)
+            preempted |= result.preempted_req_ids
+        loads.update((job.req_id, job) for job in so.kv_connector_metadata.loads if job.req_id in preempted)
+        for req_id in [r for r in loads if r in so.num_scheduled_tokens]:
+            (group,) = loads.pop(req_id).groups
+            worker_state = engine.worker.requests[req_id]
+            for block_id in group.block_ids:
+                index = worker_state.block_ids[0].index(block_id)
+                assert worker_state.num_computed_tokens >= (index + 1) * BLOCK, (req_id, index)
+                assert engine.worker.check_request_tokens(req_id, index * BLOCK, (index + 1) * BLOCK) == [], (req_id, index)
+            loaded[req_id] = loaded.get(req_id, 0) + len(group.block_ids)
+        if not result.scheduled:
+            time.sleep(0.002)  # as Engine.run: let the client's threads in
+    raise AssertionError(f"not done after {max_steps} steps")
+
+
 def test_preemption_flushes_stores_and_resumes_from_them(engines, daemon):
-    # 10 GPU blocks; two requests that grow past what fits force a preemption.
-    engine = engines(num_blocks=10, max_num_seqs=2)
+    # 9 GPU blocks (8 usable): when both requests need a 5th, the first takes
+    # the preempted one's last block, in that very step.
+    engine = engines(num_blocks=9, max_num_seqs=2)
     engine.add("p0", prompt(10, 60), max_tokens=40)
     engine.add("p1", prompt(11, 60), max_tokens=40)
-    flushed_jobs, preempted = [], set()
-    for _ in range(300):
-        if not engine.scheduler.has_requests() and not engine.side.has_pending_push_work():
-            break
-        result = engine.step()
-        meta = result.scheduler_output.kv_connector_metadata
-        if result.preempted_req_ids:
-            preempted |= result.preempted_req_ids
-            flushed_jobs += meta.flush
-    assert preempted, "the test needs a preemption"
-    assert flushed_jobs, "the preempted request's stores were not flushed"
-    stats = totals(daemon)
-    # The resumed request loaded (some of) what was flushed, rather than recomputing it all.
-    assert stats.loaded_blocks > 0
-    assert stats.failed_jobs == 0
+    preempting, loaded = run_checking_resumed_loads(engine)
+    assert preempting, "the test needs a preemption"
+    assert any(result.scheduler_output.kv_connector_metadata.flush for result in preempting), (
+        "the preempted request's stores were not flushed"
+    )
+    # The resumed request loaded what was stored before the preemption, byte for byte.
+    assert sum(loaded.values()) >= 2, loaded
+    assert totals(daemon).failed_jobs == 0
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -258,26 +295,25 @@ def test_finished_requests_leave_no_bookkeeping_behind(engines, daemon, async_sc
         raise AssertionError("not done after 400 steps")
     assert preempted and aborted, "the test needs a preemption and an abort"
     worker = engine.worker.connector._worker
-    assert (side._reqs, side._store_at, side._jobs, side._loading, side._fences) == ({}, {}, {}, {}, {})
+    assert (side._reqs, side.store.store_at, side._jobs, side.lookup.loading, side.store.fences) == ({}, {}, {}, {}, {})
     assert (worker._inflight, worker._awaiting, worker._unsubmitted) == ({}, {}, [])
     assert totals(daemon).failed_jobs == 0
 
 
 def test_lazy_mode_stores_a_preempted_request_before_its_blocks_go(engines, daemon):
-    engine = engines({"mode": "lazy"}, num_blocks=10, max_num_seqs=2)
+    engine = engines({"mode": "lazy"}, num_blocks=9, max_num_seqs=2)
     engine.add("p0", prompt(15, 60), max_tokens=40)
     engine.add("p1", prompt(16, 60), max_tokens=40)
-    for _ in range(300):
-        result = engine.step()
-        if result.preempted_req_ids:
-            meta = result.scheduler_output.kv_connector_metadata
-            # The preempted request's blocks are stored now, and flushed before reuse.
-            assert meta.stores and set(meta.flush) >= {job.job_id for job in meta.stores}
-            assert totals(daemon).stored_blocks >= 3  # its 60-token prompt: 3 whole blocks at least
-            break
-    else:
-        raise AssertionError("the test needs a preemption")
-    engine.run()
+    preempting, loaded = run_checking_resumed_loads(engine)
+    assert preempting, "the test needs a preemption"
+    for result in preempting:
+        meta = result.scheduler_output.kv_connector_metadata
+        # The preempted request's blocks are stored in that very step, and
+        # flushed before vLLM gives them to another request.
+        assert meta.stores and set(meta.flush) >= {job.job_id for job in meta.stores}
+    # What the GPU prefix cache lost of it (the blocks another request took)
+    # comes back byte for byte; stored any later, it would hold that request's KV.
+    assert sum(loaded.values()) >= 2, loaded
     assert totals(daemon).failed_jobs == 0
 
 

@@ -662,6 +662,10 @@ class WorkerSide:
         self.kv_value = kv_value
         self.hook_log: list[str] = []
         self.requests: dict[str, _ReqState] = {}
+        # How the runner collects finished transfers: "get_transfer_results"
+        # (vLLM 0.32's runner) or "get_finished" (the legacy call, which has no
+        # failed set: failures come from get_block_ids_with_load_errors only).
+        self.transfer_api = "get_transfer_results"
 
         # Same call ensure_kv_transfer_initialized() makes in the GPU/CPU worker;
         # a config without kv_transfer_config gives a worker without connector
@@ -953,10 +957,16 @@ class WorkerSide:
                 if start_after_forward:
                     self._call("start_load_kv", get_forward_context())
                 self._call("wait_for_save")
-                results = self._call("get_transfer_results", so.finished_req_ids)
-                out.finished_sending = results.finished_sending
-                out.finished_recving = results.finished_recving
-                out.failed_recving = results.failed_recving
+                if self.transfer_api == "get_finished":
+                    # What the base class's get_transfer_results does for a
+                    # connector that answers get_finished only.
+                    sending, recving = self._call("get_finished", so.finished_req_ids)
+                    out.finished_sending, out.finished_recving = set(sending or ()), set(recving or ())
+                else:
+                    results = self._call("get_transfer_results", so.finished_req_ids)
+                    out.finished_sending = results.finished_sending
+                    out.finished_recving = results.finished_recving
+                    out.failed_recving = results.failed_recving
                 out.invalid_block_ids = self._call("get_block_ids_with_load_errors")
                 out.kv_connector_stats = self._call("get_kv_connector_stats")
                 out.kv_cache_events = self._call("get_kv_connector_kv_cache_events")
