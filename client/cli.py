@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvdepot.defaults import default_socket_path, grpc_target
+from kvdepot.defaults import default_socket_path, grpc_target, read_token
 from kvdepot.errors import KVDepotError, from_rpc_error
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
@@ -148,8 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     token = None
     if args.auth_token_file:
-        with open(args.auth_token_file, encoding="utf-8") as f:
-            token = f.read().strip()
+        try:
+            token = read_token(args.auth_token_file)
+        except ValueError as e:
+            print(f"kvdepot: {e}", file=sys.stderr)
+            return 2
     client = OperatorClient(args.socket or default_socket_path(), token, args.timeout)
     try:
         if args.command == "stats":

@@ -98,7 +98,9 @@ class SocketJobChannel(JobChannel):
 
     kind = "socket"
 
-    def __init__(self, path: str, session_id: str, book: JobBook, timeout: float, on_lost: Callable[[str], None]):
+    def __init__(
+        self, path: str, session_id: str, book: JobBook, timeout: float, on_lost: Callable[[JobChannel, str], None]
+    ):
         self._book = book
         self._timeout = timeout
         self._on_lost = on_lost
@@ -162,7 +164,7 @@ class SocketJobChannel(JobChannel):
         with self._changed:
             if self._closed:
                 return
-        self._on_lost(reason)
+        self._on_lost(self, reason)
 
     def _on_reply(self, reply: pb.JobReply) -> None:
         kind = reply.WhichOneof("kind")

@@ -64,12 +64,16 @@ class JobSocket:
         with self._send_lock:
             self._sock.sendall(JOB_FRAME_HEADER.pack(len(data)) + data)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Shuts the connection and waits for the reader: once this returns, no
+        reply of this connection reaches `on_reply` any more."""
         self._closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def _read_reply(self) -> pb.JobReply | None:
         """The next reply; None when the connection ended. Raises ValueError for a bad frame."""

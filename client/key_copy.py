@@ -6,10 +6,11 @@ answered from the copy without a call (`KVDepotClient.cached_lookup`). The
 copy lags the daemon by a notification: a block it calls ready may be gone by
 the time it is loaded, and that load then fails.
 
-The copies are written by the session's thread under EngineCopies' lock;
-lookups read them without it: a membership test of a set is atomic in
-CPython, and a lookup that sees a copy mid-update sees what a copy one
-notification older would have said.
+The copies are written under EngineCopies' lock (by the session's thread,
+and by a thread that registers an engine); lookups read them without it: a
+membership test of a set is atomic in CPython, and a lookup that sees a copy
+mid-update may count a few keys of that update and not others, which a copy
+between two notifications could say as well.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class EngineCopies:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._engines: dict[int, EngineHandle] = {}
+        # The session whose engine ids _engines holds.
+        self._session_id: str | None = None
         # BlocksChanged for an engine whose RegisterEngine answer is still on
         # its way, by (session, engine id).
         self._early: dict[tuple[str, int], list] = {}
@@ -86,8 +89,16 @@ class EngineCopies:
                 self._early.pop(next(iter(self._early)))
             self._early.setdefault(early, []).append(message)
 
+    def attached(self, session_id: str) -> None:
+        with self._lock:
+            self._session_id = session_id
+
     def registered(self, engine: EngineHandle, session_id: str, engine_id: int, namespace_name: str) -> None:
         with self._lock:
+            if session_id != self._session_id:
+                return  # the answer of a session that has ended: registered again with the next
+            if engine.engine_id is not None:
+                self._engines.pop(engine.engine_id, None)
             engine.engine_id = engine_id
             engine.namespace_name = namespace_name
             self._engines[engine_id] = engine
@@ -98,6 +109,7 @@ class EngineCopies:
     def forget_all(self, engines: list[EngineHandle]) -> None:
         """The session ended: the daemon's blocks are unknown until it sends them again."""
         with self._lock:
+            self._session_id = None
             self._engines.clear()
             self._early.clear()
             for engine in engines:

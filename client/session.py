@@ -115,7 +115,8 @@ class Session:
                     self._register(connection, handle)
         except Unavailable:
             pass  # registered when the daemon is back
-        except KVDepotError:
+        except BaseException:
+            # Refused (or unusable here): it must not fail every later session too.
             with self._lock:
                 handles.remove(handle)
             raise
@@ -190,20 +191,25 @@ class Session:
         return GrpcJobChannel(stub, self._book, self.call_timeout, self._metadata)
 
     def _on_attached(self, stub: pb_grpc.KVDepotStub, started: pb.SessionStarted) -> None:
+        self._copies.attached(started.session_id)
         connection = Connection(
             stub, started.session_id, started.daemon_instance, started.pool, self._job_channel(stub, started)
         )
-        with self._register_lock:
-            with self._lock:
-                handles = [*self._engines, *self._workers]
-            for handle in handles:
-                try:
-                    self._register(connection, handle)
-                except KVDepotError as e:
-                    log.error("registering %s again failed: %s", handle.namespace_name or "a handle", e)
-            with self._changed:
-                self._connection = connection
-                self._changed.notify_all()
+        try:
+            with self._register_lock:
+                with self._lock:
+                    handles = [*self._engines, *self._workers]
+                for handle in handles:
+                    try:
+                        self._register(connection, handle)
+                    except KVDepotError as e:
+                        log.error("registering %s again failed: %s", handle.namespace_name or "a handle", e)
+                with self._changed:
+                    self._connection = connection
+                    self._changed.notify_all()
+        except BaseException:
+            connection.jobs.close()  # its reader must not outlive the attempt
+            raise
         if self._said_gone:
             self.reconnects += 1
             log.warning("reconnected to kvdepotd on %s (instance %s)", self.target, connection.instance)
@@ -227,9 +233,12 @@ class Session:
             log.warning("kvdepotd on %s is not available (%s); offloading is off until it returns", self.target, reason)
             self._said_gone = True
 
-    def _job_socket_lost(self, reason: str) -> None:
+    def _job_socket_lost(self, channel: JobChannel, reason: str) -> None:
         """The job socket closed (or failed a write) under a live session: start
         over, so that no job waits for an end that cannot come."""
+        connection = self._connection
+        if connection is not None and connection.jobs is not channel:
+            return  # a channel of an earlier session
         call = self._stream_call
         if call is not None and not self.closing.is_set():
             log.warning("kvdepotd's job socket closed (%s); reconnecting", reason)

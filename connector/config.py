@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvdepot.defaults import default_socket_path
+from kvdepot.defaults import default_socket_path, read_token
 
 log = logging.getLogger("kvdepot.connector")
 
@@ -124,10 +124,9 @@ class ConnectorConfig:
         if "auth_token_file" in extra:
             path = _string(extra, "auth_token_file")
             try:
-                with open(path) as f:
-                    fields["auth_token"] = f.read().strip()
-            except OSError as e:
-                raise ConfigError(f"kv_connector_extra_config.auth_token_file: cannot read {path}: {e}") from e
+                fields["auth_token"] = read_token(path)
+            except ValueError as e:
+                raise ConfigError(f"kv_connector_extra_config.auth_token_file: {e}") from None
         if "mode" in extra:
             mode = extra["mode"]
             if mode not in MODES:

@@ -96,9 +96,9 @@ def offloaded_groups(vllm_config, kv_cache_config) -> list[GroupInfo]:
     for idx, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if isinstance(spec, specs.uniform):
-            specs = list(spec.kv_cache_specs.values())
-            spec = specs[0]
-            if not all(type(s) is type(spec) and s == spec for s in specs):
+            layer_specs = list(spec.kv_cache_specs.values())
+            spec = layer_specs[0]
+            if not all(type(s) is type(spec) and s == spec for s in layer_specs):
                 raise ValueError(f"KV-cache group {idx} mixes layer specs; kvdepot needs uniform groups")
         window_blocks = window_tokens = None
         if isinstance(spec, specs.mla):

@@ -166,7 +166,7 @@ class SchedulerSide:
 
         if self.lazy:
             self.store.note_computed(scheduler_output, self._reqs)
-        else:
+        elif self.store.store_at:
             ready = self.store.completed_blocks(scheduler_output, self._reqs)
             if ready:
                 self._store_job(ready)
@@ -185,7 +185,7 @@ class SchedulerSide:
     # ------------------------------------------------------------ completion
 
     def update_connector_output(self, connector_output) -> None:
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVDepotWorkerMetadata):
             return
         for job_id, count in meta.done.items():

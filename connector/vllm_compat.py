@@ -156,7 +156,7 @@ def manager_block_lists(kv_cache_manager, group_indices: list[int]) -> list[dict
 
 
 def check_scheduler_output() -> None:
-    """The SchedulerOutput fields the connector reads beyond the obvious ones are there.
+    """The scheduler's fields the connector reads beyond the obvious ones are there.
 
     `scheduled_cached_reqs.resumed_req_ids`: a resumed request's new block ids
     replace its old ones instead of extending them; read as an attribute then.
@@ -165,6 +165,12 @@ def check_scheduler_output() -> None:
     cached = need("vllm.v1.core.sched.output", "CachedRequestData", why)
     if "resumed_req_ids" not in {f.name for f in dataclasses.fields(cached)}:
         raise _missing("CachedRequestData.resumed_req_ids", why)
+    # Without it the workers' reports never reach the scheduler side: no job
+    # would ever finish, and finished requests would keep their blocks.
+    why = "the workers' reports of finished jobs"
+    output = need("vllm.v1.outputs", "KVConnectorOutput", why)
+    if "kv_connector_worker_meta" not in {f.name for f in dataclasses.fields(output)}:
+        raise _missing("KVConnectorOutput.kv_connector_worker_meta", why)
 
 
 # ------------------------------------------------------------ KV events

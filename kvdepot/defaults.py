@@ -9,7 +9,8 @@ import struct
 KEY_BYTES = 32
 
 # The wire protocol version that proto/kvdepot.proto defines.
-PROTOCOL_VERSION = 1
+# Version 2: block keys of kvdepot/keys.py, and NamespaceSpec.key_version required.
+PROTOCOL_VERSION = 2
 
 SOCKET_ENV = "KVDEPOT_SOCKET"
 
@@ -17,6 +18,20 @@ SOCKET_ENV = "KVDEPOT_SOCKET"
 # before each message, and the longest message either side accepts.
 JOB_FRAME_HEADER = struct.Struct("<I")
 MAX_JOB_FRAME_BYTES = 64 << 20
+
+
+def read_token(path: str) -> str:
+    """The auth token in a file; ValueError saying why it cannot be used."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the auth token file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"the auth token file {path} is not UTF-8 text") from None
+    if not token:
+        raise ValueError(f"the auth token file {path} is empty")
+    return token
 
 
 def default_socket_path() -> str:

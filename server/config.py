@@ -8,6 +8,7 @@ import re
 import sys
 from dataclasses import dataclass, field, fields
 
+from kvdepot import defaults
 from kvdepot.defaults import default_socket_path
 
 if sys.version_info >= (3, 11):
@@ -181,8 +182,8 @@ OPTIONS = [
     Option(
         "pin_chunk_bytes",
         "1GiB",
-        "The pool is registered with CUDA in pieces of this size; one DMA copy never crosses "
-        "two of them.",
+        "The pool is registered with CUDA in pieces of this size (rounded down to whole "
+        "slots, at least one); one DMA copy never crosses two of them.",
         size=True,
     ),
 ]
@@ -263,7 +264,8 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> D
     for opt in OPTIONS:
         value = getattr(args, opt.name)
         source = opt.flag
-        if value is None and opt.env in environ:
+        # An empty variable is unset, as in shells' ${VAR:-default}.
+        if value is None and environ.get(opt.env, "") != "":
             value, source = environ[opt.env], opt.env
         if value is None and opt.name in from_file:
             value, source = from_file[opt.name], f"{args.config}: {opt.name}"
@@ -281,15 +283,9 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> D
 
 def read_token(path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise ConfigError(f"cannot read the auth token file {path}: {e.strerror}") from e
-    except UnicodeDecodeError:
-        raise ConfigError(f"the auth token file {path} is not UTF-8 text") from None
-    if not token:
-        raise ConfigError(f"the auth token file {path} is empty")
-    return token
+        return defaults.read_token(path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _convert(opt: Option, value, source: str):
@@ -322,11 +318,10 @@ def _check(config: DaemonConfig) -> None:
         raise ConfigError(f"copy_chunk_bytes must be a power of two of at least 64, not {chunk}")
     if config.copy_programs < 0:
         raise ConfigError("copy_programs must be 0 (automatic) or more")
-    for name in ("staging_bytes", "pin_chunk_bytes"):
-        if getattr(config, name) < config.slot_size:
-            raise ConfigError(
-                f"{name} ({getattr(config, name)}) must hold at least one pool slot ({config.slot_size} bytes)"
-            )
+    if config.copy_mode == "dma" and config.pin != "off" and config.staging_bytes < config.slot_size:
+        raise ConfigError(
+            f"staging_bytes ({config.staging_bytes}) must hold at least one pool slot ({config.slot_size} bytes)"
+        )
 
 
 def describe(config: DaemonConfig) -> dict:

@@ -67,7 +67,6 @@ class Job:
     slots: list[int]
     # The transport's own state for the job (its prepare_job's answer).
     transport_state: object = None
-    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass(eq=False)
@@ -363,7 +362,8 @@ class Depot:
                 slot = self.index.finish_store(block, worker.rank, ok, release_slot=not writer_may_live)
                 if slot is not None:
                     held.append(slot)
-            self.quarantine.hold(session.pid, held)
+            if held:
+                self.quarantine.hold(session.pid, held)
             if ok:
                 self._count(session, worker.ns, stored_blocks=n, stored_bytes=nbytes)
             self.store_clock.stop()

@@ -36,8 +36,9 @@ class Outbox:
 
     def job_done(self, job_id: int, ok: bool, error: str) -> None:
         done = pb.JobDone(job_id=job_id, ok=ok, error=error)
-        if self.has_job_channel():
-            self.job_channel.send_done(done)
+        channel = self.job_channel
+        if channel is not None and channel.open:
+            channel.send_done(done)
         else:
             self.stream.put_nowait(pb.Notification(job_done=done))
 

@@ -78,6 +78,7 @@ def test_the_copy_follows_the_daemons_changes_and_answers_lookups():
     copies = EngineCopies()
     engine = EngineHandle(pb.NamespaceSpec(model="m"), track_removed=True)
     a, b, c, d = (bytes([i]) * 32 for i in range(4))
+    copies.attached("s1")
     # The registration's snapshot may come before its answer.
     copies.note("s1", changed(7, ready=[a], storing=[b]))
     copies.registered(engine, "s1", 7, "m:...")
@@ -99,3 +100,18 @@ def test_changes_for_registrations_that_never_answer_are_bounded():
     for engine_id in range(100):
         copies.note("s1", changed(engine_id, ready=[bytes(32)]))
     assert len(copies._early) == MAX_EARLY_ENGINES
+
+
+def test_an_answer_of_an_ended_session_registers_nothing_and_ids_are_not_misrouted():
+    copies = EngineCopies()
+    mine, other = EngineHandle(pb.NamespaceSpec(model="m")), EngineHandle(pb.NamespaceSpec(model="n"))
+    copies.attached("s1")
+    copies.registered(mine, "s1", 1, "m")
+    copies.forget_all([mine, other])
+    # The daemon restarted: engine ids start again, and a late answer of s1 comes in.
+    copies.attached("s2")
+    copies.registered(mine, "s1", 1, "m")
+    assert mine.engine_id is None
+    copies.registered(other, "s2", 1, "n")
+    copies.note("s2", changed(1, ready=[bytes(32)]))
+    assert other.ready == {bytes(32)} and mine.ready == set()

@@ -83,7 +83,7 @@ def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_daemon, c
         (["--auth-token-file", "EMPTY"], "is empty"),
         (["--copy-chunk-bytes", "1000"], "copy_chunk_bytes must be a power of two"),
         (["--copy-mode", "pio"], "invalid choice: 'pio'"),
-        (["--staging-bytes", "1KiB"], "staging_bytes (1024) must hold at least one pool slot"),
+        (["--pin", "auto", "--staging-bytes", "1KiB"], "staging_bytes (1024) must hold at least one pool slot"),
     ],
 )
 def test_bad_configuration_is_refused_with_a_clear_message(tmp_path, args, message):
@@ -113,6 +113,10 @@ def test_configuration_from_toml_and_environment(tmp_path):
     assert config.copy_mode == "kernel"
     assert (config.staging_bytes, config.spin_bytes, config.pin_chunk_bytes) == (128 << 20, 1 << 20, 4 << 20)
     assert config.copy_chunk_bytes == 16384 and config.copy_programs == 0  # defaults
+    # An empty variable counts as unset; staging is only checked where it is used.
+    config = load_config(["--pin", "off", "--slot-size", "512MiB", "--pool-size", "1GiB"],
+                         environ={"KVDEPOT_STAGING_BYTES": "", "KVDEPOT_SPIN_BYTES": ""})
+    assert (config.staging_bytes, config.spin_bytes) == (256 << 20, 64 << 20)
     config_file.write_text('pool_sise = "2GiB"\n')
     with pytest.raises(ValueError, match="unknown option\\(s\\) pool_sise"):
         load_config(["--config", str(config_file)], environ={})
@@ -187,3 +191,25 @@ def test_defaults_alone_give_a_working_daemon_that_tells_systemd_it_is_ready(tmp
         if proc.poll() is None:
             proc.kill()
         notify.close()
+
+
+def test_a_client_of_the_previous_protocol_is_refused_with_a_reason(daemon):
+    import grpc
+
+    from kvdepot.proto import kvdepot_pb2 as pb
+    from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
+
+    # Version 1 clients computed other keys and send no key_version.
+    with grpc.insecure_channel("unix:" + daemon.socket) as channel:
+        stream = pb_grpc.KVDepotStub(channel).Attach(pb.AttachRequest(client_name="old", protocol_version=1))
+        with pytest.raises(grpc.RpcError) as info:
+            next(stream)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "speaks protocol version 2, the client 1" in info.value.details()
+
+
+def test_the_cli_reports_a_bad_token_file_without_a_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kvdepot.client.cli", "--auth-token-file", str(tmp_path / "none"),
+                           "health"], capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert proc.returncode == 2
+    assert "cannot read the auth token file" in proc.stderr and "Traceback" not in proc.stderr

@@ -16,6 +16,7 @@ import torch
 
 from kvdepot import errors
 from kvdepot.client.tensors import tensor_layout, tensor_spec
+from kvdepot.defaults import PROTOCOL_VERSION
 from kvdepot.keys import KEY_VERSION, block_keys
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.depot import Depot
@@ -125,7 +126,7 @@ def notifications(session) -> list:
 
 def test_a_store_then_a_load_moves_the_exact_bytes_and_tells_the_client(depot):
     depot, transport = depot
-    session = depot.attach("c", os.getpid(), 1)
+    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
     w, memory = worker(depot, transport, session, "mem0")
     engine_id, _ = depot.register_engine(session.id, namespace())
     ks = keys(4, prompt=1)
@@ -142,7 +143,7 @@ def test_a_store_then_a_load_moves_the_exact_bytes_and_tells_the_client(depot):
 
 def test_a_store_is_invisible_until_it_commits_and_a_failed_one_never_shows(depot):
     depot, transport = depot
-    session = depot.attach("c", os.getpid(), 1)
+    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
     w, _ = worker(depot, transport, session, "mem0")
     engine_id, _ = depot.register_engine(session.id, namespace())
     notifications(session)
@@ -166,7 +167,7 @@ def test_a_store_is_invisible_until_it_commits_and_a_failed_one_never_shows(depo
 
 def test_pinned_blocks_are_never_evicted(depot):
     depot, transport = depot
-    session = depot.attach("c", os.getpid(), 1)
+    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
     w, memory = worker(depot, transport, session, "mem0")
     engine_id, _ = depot.register_engine(session.id, namespace())
     old = keys(16, prompt=3)
@@ -186,8 +187,8 @@ def test_pinned_blocks_are_never_evicted(depot):
 
 def test_a_block_is_served_only_once_every_tp_rank_stored_its_shard(depot):
     depot, transport = depot
-    a = depot.attach("rank0", os.getpid(), 1)
-    b = depot.attach("rank1", os.getpid(), 1)
+    a = depot.attach("rank0", os.getpid(), PROTOCOL_VERSION)
+    b = depot.attach("rank1", os.getpid(), PROTOCOL_VERSION)
     w0, m0 = worker(depot, transport, a, "gpu0", rank=0, tp_size=2)
     w1, m1 = worker(depot, transport, b, "gpu1", rank=1, tp_size=2)
     engine_id, _ = depot.register_engine(a.id, namespace(tp_size=2))
@@ -208,8 +209,8 @@ def test_a_block_is_served_only_once_every_tp_rank_stored_its_shard(depot):
 
 def test_a_session_that_ends_mid_job_releases_everything_and_others_go_on(depot):
     depot, transport = depot
-    gone = depot.attach("gone", os.getpid(), 1)
-    stays = depot.attach("stays", os.getpid(), 1)
+    gone = depot.attach("gone", os.getpid(), PROTOCOL_VERSION)
+    stays = depot.attach("stays", os.getpid(), PROTOCOL_VERSION)
     w, _ = worker(depot, transport, gone, "mem0")
     other, _ = worker(depot, transport, stays, "mem1")
     engine_id, _ = depot.register_engine(stays.id, namespace())
@@ -239,7 +240,7 @@ def test_slots_a_live_writer_may_still_touch_stay_out_of_use_until_it_exits(tmp_
     depot.add_transport(SharedMemoryTransport(depot.finish_job))
     writer = subprocess.Popen(["sleep", "60"])
     try:
-        session = depot.attach("writer", writer.pid, 1)
+        session = depot.attach("writer", writer.pid, PROTOCOL_VERSION)
         w, _ = worker(depot, InProcessTransport(depot.finish_job, pool), session, "mem0")
         response = store(depot, session, w, 1, keys(4, prompt=8), [0, 1, 2, 3])
         depot.end_session(session)
@@ -259,7 +260,7 @@ def test_a_client_that_completes_its_own_jobs_and_one_that_may_not(tmp_path):
     pool = HostPool(size=16 * SLOT, slot_bytes=SLOT, directory=str(tmp_path), name="c", pin="off")
     depot = Depot(pool, "lru", "i", "v")
     depot.add_transport(SharedMemoryTransport(depot.finish_job))
-    session = depot.attach("c", os.getpid(), 1)
+    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
     w, _ = worker(depot, InProcessTransport(depot.finish_job, pool), session, "mem0")
     engine_id, _ = depot.register_engine(session.id, namespace())
     ks = keys(2, prompt=9)
@@ -279,7 +280,7 @@ def test_a_client_that_completes_its_own_jobs_and_one_that_may_not(tmp_path):
 
 def test_jobs_copied_by_the_daemon_cannot_be_completed_by_the_client(depot):
     depot, transport = depot
-    session = depot.attach("c", os.getpid(), 1)
+    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
     w, _ = worker(depot, transport, session, "mem0")
     transport.hold = True
     store(depot, session, w, 1, keys(2, prompt=10), [0, 1])
@@ -290,7 +291,7 @@ def test_jobs_copied_by_the_daemon_cannot_be_completed_by_the_client(depot):
 
 def test_draining_refuses_new_jobs_and_waits_for_those_in_flight(depot):
     depot, transport = depot
-    session = depot.attach("c", os.getpid(), 1)
+    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
     w, _ = worker(depot, transport, session, "mem0")
     transport.hold = True
     store(depot, session, w, 1, keys(2, prompt=11), [0, 1])
@@ -304,4 +305,4 @@ def test_draining_refuses_new_jobs_and_waits_for_those_in_flight(depot):
 
     assert asyncio.run(drain_while_the_job_runs())
     with pytest.raises(errors.Unavailable):
-        depot.attach("late", os.getpid(), 1)
+        depot.attach("late", os.getpid(), PROTOCOL_VERSION)

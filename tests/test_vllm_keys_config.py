@@ -127,3 +127,24 @@ def test_module_path_loads_in_a_fresh_process():
         cwd=os.path.expanduser("~"),
     )
     assert done.returncode == 0 and "KVDepotConnector" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_group_of_uniform_layer_specs_is_offloaded_as_its_layers_kind():
+    # vLLM groups layers of one kind with different sizes as UniformTypeKVCacheSpecs.
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, UniformTypeKVCacheSpecs
+
+    from kvdepot.connector.keys import offloaded_groups
+
+    layer = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    group = KVCacheGroupSpec(["l0", "l1"], UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l0": layer, "l1": layer}))
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model="m", revision=None, dtype=torch.bfloat16),
+        parallel_config=SimpleNamespace(world_size=1, tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        device_config=SimpleNamespace(device_type="cpu"),
+    )
+    [info] = offloaded_groups(vllm_config, SimpleNamespace(kv_cache_groups=[group]))
+    assert info.kind == "full" and info.block_size == 16 and info.layer_names == ("l0", "l1")
