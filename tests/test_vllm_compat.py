@@ -8,20 +8,26 @@ import logging
 import pytest
 from vllm_engine import DAEMON_OPTIONS, make_engine
 
-from kvdepot.connector import vllm_compat
-
 pytestmark = pytest.mark.vllm
 
 
+@pytest.fixture
+def vllm_compat():
+    # Imported here, not at collection: it imports vLLM, which `pytest -m cuda` on a GPU machine lacks.
+    from kvdepot.connector import vllm_compat
+
+    return vllm_compat
+
+
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.33.2.dev14+g1234abc"])
-def test_supported_versions_start_quietly(version, caplog):
+def test_supported_versions_start_quietly(version, caplog, vllm_compat):
     with caplog.at_level(logging.WARNING, logger="kvdepot.connector"):
         assert vllm_compat.check_version(version)
     assert not caplog.records
 
 
 @pytest.mark.parametrize("version", ["0.31.4", "0.34.0", "1.0.0", "unknown"])
-def test_other_versions_get_a_warning_naming_the_supported_ones(version, caplog):
+def test_other_versions_get_a_warning_naming_the_supported_ones(version, caplog, vllm_compat):
     with caplog.at_level(logging.WARNING, logger="kvdepot.connector"):
         assert not vllm_compat.check_version(version)
     (record,) = caplog.records
@@ -40,7 +46,7 @@ def test_the_connector_checks_the_version_when_it_is_made(start_daemon, monkeypa
     assert len(warnings) == 2 and "vLLM 0.32 and 0.33" in warnings[0].getMessage()
 
 
-def test_a_missing_internal_stops_the_engine_at_start_up(start_daemon, monkeypatch):
+def test_a_missing_internal_stops_the_engine_at_start_up(start_daemon, monkeypatch, vllm_compat):
     import vllm.v1.core.kv_cache_utils as kv_cache_utils
 
     # KV events publish vLLM's own block hashes, converted as vLLM converts them.
@@ -52,7 +58,7 @@ def test_a_missing_internal_stops_the_engine_at_start_up(start_daemon, monkeypat
     make_engine(daemon).close()
 
 
-def test_a_missing_scheduler_output_field_stops_the_engine_at_start_up(start_daemon, monkeypatch):
+def test_a_missing_scheduler_output_field_stops_the_engine_at_start_up(start_daemon, monkeypatch, vllm_compat):
     import dataclasses
 
     from vllm.v1.core.sched import output
