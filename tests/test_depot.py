@@ -103,6 +103,12 @@ def worker(depot, transport, session, device: str, rank: int = 0, tp_size: int =
     return depot.register_worker(request), memory
 
 
+def attached_worker(depot, transport):
+    """A session with one worker, for the tests that need nothing else."""
+    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
+    return session, worker(depot, transport, session, "mem0")[0]
+
+
 def keys(n: int, prompt: int) -> list[bytes]:
     return block_keys([prompt] * (16 * n), 16)
 
@@ -143,8 +149,7 @@ def test_a_store_then_a_load_moves_the_exact_bytes_and_tells_the_client(depot):
 
 def test_a_store_is_invisible_until_it_commits_and_a_failed_one_never_shows(depot):
     depot, transport = depot
-    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
-    w, _ = worker(depot, transport, session, "mem0")
+    session, w = attached_worker(depot, transport)
     engine_id, _ = depot.register_engine(session.id, namespace())
     notifications(session)
     transport.hold = True
@@ -280,8 +285,7 @@ def test_a_client_that_completes_its_own_jobs_and_one_that_may_not(tmp_path):
 
 def test_jobs_copied_by_the_daemon_cannot_be_completed_by_the_client(depot):
     depot, transport = depot
-    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
-    w, _ = worker(depot, transport, session, "mem0")
+    session, w = attached_worker(depot, transport)
     transport.hold = True
     store(depot, session, w, 1, keys(2, prompt=10), [0, 1])
     with pytest.raises(errors.FailedPrecondition, match="copied by the daemon"):
@@ -291,8 +295,7 @@ def test_jobs_copied_by_the_daemon_cannot_be_completed_by_the_client(depot):
 
 def test_draining_refuses_new_jobs_and_waits_for_those_in_flight(depot):
     depot, transport = depot
-    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
-    w, _ = worker(depot, transport, session, "mem0")
+    session, w = attached_worker(depot, transport)
     transport.hold = True
     store(depot, session, w, 1, keys(2, prompt=11), [0, 1])
 
