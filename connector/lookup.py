@@ -4,8 +4,10 @@ Rules:
 - A lookup never waits for the daemon: the daemon keeps this process's copy
   of each namespace's ready and storing keys up to date (BlocksChanged), and
   lookups are answered from it. Their counts reach the daemon's stats once a
-  second, from a thread; a request's lookup counts once, however many steps
-  it waits.
+  second, from a thread. A lookup counts when vLLM schedules its request, with
+  the blocks vLLM accepted as hits: a request that waits (for blocks being
+  stored or loaded, or for KV space) is looked up again every step, and counts
+  once.
 - A hit counts whole blocks only, starts after the GPU prefix-cache hit, and
   never covers the last prompt token (vLLM must compute one for logits).
 - A hit needs every offloaded group; a sliding-window group needs only the
@@ -111,13 +113,7 @@ class Lookup:
         hit, not_yet, available = self._lookup(keys, start)
         if not available:
             return self._answer(st, 0)
-        if st.deferred_since is None:  # once per request, not once per step it waits
-            self.counters["lookups"] += 1
-            with self._report_lock:
-                report = self._report
-                report["lookups"] += 1
-                report["hit_blocks"] += hit - start
-                report["miss_blocks"] += max_blocks - hit
+        st.looked_up = max_blocks - start
         if not_yet and not self._waited_too_long(st):
             # The next blocks are being stored: wait for them rather than compute them again.
             return self._defer(st)
@@ -141,6 +137,17 @@ class Lookup:
         st.deferred_since = None
         self.counters["hit_tokens"] += tokens
         return tokens, tokens > 0
+
+    def scheduled(self, st: RequestState, num_external_tokens: int) -> None:
+        """vLLM scheduled the request with this many tokens from kvdepot: its lookup counts now."""
+        looked_up, st.looked_up = st.looked_up, None
+        hit = num_external_tokens // self.block_size
+        self.counters["lookups"] += 1
+        with self._report_lock:
+            report = self._report
+            report["lookups"] += 1
+            report["hit_blocks"] += hit
+            report["miss_blocks"] += looked_up - hit
 
     # ------------------------------------------------------------ the load that follows a hit
 

@@ -108,9 +108,14 @@ class SchedulerSide:
     # ------------------------------------------------------------ loads
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        # vLLM calls this for every request it schedules from the waiting queue.
+        st = self._reqs.get(request.request_id)
+        if st is not None and st.looked_up is not None:
+            self.lookup.scheduled(st, num_external_tokens)
         if num_external_tokens == 0:
             return
-        st = self._state(request)
+        if st is None:
+            st = self._state(request)
         transfers, keys, end = self.lookup.plan_load(st, blocks, num_external_tokens)
         if self.store.fences:
             # A block a window freed may come back as a load target in the step

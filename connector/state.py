@@ -8,7 +8,8 @@ Rules:
 - A job's record lives until every worker reported the job: `pending` counts
   the workers that have not.
 - `block_ids` is written by block_ids.py only; `limit_blocks` and
-  `stored_upto` by store_plan.py only; `deferred_since` by lookup.py only.
+  `stored_upto` by store_plan.py only; `deferred_since` and `looked_up` by
+  lookup.py only.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class RequestState:
     num_local: int = 0
     jobs: set[int] = field(default_factory=set)
     deferred_since: float | None = None
+    # Blocks past the GPU prefix hit that the last lookup asked about, until
+    # vLLM schedules the request and the lookup counts (lookup.py).
+    looked_up: int | None = None
     finished: bool = False
 
 

@@ -455,3 +455,25 @@ def test_store_events_and_removal_events(engines, daemon):
         removed = [e for e in publisher.events if isinstance(e, BlockRemoved) and e.medium == "CPU"]
         time.sleep(0.05)
     assert removed and sorted(removed[0].block_hashes) == sorted(expected)
+
+
+def test_requests_that_wait_for_kv_space_count_one_lookup_each(engines, daemon):
+    prompts = [prompt(300 + i, 5 * BLOCK + 3) for i in range(6)]  # 5 whole blocks each
+    writer = engines()
+    for i, tokens in enumerate(prompts):
+        writer.add(f"w{i}", tokens, max_tokens=2)
+    writer.run()
+    assert totals(daemon).stored_blocks == 30
+    # Room for two requests at a time: the others wait for KV space, and vLLM
+    # asks the connector again at every step they wait.
+    reader = engines(num_blocks=14)
+    for i, tokens in enumerate(prompts):
+        reader.add(f"r{i}", tokens, max_tokens=2)
+    reader.run()
+    writer.close()
+    reader.close()  # sends the lookup counts it has not reported yet
+    stats = totals(daemon)
+    assert stats.loaded_blocks == 30
+    assert stats.lookups == 12  # six requests in each engine, once each
+    assert stats.hit_blocks == stats.loaded_blocks
+    assert stats.miss_blocks == 30  # the writer's
