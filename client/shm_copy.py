@@ -78,6 +78,10 @@ class BlockCopier:
             self._plan_pool, self._plan_views = pool, plan
         return self._plan_views
 
+    # Copies run in inference mode whichever mode the caller is in: vLLM runs
+    # its steps in inference mode, so views made there are inference tensors,
+    # which an in-place copy outside it refuses (a flush at shutdown, say).
+    @torch.inference_mode()
     def to_slots(self, pool: MappedPool, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         if not block_ids:
             return
@@ -86,6 +90,7 @@ class BlockCopier:
         for view, pool_view, offset, width in self._plan(pool):
             pool_view[slot_index, offset : offset + width] = view[blocks].reshape(len(block_ids), width)
 
+    @torch.inference_mode()
     def from_slots(self, pool: MappedPool, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         if not block_ids:
             return

@@ -95,6 +95,25 @@ def test_a_new_engine_process_gets_the_blocks_of_one_that_exited(model, prompts,
     assert totals(daemon).loaded_blocks > loaded_before
 
 
+def test_a_run_whose_last_step_completes_a_block_leaves_it_stored_at_exit(model, prompts, start_daemon, tmp_path):
+    # 200 prompt tokens and 25 generated: the last step computes token 224's
+    # KV and completes block 7, whose store is still queued when the process
+    # exits (the worker flushes it at shutdown, outside vLLM's steps).
+    daemon = start_daemon(**DAEMON_OPTIONS)
+    first = generate(model, prompts, tmp_path / "first", "--max-tokens", "25", *with_kvdepot(daemon))
+    log = (tmp_path / "first" / "vllm.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+    stats = totals(daemon)
+    assert stats.failed_jobs == 0
+    assert stats.stored_blocks == 2 + 4 * 5  # 7 whole blocks a sequence, the first 2 shared
+    # A second process continues each conversation: all 7 blocks load.
+    longer = tmp_path / "longer.json"
+    prompt_list = json.loads(prompts.read_text())
+    longer.write_text(json.dumps([p + out for p, out in zip(prompt_list, first["rounds"][0]["outputs"])]))
+    second = generate(model, longer, tmp_path / "second", "--max-tokens", "1", *with_kvdepot(daemon))
+    assert second["rounds"][0]["num_cached_tokens"] == [7 * 32] * 4
+
+
 def test_killing_the_daemon_mid_run_changes_no_output(model, prompts, baseline, start_daemon, tmp_path):
     daemon = start_daemon(**DAEMON_OPTIONS)
     pid_file = tmp_path / "daemon.pid"
