@@ -2,8 +2,8 @@
 
 One background thread holds the session's Attach stream: it files the stream's
 JobDone in the JobBook and its BlocksChanged in the engines' key copies. When
-the daemon goes away it fails the jobs in flight, logs it once, and
-reconnects with backoff; once attached again it registers every engine and
+the daemon goes away it fails the jobs in flight, has the process say so once
+(announce.py), and reconnects with backoff; once attached again it registers every engine and
 worker again by itself, so callers keep their handles across daemon restarts.
 
 Locks (see client.py for the whole client's rule): `_lock` guards the
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvdepot.client import announce
 from kvdepot.client.job_channel import GrpcJobChannel, JobChannel, SocketJobChannel
 from kvdepot.client.jobs import JobBook
 from kvdepot.client.key_copy import EngineCopies, EngineHandle
@@ -77,8 +78,9 @@ class Session:
         self._engines: list[EngineHandle] = []
         self._workers: list[WorkerHandle] = []
         self._stream_call = None
-        self._said_gone = False
-        self._said_no_job_socket = False
+        # Why the job socket was lost, when that is why the stream was cancelled.
+        self._lost_reason: str | None = None
+        self._was_attached = False
         self._thread = threading.Thread(target=self._stream_loop, name="kvdepot-client", daemon=True)
         self._thread.start()
 
@@ -160,7 +162,7 @@ class Session:
                     elif kind == "blocks_changed":
                         self._copies.note(session_id, notification.blocks_changed)
             except grpc.RpcError as e:
-                reason = f"{e.code().name}: {e.details()}"
+                reason = _why(e)
                 if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
                     log.error("kvdepotd refused this client: %s", e.details())
             except StopIteration:
@@ -170,6 +172,7 @@ class Session:
                 reason = "the client's stream thread failed"
             finally:
                 self._stream_call = None
+                reason, self._lost_reason = self._lost_reason or reason, None
                 self._on_detached(reason)
                 channel.close()
             if self.closing.wait(delay * random.uniform(0.5, 1.0)):
@@ -183,11 +186,7 @@ class Session:
                     started.job_socket, started.session_id, self._book, self.call_timeout, self._job_socket_lost
                 )
             except OSError as e:
-                if not self._said_no_job_socket:
-                    log.warning(
-                        "cannot open kvdepotd's job socket %s (%s): jobs go through gRPC calls", started.job_socket, e
-                    )
-                    self._said_no_job_socket = True
+                announce.no_job_socket(self.target, started.job_socket, e)
         return GrpcJobChannel(stub, self._book, self.call_timeout, self._metadata)
 
     def _on_attached(self, stub: pb_grpc.KVDepotStub, started: pb.SessionStarted) -> None:
@@ -210,12 +209,10 @@ class Session:
         except BaseException:
             connection.jobs.close()  # its reader must not outlive the attempt
             raise
-        if self._said_gone:
+        if self._was_attached:
             self.reconnects += 1
-            log.warning("reconnected to kvdepotd on %s (instance %s)", self.target, connection.instance)
-            self._said_gone = False
-        else:
-            log.info("attached to kvdepotd on %s (instance %s)", self.target, connection.instance)
+        self._was_attached = True
+        announce.attached(self.target, connection.instance)
 
     def _on_detached(self, reason: str) -> None:
         with self._changed:
@@ -229,9 +226,8 @@ class Session:
         self._copies.forget_all(engines)
         closing = self.closing.is_set()
         self._book.fail_all("the client was closed during the job" if closing else "kvdepotd went away during the job")
-        if (connection is not None or not self._said_gone) and not closing:
-            log.warning("kvdepotd on %s is not available (%s); offloading is off until it returns", self.target, reason)
-            self._said_gone = True
+        if not closing:
+            announce.unavailable(self.target, reason)
 
     def _job_socket_lost(self, channel: JobChannel, reason: str) -> None:
         """The job socket closed (or failed a write) under a live session: start
@@ -241,5 +237,18 @@ class Session:
             return  # a channel of an earlier session
         call = self._stream_call
         if call is not None and not self.closing.is_set():
-            log.warning("kvdepotd's job socket closed (%s); reconnecting", reason)
+            # The outage's warning gives this reason, not the cancellation's.
+            self._lost_reason = reason
             call.cancel()
+
+
+def _why(error: grpc.RpcError) -> str:
+    """What a failed stream says about the daemon, in words an operator reads."""
+    code, details = error.code(), error.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if "No such file" in details or "Connection refused" in details:
+            return "nothing listens on its socket"
+        return f"the connection failed: {details}"
+    if code == grpc.StatusCode.CANCELLED:
+        return "the connection was closed"
+    return f"{code.name}: {details}"

@@ -159,8 +159,8 @@ class ConnectorConfig:
         from kvdepot.client import KVDepotClient
 
         client = KVDepotClient(self.socket, name=name, auth_token=self.auth_token, call_timeout=self.call_timeout_s)
-        if not client.wait_connected(self.connect_timeout_s):
-            log.warning("kvdepotd is not answering on %s; the engine runs without offloading until it does", self.socket)
+        # Without the daemon the client has said so (once per process), and attaches when it can.
+        client.wait_connected(self.connect_timeout_s)
         return client
 
     def policy_for(self, request_id: str, prompt_len: int, params: Mapping[str, Any] | None) -> StorePolicy:

@@ -34,6 +34,7 @@ log = logging.getLogger("kvdepot.connector")
 class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
+        vllm_compat.use_vllm_logging()
         vllm_compat.check_version()
         transfer = vllm_config.kv_transfer_config
         config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)

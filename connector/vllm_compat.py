@@ -68,6 +68,27 @@ def check_version(version: str | None = None) -> bool:
     return False
 
 
+# ------------------------------------------------------------ logging
+
+
+def use_vllm_logging() -> None:
+    """kvdepot's log lines in a vLLM process go out like vLLM's own: its handler
+    (format, process name and pid, stream) and its level (VLLM_LOGGING_LEVEL).
+
+    Left alone where the application configured logging itself (handlers on
+    the root or the `kvdepot` logger: records reach those already) or vLLM
+    configures none (VLLM_CONFIGURE_LOGGING=0). Without it, Python prints
+    kvdepot's warnings as bare lines and drops its INFO lines. Called when a
+    connector is made, after vLLM has configured its logging.
+    """
+    ours, theirs = logging.getLogger("kvdepot"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+
+
 # ------------------------------------------------------------ connector interface
 
 _BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"

@@ -8,6 +8,7 @@ the daemon's counters show where the KV came from.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -129,6 +130,45 @@ def test_killing_the_daemon_mid_run_changes_no_output(model, prompts, baseline, 
     # the others were computed.
     assert second["num_cached_tokens"][0] == 192
     assert daemon.proc.wait(10) != 0
+
+
+def test_one_daemon_outage_reads_as_one_warning_in_vllms_format(model, prompts, baseline, start_daemon, tmp_path):
+    daemon = start_daemon(**DAEMON_OPTIONS)
+    workdir, pause = tmp_path / "run", tmp_path / "pause"
+    workdir.mkdir()
+    out = workdir / "out.json"
+    argv = [sys.executable, GENERATE, "--model", model, "--prompts", str(prompts), "--out", str(out),
+            "--max-tokens", str(MAX_TOKENS), "--pause-dir", str(pause), "--pause-after-requests", "2",
+            *with_kvdepot(daemon)]
+    # An in-process engine: the scheduler's and the worker's clients share one process.
+    proc = subprocess.Popen(argv, env=vllm_env(workdir, base=subprocess_env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (pause / "paused-2").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach its pause"
+            time.sleep(0.1)
+        daemon.kill()
+        time.sleep(1.0)  # both clients notice
+        daemon.start()
+        time.sleep(4.0)  # and reconnect (backoff at most 2 s)
+        (pause / "resume-2").touch()
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-4000:]
+    assert json.loads(out.read_text())["rounds"][0]["outputs"] == baseline
+    lines = output.splitlines()
+    vllm_format = re.compile(r"\(\S+ pid=\d+\) (INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+\] ")
+    gone = [line for line in lines if "is not available" in line]
+    back = [line for line in lines if "reconnected to kvdepotd" in line]
+    policy = [line for line in lines if "kvdepot: kv_load_failure_policy" in line]
+    assert len(gone) == 1 and len(back) == 1, "\n".join(gone + back)
+    assert len(policy) == 1, output[-4000:]  # an INFO line: it appears at vLLM's default level
+    for line in gone + back + policy:
+        assert vllm_format.search(line), line
+    assert "Locally cancelled" not in output
 
 
 def free_port() -> int:
