@@ -28,7 +28,7 @@ MODES = ("eager", "lazy")
 # Every key of kv_connector_extra_config (the README documents each).
 EXTRA_CONFIG_KEYS = (
     "socket", "auth_token_file", "mode", "store", "store_decode", "min_prompt_tokens",
-    "max_defer_s", "call_timeout_s", "connect_timeout_s",
+    "max_defer_s", "call_timeout_s", "connect_timeout_s", "model_id",
 )  # fmt: skip
 
 
@@ -108,6 +108,9 @@ class ConnectorConfig:
     # How long engine start-up waits for the daemon; without it, the engine
     # starts anyway (no offloading) and the client attaches when it can.
     connect_timeout_s: float = 5.0
+    # Names the model's weights in the namespace instead of their fingerprint
+    # or hub revision: engines with the same model_id share blocks.
+    model_id: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
@@ -121,6 +124,8 @@ class ConnectorConfig:
         fields: dict[str, Any] = {}
         if "socket" in extra:
             fields["socket"] = _string(extra, "socket")
+        if "model_id" in extra:
+            fields["model_id"] = _string(extra, "model_id")
         if "auth_token_file" in extra:
             path = _string(extra, "auth_token_file")
             try:

@@ -38,7 +38,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         vllm_compat.check_version()
         transfer = vllm_config.kv_transfer_config
         config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
-        groups = offloaded_groups(vllm_config, kv_cache_config)
+        groups = offloaded_groups(vllm_config, kv_cache_config, config.model_id)
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:

@@ -13,11 +13,16 @@ layout, TP size) goes into the namespace, not the keys.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from dataclasses import dataclass
 
 from kvdepot.connector import vllm_compat
+from kvdepot.connector.model_identity import model_identity
 from kvdepot.keys import chain_key, chain_plain
 from kvdepot.proto import kvdepot_pb2 as pb
+
+log = logging.getLogger("kvdepot.connector")
 
 _extra_keys = vllm_compat.block_hash_extra_keys()
 
@@ -79,14 +84,28 @@ class GroupInfo:
     namespace: pb.NamespaceSpec
 
 
-def offloaded_groups(vllm_config, kv_cache_config) -> list[GroupInfo]:
+def offloaded_groups(vllm_config, kv_cache_config, model_id: str | None = None) -> list[GroupInfo]:
     """The groups to offload, each with the namespace its engines share.
 
-    Raises ValueError for a group kind kvdepot cannot offload (Mamba state,
-    cross-attention, ...), rather than offloading a model half-way.
+    The namespace names the model's weights (model_identity.py), never its
+    path. Raises ValueError for a group kind kvdepot cannot offload (Mamba
+    state, cross-attention, ...), rather than offloading a model half-way.
     """
     specs = vllm_compat.kv_cache_spec_types()
     model_config = vllm_config.model_config
+    load_config = getattr(vllm_config, "load_config", None)
+    identity = model_identity(
+        str(model_config.model), model_config.revision, str(getattr(load_config, "load_format", "auto")), model_id
+    )
+    log.info("kvdepot: namespace of %s@%s, from %s", identity.label, identity.revision, identity.source)
+    # What else changes the KV of the same weights: the dtype the model computes
+    # in, its quantization, and config overrides.
+    computed = f",dtype={str(model_config.dtype).removeprefix('torch.')}"
+    if getattr(model_config, "quantization", None):
+        computed += f",quant={model_config.quantization}"
+    overrides = getattr(model_config, "hf_overrides", None)
+    if overrides:
+        computed += ",overrides=" + hashlib.sha256(repr(overrides).encode()).hexdigest()[:12]
     parallel = vllm_config.parallel_config
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype == "auto":
@@ -119,8 +138,8 @@ def offloaded_groups(vllm_config, kv_cache_config) -> list[GroupInfo]:
         if kind == "sliding_window":
             shape += f",window={spec.sliding_window}"
         namespace = pb.NamespaceSpec(
-            model=str(model_config.model),
-            revision=str(model_config.revision or ""),
+            model=identity.label,
+            revision=identity.revision,
             kv_dtype=cache_dtype,
             block_size=spec.block_size,
             layout=f"vllm/{device}/{kind}",
@@ -128,7 +147,10 @@ def offloaded_groups(vllm_config, kv_cache_config) -> list[GroupInfo]:
             # block is ready once all of them stored theirs.
             tp_size=parallel.world_size,
             kv_group=idx,
-            extra=f"{shape},layers={len(group.layer_names)},tp={parallel.tensor_parallel_size},pp={parallel.pipeline_parallel_size}",
+            extra=(
+                f"{shape},layers={len(group.layer_names)},tp={parallel.tensor_parallel_size},"
+                f"pp={parallel.pipeline_parallel_size}{computed}"
+            ),
         )
         groups.append(
             GroupInfo(idx, kind, spec.block_size, window_tokens, window_blocks, tuple(group.layer_names), namespace)

@@ -6,6 +6,7 @@ equal; the name is what `kvdepot stats` shows and `kvdepot clear` takes.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -54,10 +55,12 @@ def _identity(spec: pb.NamespaceSpec) -> tuple:
 
 
 def _name(spec: pb.NamespaceSpec) -> str:
+    """model@revision, then what an operator tells engines apart by, then a digest
+    of `extra` (KV heads, head size, layers...): short, and one per identity."""
     name = spec.model + (f"@{spec.revision}" if spec.revision else "")
     name += f":{spec.kv_dtype or '-'}:bs{spec.block_size}:{spec.layout or '-'}"
     name += f":tp{spec.tp_size}:g{spec.kv_group}:k{spec.key_version}"
-    return name + (f":{spec.extra}" if spec.extra else "")
+    return name + (":" + hashlib.sha256(spec.extra.encode()).hexdigest()[:8] if spec.extra else "")
 
 
 def _check(spec: pb.NamespaceSpec) -> None:

@@ -44,13 +44,13 @@ def prompts(tmp_path_factory):
     return path
 
 
-def generate(model, prompts, workdir: Path, *options: str, timeout: float = 600) -> dict:
+def generate(model, prompts, workdir: Path, *options: str, timeout: float = 600, cwd: Path | None = None) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "out.json"
     argv = [sys.executable, GENERATE, "--model", model, "--prompts", str(prompts), "--out", str(out)]
     argv += ["--max-tokens", str(MAX_TOKENS), *options]
     env = vllm_env(workdir, base=subprocess_env())
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     (workdir / "vllm.log").write_text(done.stdout + done.stderr)
     assert done.returncode == 0, f"vLLM run failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}"
     return json.loads(out.read_text())
@@ -219,3 +219,32 @@ def test_openai_server_serves_completions_through_the_connector(model, start_dae
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+def test_two_models_under_one_relative_path_share_nothing_and_one_model_under_two_paths_shares(
+    model, prompts, baseline, start_daemon, tmp_path
+):
+    # What a fixed mount point like /models/model does: two models of the same
+    # shape with other weights, each started as `--model model` from its own folder.
+    a, b = tmp_path / "a", tmp_path / "b"
+    h.make_tiny_model(a / "model")
+    h.make_tiny_model(b / "model", seed=1)
+    b_plain = generate("model", prompts, tmp_path / "b-plain", cwd=b)["rounds"][0]["outputs"]
+    assert b_plain != baseline  # other weights, other tokens
+    daemon = start_daemon(**DAEMON_OPTIONS)
+    first = generate("model", prompts, tmp_path / "a-rel", *with_kvdepot(daemon), cwd=a)
+    assert first["rounds"][0]["outputs"] == baseline
+    # The same files by their absolute path: the blocks are shared.
+    second = generate(str(a / "model"), prompts, tmp_path / "a-abs", *with_kvdepot(daemon), cwd=tmp_path)
+    assert second["rounds"][0]["outputs"] == baseline
+    assert second["rounds"][0]["num_cached_tokens"] == [192] * 4
+    hits = totals(daemon).hit_blocks
+    # The other model under the same relative path finds none of them.
+    other = generate("model", prompts, tmp_path / "b-rel", *with_kvdepot(daemon), cwd=b)
+    assert other["rounds"][0]["outputs"] == b_plain
+    # At most the prompts' shared prefix, from vLLM's own cache in that process.
+    assert all(n <= 64 for n in other["rounds"][0]["num_cached_tokens"])
+    assert totals(daemon).hit_blocks == hits
+    with KVDepotClient(daemon.socket, name="test-stats") as client:
+        names = sorted(ns.name for ns in client.connect(10).stats().namespaces)
+    assert len(names) == 2 and all(name.startswith("model@w") for name in names), names

@@ -194,7 +194,7 @@ def _tiny_corpus() -> list[str]:
     return lines
 
 
-def make_tiny_model(path: str | os.PathLike = DEFAULT_MODEL_DIR) -> str:
+def make_tiny_model(path: str | os.PathLike = DEFAULT_MODEL_DIR, seed: int = 0) -> str:
     """Create a tiny random-weight Llama model directory vLLM can load offline.
 
     2 layers, hidden 256, 4 heads (head_dim 64), 2 KV heads, vocab 512,
@@ -230,7 +230,7 @@ def make_tiny_model(path: str | os.PathLike = DEFAULT_MODEL_DIR) -> str:
         fast.save_pretrained(str(tmp))
         assert fast.eos_token_id == TINY_MODEL_EOS
 
-        torch.manual_seed(0)
+        torch.manual_seed(seed)  # another seed: the same shape with other weights
         config = LlamaConfig(
             vocab_size=len(fast),  # == tokenizer size, so every id decodes
             hidden_size=256,
