@@ -18,7 +18,6 @@ _lock = threading.Lock()
 # Target -> the daemon instance this process last said it was attached to,
 # or None after saying it is not available.
 _said: dict[str, str | None] = {}
-_said_no_job_socket: set[str] = set()
 
 
 def attached(target: str, instance: str) -> None:
@@ -39,11 +38,3 @@ def unavailable(target: str, reason: str) -> None:
             return
         _said[target] = None
     log.warning("kvdepotd on %s is not available (%s); offloading is off until it returns", target, reason)
-
-
-def no_job_socket(target: str, path: str, error: OSError) -> None:
-    with _lock:
-        if target in _said_no_job_socket:
-            return
-        _said_no_job_socket.add(target)
-    log.warning("cannot open kvdepotd's job socket %s (%s): jobs go through gRPC calls", path, error)

@@ -1,7 +1,8 @@
 """kvdepot: the operator's command line (stats, health, clear).
 
-Operator calls need no session, so they open a plain channel: `kvdepot stats`
-does not show up among the clients it lists.
+What a caller may see and clear depends on who it is. On a unix socket the
+daemon learns that from a session's job socket (proto: "job socket"), so the
+CLI opens a session of its own first; on TCP the token says it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvdepot.defaults import default_socket_path, grpc_target, read_token
-from kvdepot.errors import KVDepotError, from_rpc_error
+from kvdepot.client.job_socket import JobSocket
+from kvdepot.defaults import PROTOCOL_VERSION, default_socket_path, grpc_target, read_token
+from kvdepot.errors import KVDepotError, Unavailable, from_rpc_error
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 
@@ -52,6 +54,28 @@ class OperatorClient:
         self._stub = pb_grpc.KVDepotStub(self._channel)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self._timeout = timeout
+        self._attach = None
+        self._job_socket = None
+        self._session_id = ""
+
+    def _session(self) -> str:
+        """A proven session's id on a unix socket; empty on TCP."""
+        if self._session_id or not self.target.startswith("unix:"):
+            return self._session_id
+        request = pb.AttachRequest(client_name="kvdepot-cli", pid=os.getpid(), protocol_version=PROTOCOL_VERSION)
+        try:
+            self._attach = self._stub.Attach(request, metadata=self._metadata)
+            started = next(self._attach).started
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        try:
+            self._job_socket = JobSocket(
+                started.job_socket, started.session_id, lambda reply: None, lambda reason: None, self._timeout
+            )
+        except OSError as e:
+            raise Unavailable(f"cannot say hello on the job socket {started.job_socket}: {e}") from None
+        self._session_id = started.session_id
+        return self._session_id
 
     def _call(self, method, request):
         try:
@@ -60,10 +84,11 @@ class OperatorClient:
             raise from_rpc_error(e) from None
 
     def stats(self) -> pb.GetStatsResponse:
-        return self._call(self._stub.GetStats, pb.GetStatsRequest())
+        return self._call(self._stub.GetStats, pb.GetStatsRequest(session_id=self._session()))
 
     def clear(self, namespace_name: str = "") -> pb.ClearResponse:
-        return self._call(self._stub.Clear, pb.ClearRequest(namespace_name=namespace_name))
+        request = pb.ClearRequest(namespace_name=namespace_name, session_id=self._session())
+        return self._call(self._stub.Clear, request)
 
     def health(self) -> str:
         stub = health_pb2_grpc.HealthStub(self._channel)
@@ -71,6 +96,10 @@ class OperatorClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def close(self) -> None:
+        if self._job_socket is not None:
+            self._job_socket.close()
+        if self._attach is not None:
+            self._attach.cancel()
         self._channel.close()
 
 
@@ -84,7 +113,7 @@ def format_stats(stats: pb.GetStatsResponse) -> str:
     lines = [
         f"kvdepotd {stats.daemon_version} (instance {stats.daemon_instance}), up {stats.uptime_seconds:.0f} s",
         f"pool      {_gib(pool.slot_bytes * pool.num_slots)} in {pool.num_slots} slots of "
-        f"{pool.slot_bytes} B, {'pinned' if pool.pinned else 'not pinned'}, at {pool.shm_path}",
+        f"{pool.slot_bytes} B, {'pinned' if pool.pinned else 'not pinned'}",
         f"occupancy {100 * stats.occupancy:.1f}% ({stats.used_slots} slots used, "
         f"{stats.pinned_slots} pinned by jobs), eviction {stats.eviction_policy}",
         f"lookups   {t.lookups}: {t.hit_blocks} blocks hit, {t.miss_blocks} missed",
@@ -107,11 +136,13 @@ def format_stats(stats: pb.GetStatsResponse) -> str:
     if not stats.namespaces:
         lines.append("(no namespaces yet)")
     lines.append("")
-    lines.append(f"{'client':<32} {'pid':>8} {'workers':>8} {'in flight':>10} {'hits':>8} {'stored':>8} {'loaded':>8}")
+    lines.append(
+        f"{'client':<32} {'tenant':<16} {'pid':>8} {'workers':>8} {'in flight':>10} {'hits':>8} {'stored':>8} {'loaded':>8}"
+    )
     for client in stats.clients:
         c = client.counters
         lines.append(
-            f"{client.client_name:<32} {client.pid:>8} {client.workers:>8} {client.jobs_in_flight:>10} "
+            f"{client.client_name[:32]:<32} {client.tenant:<16} {client.pid:>8} {client.workers:>8} {client.jobs_in_flight:>10} "
             f"{c.hit_blocks:>8} {c.stored_blocks:>8} {c.loaded_blocks:>8}"
         )
     if not stats.clients:

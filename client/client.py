@@ -354,7 +354,12 @@ class KVDepotClient:
         return self._session.call(connection, method, request)
 
     def stats(self) -> pb.GetStatsResponse:
-        return self._operator_call("GetStats", pb.GetStatsRequest())
+        return self._operator_call("GetStats", pb.GetStatsRequest(session_id=self._session_id()))
 
     def clear(self, namespace_name: str = "") -> pb.ClearResponse:
-        return self._operator_call("Clear", pb.ClearRequest(namespace_name=namespace_name))
+        request = pb.ClearRequest(namespace_name=namespace_name, session_id=self._session_id())
+        return self._operator_call("Clear", request)
+
+    def _session_id(self) -> str:
+        connection = self._session.connection
+        return connection.session_id if connection is not None else ""

@@ -161,6 +161,8 @@ class Session:
                         self._book.finish(done.job_id, done.ok, done.error)
                     elif kind == "blocks_changed":
                         self._copies.note(session_id, notification.blocks_changed)
+            except Unavailable as e:
+                reason = str(e)
             except grpc.RpcError as e:
                 reason = _why(e)
                 if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
@@ -180,14 +182,16 @@ class Session:
             delay = min(delay * 2, self._backoff[1])
 
     def _job_channel(self, stub: pb_grpc.KVDepotStub, started: pb.SessionStarted) -> JobChannel:
-        if started.job_socket:
-            try:
-                return SocketJobChannel(
-                    started.job_socket, started.session_id, self._book, self.call_timeout, self._job_socket_lost
-                )
-            except OSError as e:
-                announce.no_job_socket(self.target, started.job_socket, e)
-        return GrpcJobChannel(stub, self._book, self.call_timeout, self._metadata)
+        if not started.job_socket:  # TCP: the token says who the client is
+            return GrpcJobChannel(stub, self._book, self.call_timeout, self._metadata)
+        try:
+            return SocketJobChannel(
+                started.job_socket, started.session_id, self._book, self.call_timeout, self._job_socket_lost
+            )
+        except OSError as e:
+            # The daemon learns who a unix-socket client is from this connection:
+            # the session cannot be used without it.
+            raise Unavailable(f"its job socket {started.job_socket} cannot be used ({e})") from None
 
     def _on_attached(self, stub: pb_grpc.KVDepotStub, started: pb.SessionStarted) -> None:
         self._copies.attached(started.session_id)

@@ -10,7 +10,8 @@ KEY_BYTES = 32
 
 # The wire protocol version that proto/kvdepot.proto defines.
 # Version 2: block keys of kvdepot/keys.py, and NamespaceSpec.key_version required.
-PROTOCOL_VERSION = 2
+# Version 3: identity from the kernel (the job socket's hello) and tenants.
+PROTOCOL_VERSION = 3
 
 SOCKET_ENV = "KVDEPOT_SOCKET"
 

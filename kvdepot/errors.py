@@ -58,6 +58,12 @@ class Unauthenticated(KVDepotError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(KVDepotError):
+    """The caller's identity may not do this: another tenant's data, or a call for admins."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -68,6 +74,7 @@ _BY_CODE = {
         FailedPrecondition,
         Unavailable,
         Unauthenticated,
+        PermissionDenied,
     )
 }
 

@@ -40,18 +40,20 @@ class BlocksChanged(_message.Message):
     def __init__(self, engine_id: _Optional[int] = ..., ready: _Optional[_Iterable[bytes]] = ..., storing: _Optional[_Iterable[bytes]] = ..., dropped: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SessionStarted(_message.Message):
-    __slots__ = ("session_id", "daemon_instance", "pool", "daemon_version", "job_socket")
+    __slots__ = ("session_id", "daemon_instance", "pool", "daemon_version", "job_socket", "tenant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     daemon_instance: str
     pool: PoolInfo
     daemon_version: str
     job_socket: str
-    def __init__(self, session_id: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., daemon_version: _Optional[str] = ..., job_socket: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., daemon_version: _Optional[str] = ..., job_socket: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("shm_path", "slot_bytes", "num_slots", "pinned")
@@ -338,8 +340,12 @@ class JobReply(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., store_submitted: _Optional[_Union[SubmitStoreResponse, _Mapping]] = ..., load_submitted: _Optional[_Union[SubmitLoadResponse, _Mapping]] = ..., job_completed: _Optional[_Union[CompleteJobResponse, _Mapping]] = ..., refused: _Optional[_Union[JobRefused, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., ready: _Optional[_Union[JobSocketReady, _Mapping]] = ...) -> None: ...
 
 class JobSocketReady(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("tenant", "admin")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    admin: bool
+    def __init__(self, tenant: _Optional[str] = ..., admin: _Optional[bool] = ...) -> None: ...
 
 class JobRefused(_message.Message):
     __slots__ = ("code", "message")
@@ -350,8 +356,10 @@ class JobRefused(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class Counters(_message.Message):
     __slots__ = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "stored_bytes", "loaded_blocks", "loaded_bytes", "evicted_blocks", "failed_jobs", "store_gbps", "load_gbps")
@@ -392,20 +400,24 @@ class NamespaceStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., ready_blocks: _Optional[int] = ..., used_slots: _Optional[int] = ...) -> None: ...
 
 class ClientStats(_message.Message):
-    __slots__ = ("session_id", "client_name", "pid", "counters", "jobs_in_flight", "workers")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("client_name", "pid", "counters", "jobs_in_flight", "workers", "session_number", "tenant", "uid")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     JOBS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
+    SESSION_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     pid: int
     counters: Counters
     jobs_in_flight: int
     workers: int
-    def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., pid: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., jobs_in_flight: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
+    session_number: int
+    tenant: str
+    uid: int
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., jobs_in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., session_number: _Optional[int] = ..., tenant: _Optional[str] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "quarantined_slots", "open_ipc_mappings", "gpus")
@@ -452,10 +464,12 @@ class GpuStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., daemon_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
-    __slots__ = ("namespace_name",)
+    __slots__ = ("namespace_name", "session_id")
     NAMESPACE_NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     namespace_name: str
-    def __init__(self, namespace_name: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, namespace_name: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class ClearResponse(_message.Message):
     __slots__ = ("cleared_blocks", "pinned_blocks")

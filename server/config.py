@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 
 from kvdepot import defaults
 from kvdepot.defaults import default_socket_path
+from kvdepot.server.tenants import TenantConfigError, parse_admin_uids, parse_tenants
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -123,6 +124,13 @@ OPTIONS = [
         "Required for TCP; ignored on unix sockets, whose file permissions decide who connects.",
     ),
     Option(
+        "admin_uids",
+        "",
+        "Uids whose unix-socket clients may see every tenant's stats and clear every namespace, "
+        "separated by commas; empty: root and the daemon's own user. Tenants are set in the "
+        "configuration file ([[tenant]] tables, see the README's security section).",
+    ),
+    Option(
         "drain_timeout",
         30.0,
         "Seconds SIGTERM waits for jobs in flight before the daemon exits anyway.",
@@ -208,8 +216,11 @@ class DaemonConfig:
     copy_chunk_bytes: int
     copy_programs: int
     pin_chunk_bytes: int
+    admin_uids: str = ""
     # Read from auth_token_file when the configuration is loaded; never logged.
     auth_token: str | None = field(default=None, repr=False)
+    # The configuration file's [[tenant]] tables (server/tenants.py); their tokens are never logged.
+    tenants: list = field(default_factory=list, repr=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,7 +264,7 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> D
             raise ConfigError(f"cannot read config file {args.config}: {e.strerror}") from e
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {args.config} is not valid TOML: {e}") from e
-        known = {opt.name for opt in OPTIONS}
+        known = {opt.name for opt in OPTIONS} | {"tenant"}
         unknown = sorted(set(from_file) - known)
         if unknown:
             raise ConfigError(
@@ -278,6 +289,11 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> D
     _check(config)
     if config.auth_token_file:
         config.auth_token = read_token(config.auth_token_file)
+    try:
+        parse_admin_uids(config.admin_uids)
+        config.tenants = parse_tenants(from_file.get("tenant", []), args.config or "the configuration")
+    except TenantConfigError as e:
+        raise ConfigError(str(e)) from None
     return config
 
 
@@ -326,4 +342,6 @@ def _check(config: DaemonConfig) -> None:
 
 def describe(config: DaemonConfig) -> dict:
     """The configuration for the log: everything but the token."""
-    return {f.name: getattr(config, f.name) for f in fields(config) if f.name != "auth_token"}
+    described = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in ("auth_token", "tenants")}
+    described["tenants"] = [t.name for t in config.tenants]
+    return described

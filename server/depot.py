@@ -23,7 +23,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvdepot.defaults import KEY_BYTES, PROTOCOL_VERSION
-from kvdepot.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvdepot.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvdepot.layout import WorkerLayout
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.eviction import make_policy
@@ -33,7 +41,8 @@ from kvdepot.server.outbox import ChangeFeed, Outbox
 from kvdepot.server.pool import HostPool
 from kvdepot.server.quarantine import Quarantine
 from kvdepot.server.registration import worker_layout
-from kvdepot.server.stats import BusyClock, Counters, stats_response
+from kvdepot.server.stats import BusyClock, Counters, clear_scope, stats_response
+from kvdepot.server.tenants import Identity
 from kvdepot.server.transports.base import Transport
 
 log = logging.getLogger("kvdepot.depot")
@@ -71,9 +80,14 @@ class Job:
 
 @dataclass(eq=False)
 class Session:
+    # A secret: whoever knows it acts as the session, so it is told to the
+    # attaching client alone; logs and stats name the session by `number`.
     id: str
+    number: int
     client_name: str
-    pid: int
+    # Who the session acts for, from the kernel or a token; None until proven
+    # (a unix-socket session proves it with its job socket's hello).
+    identity: Identity | None = None
     outbox: Outbox = field(default_factory=Outbox)
     engines: dict[int, Namespace] = field(default_factory=dict)
     workers: dict[int, Worker] = field(default_factory=dict)
@@ -126,7 +140,9 @@ class Depot:
             pinned=self.pool.pinned,
         )
 
-    def attach(self, client_name: str, pid: int, protocol_version: int) -> Session:
+    def attach(self, client_name: str, protocol_version: int, identity: Identity | None) -> Session:
+        """A new session; `identity` is None where the client must still prove
+        who it is (prove())."""
         if protocol_version != PROTOCOL_VERSION:
             raise FailedPrecondition(
                 f"this daemon speaks protocol version {PROTOCOL_VERSION}, the client "
@@ -134,9 +150,20 @@ class Depot:
             )
         if self.draining:
             raise Unavailable("the daemon is shutting down")
-        session = Session(secrets.token_hex(8), client_name, pid)
+        session = Session(secrets.token_hex(16), self._new_id(), client_name, identity)
         self.sessions[session.id] = session
-        log.info("session %s attached: %s (pid %d)", session.id, client_name, pid)
+        log.info("session %d attached: %r%s", session.number, client_name, _who(session))
+        return session
+
+    def prove(self, session_id: str, identity: Identity) -> Session:
+        """The session's identity, as the kernel told it for its job socket."""
+        session = self._session(session_id)
+        known = session.identity
+        if known is not None and (known.uid, known.pid) != (identity.uid, identity.pid):
+            raise PermissionDenied(f"session {session.number} belongs to another process")
+        if known is None:
+            session.identity = identity
+            log.info("session %d is %s", session.number, identity.describe())
         return session
 
     def end_session(self, session: Session) -> None:
@@ -155,19 +182,23 @@ class Depot:
                 log.exception("closing worker %d failed", worker.id)
         del self.sessions[session.id]
         self.sessions_ended += 1
-        log.info(
-            "session %s ended: %s (pid %d), %d job(s) were in flight",
-            session.id,
-            session.client_name,
-            session.pid,
-            len(jobs),
-        )
+        log.info("session %d ended: %r%s, %d job(s) were in flight", session.number, session.client_name,
+                 _who(session), len(jobs))
 
-    def session(self, session_id: str) -> Session:
+    def _session(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
-            raise NotFound(
-                f"unknown session {session_id!r}: attach first (after a daemon restart, attach and register again)"
+            # The id is not repeated: a guess must learn nothing, and logs keep no secrets.
+            raise NotFound("unknown session: attach first (after a daemon restart, attach and register again)")
+        return session
+
+    def session(self, session_id: str) -> Session:
+        """A session that has proven who it is."""
+        session = self._session(session_id)
+        if session.identity is None:
+            raise FailedPrecondition(
+                f"session {session.number} has not said hello on the job socket yet: the daemon "
+                "takes a unix-socket client's identity from that connection"
             )
         return session
 
@@ -175,7 +206,7 @@ class Depot:
 
     def register_engine(self, session_id: str, spec: pb.NamespaceSpec) -> tuple[int, Namespace]:
         session = self.session(session_id)
-        ns = self.namespaces.of(spec)
+        ns = self.namespaces.of(spec, session.identity.scope)
         engine_id = self._new_id()
         session.engines[engine_id] = ns
         blocks = self.index.blocks_of(ns)
@@ -186,7 +217,7 @@ class Depot:
 
     def register_worker(self, request: pb.RegisterWorkerRequest) -> Worker:
         session = self.session(request.session_id)
-        ns = self.namespaces.of(request.namespace)
+        ns = self.namespaces.of(request.namespace, session.identity.scope)
         layout = worker_layout(request, ns, self.pool.slot_bytes)
         kind = request.handles[0].WhichOneof("transport")
         transport = self.transports.get(kind)
@@ -308,9 +339,9 @@ class Depot:
         self.changes.send()
         if reservation.not_stored:
             log.warning(
-                "store job %d of session %s: %d block(s) not stored, every slot is pinned",
+                "store job %d of session %d: %d block(s) not stored, every slot is pinned",
                 job.id,
-                session.id,
+                session.number,
                 reservation.not_stored,
             )
         return pb.SubmitStoreResponse(
@@ -363,7 +394,7 @@ class Depot:
                 if slot is not None:
                     held.append(slot)
             if held:
-                self.quarantine.hold(session.pid, held)
+                self.quarantine.hold(session.identity.pid, held)
             if ok:
                 self._count(session, worker.ns, stored_blocks=n, stored_bytes=nbytes)
             self.store_clock.stop()
@@ -375,7 +406,7 @@ class Depot:
             self.load_clock.stop()
         if not ok:
             self._count(session, worker.ns, failed_jobs=1)
-            log.warning("%s job %d of session %s failed: %s", job.kind, job.id, session.id, error)
+            log.warning("%s job %d of session %d failed: %s", job.kind, job.id, session.number, error)
         self._jobs_in_flight -= 1
         if self._jobs_in_flight == 0:
             self._idle.set()
@@ -423,12 +454,20 @@ class Depot:
         self.totals.evicted_blocks += 1
         block.ns.counters.evicted_blocks += 1
 
-    def stats(self) -> pb.GetStatsResponse:
-        return stats_response(self)
+    def stats(self, identity: Identity | None, asking_session_id: str = "") -> pb.GetStatsResponse:
+        return stats_response(self, identity, asking_session_id)
 
-    def clear(self, namespace_name: str) -> pb.ClearResponse:
-        target = self.namespaces.named(namespace_name) if namespace_name else None
-        cleared, pinned = self.index.clear(target)
+    def clear(self, identity: Identity | None, namespace_name: str) -> pb.ClearResponse:
+        targets = clear_scope(self, identity, namespace_name)
+        cleared = pinned = 0
+        for target in targets:
+            counts = self.index.clear(target)
+            cleared, pinned = cleared + counts[0], pinned + counts[1]
         self.changes.send()
-        log.info("cleared %d block(s) of %s; %d pinned kept", cleared, namespace_name or "every namespace", pinned)
+        log.info("%s cleared %d block(s) of %s; %d pinned kept", identity.describe(), cleared,
+                 repr(namespace_name) if namespace_name else "every namespace it sees", pinned)
         return pb.ClearResponse(cleared_blocks=cleared, pinned_blocks=pinned)
+
+
+def _who(session: Session) -> str:
+    return f", {session.identity.describe()}" if session.identity else ""

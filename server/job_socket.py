@@ -19,8 +19,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvdepot.defaults import JOB_FRAME_HEADER, MAX_JOB_FRAME_BYTES
-from kvdepot.errors import FailedPrecondition, InvalidArgument, KVDepotError, NotFound
+from kvdepot.errors import FailedPrecondition, InvalidArgument, KVDepotError, NotFound, PermissionDenied
 from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.peer import peer_of
 
 log = logging.getLogger("kvdepot.jobs")
 
@@ -37,8 +38,9 @@ def frame(message) -> bytes:
 class JobConnection(asyncio.Protocol):
     """One client's job socket. Belongs to a session after its hello."""
 
-    def __init__(self, depot):
+    def __init__(self, depot, tenants):
         self._depot = depot
+        self._tenants = tenants
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self.session = None
@@ -142,29 +144,35 @@ class JobConnection(asyncio.Protocol):
         return frame(reply)
 
     def _bind(self, request: pb.JobFrame, kind: str) -> None:
+        """The hello: the connection joins its session, and the session takes
+        the identity the kernel gives for the connection's peer."""
         try:
             if kind != "hello":
                 raise FailedPrecondition("the first frame on a job socket must be hello")
-            session = self._depot.session(request.hello.session_id)
+            peer = peer_of(self._transport.get_extra_info("socket"))
+            if peer is None:
+                raise PermissionDenied("the daemon cannot tell who this connection's peer is (no SO_PEERCRED)")
+            identity = self._tenants.for_peer(peer)
+            session = self._depot.prove(request.hello.session_id, identity)
             if session.outbox.has_job_channel():
-                raise FailedPrecondition(f"session {session.id} has a job socket connection already")
-        except (FailedPrecondition, NotFound) as e:
+                raise FailedPrecondition(f"session {session.number} has a job socket connection already")
+        except (FailedPrecondition, NotFound, PermissionDenied) as e:
             self._transport.write(self._refusal(request.request_id, e))
             self._transport.close()
             return
         session.outbox.job_channel = self
         self.session = session
-        self._transport.write(frame(pb.JobReply(request_id=request.request_id, ready=pb.JobSocketReady())))
+        ready = pb.JobSocketReady(tenant=session.identity.tenant, admin=session.identity.admin)
+        self._transport.write(frame(pb.JobReply(request_id=request.request_id, ready=ready)))
 
     def _check_session(self, session_id: str) -> None:
         if session_id != self.session.id:
             raise InvalidArgument(
-                f"this job socket connection belongs to session {self.session.id}, "
-                f"not {session_id!r}"
+                f"this job socket connection belongs to session {self.session.number}, not to the one named"
             )
 
 
-async def listen(depot, path: str) -> asyncio.AbstractServer:
+async def listen(depot, tenants, path: str) -> asyncio.AbstractServer:
     """Serves the job socket at `path` (a stale file there is removed: the
     daemon holds its address lock)."""
     try:
@@ -172,7 +180,7 @@ async def listen(depot, path: str) -> asyncio.AbstractServer:
     except FileNotFoundError:
         pass
     loop = asyncio.get_running_loop()
-    server = await loop.create_unix_server(lambda: JobConnection(depot), path)
+    server = await loop.create_unix_server(lambda: JobConnection(depot, tenants), path)
     try:
         os.chmod(path, 0o660)
     except OSError:

@@ -26,6 +26,7 @@ from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_conf
 from kvdepot.server.depot import Depot
 from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
 from kvdepot.server.service import KVDepotService, TokenAuthInterceptor
+from kvdepot.server.tenants import Tenants, parse_admin_uids
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
 log = logging.getLogger("kvdepot")
@@ -190,7 +191,8 @@ async def serve(config: DaemonConfig) -> int:
 
     depot = Depot(pool, config.eviction, instance, kvdepot.__version__)
     add_transports(depot, pool, config)
-    interceptors = [TokenAuthInterceptor(token)] if unix_path is None else []
+    tenants = Tenants(config.tenants, parse_admin_uids(config.admin_uids), token)
+    interceptors = [TokenAuthInterceptor(tenants)] if unix_path is None else []
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
@@ -205,17 +207,20 @@ async def serve(config: DaemonConfig) -> int:
             ("grpc.optimization_target", "latency"),
         ],
     )
-    # Jobs have a faster way in than gRPC calls where clients are local anyway
-    # (proto: "job socket"). Without it (a TCP listener, or a path too long for
-    # a second socket) clients use the calls.
+    # On a unix socket the job socket is where clients prove who they are
+    # (gRPC does not tell a server its peer's credentials), and the fast way in
+    # for jobs (proto: "job socket"). On TCP the token names the client and
+    # jobs go through the calls.
     job_server, job_path = None, ""
     if unix_path:
+        job_path = job_socket.job_socket_path(unix_path)
         try:
-            job_server = await job_socket.listen(depot, job_socket.job_socket_path(unix_path))
-            job_path = job_socket.job_socket_path(unix_path)
+            job_server = await job_socket.listen(depot, tenants, job_path)
         except OSError as e:
-            log.warning("no job socket (%s): clients will run jobs through gRPC calls", e)
-    pb_grpc.add_KVDepotServicer_to_server(KVDepotService(depot, job_path), server)
+            pool.close()
+            guard.release()
+            raise StartupError(f"cannot serve the job socket {job_path} ({e}): choose a shorter --listen path") from e
+    pb_grpc.add_KVDepotServicer_to_server(KVDepotService(depot, tenants, job_path), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:

@@ -21,6 +21,8 @@ class Namespace:
     id: int
     name: str
     tp_size: int
+    # The tenant, or sharing group of tenants, it belongs to (server/tenants.py).
+    scope: str
     counters: Counters = field(default_factory=Counters)
     # Layout signature of each rank's shard, fixed by the first worker of that rank.
     rank_signatures: dict[int, tuple] = field(default_factory=dict)
@@ -40,8 +42,9 @@ class Namespace:
         self.rank_signatures[rank] = layout.signature()
 
 
-def _identity(spec: pb.NamespaceSpec) -> tuple:
+def _identity(spec: pb.NamespaceSpec, scope: str) -> tuple:
     return (
+        scope,
         spec.model,
         spec.revision,
         spec.kv_dtype,
@@ -54,10 +57,10 @@ def _identity(spec: pb.NamespaceSpec) -> tuple:
     )
 
 
-def _name(spec: pb.NamespaceSpec) -> str:
-    """model@revision, then what an operator tells engines apart by, then a digest
-    of `extra` (KV heads, head size, layers...): short, and one per identity."""
-    name = spec.model + (f"@{spec.revision}" if spec.revision else "")
+def _name(spec: pb.NamespaceSpec, scope: str) -> str:
+    """scope/model@revision, then what an operator tells engines apart by, then
+    a digest of `extra` (KV heads, head size, layers...): short, and one per identity."""
+    name = f"{scope}/{spec.model}" + (f"@{spec.revision}" if spec.revision else "")
     name += f":{spec.kv_dtype or '-'}:bs{spec.block_size}:{spec.layout or '-'}"
     name += f":tp{spec.tp_size}:g{spec.kv_group}:k{spec.key_version}"
     return name + (":" + hashlib.sha256(spec.extra.encode()).hexdigest()[:8] if spec.extra else "")
@@ -85,23 +88,23 @@ class Namespaces:
         self._on_create = on_create
         self._by_identity: dict[tuple, Namespace] = {}
 
-    def of(self, spec: pb.NamespaceSpec) -> Namespace:
-        """The namespace of `spec`, created on first use; InvalidArgument for a bad spec."""
+    def of(self, spec: pb.NamespaceSpec, scope: str) -> Namespace:
+        """The namespace of `spec` in `scope`, created on first use; InvalidArgument for a bad spec."""
         _check(spec)
-        identity = _identity(spec)
+        identity = _identity(spec, scope)
         ns = self._by_identity.get(identity)
         if ns is None:
-            ns = Namespace(id=self._new_id(), name=_name(spec), tp_size=spec.tp_size)
+            ns = Namespace(id=self._new_id(), name=_name(spec, scope), tp_size=spec.tp_size, scope=scope)
             self._by_identity[identity] = ns
             self._on_create(ns)
         return ns
 
-    def named(self, name: str) -> Namespace:
+    def named(self, name: str, visible: Callable[[Namespace], bool]) -> Namespace:
+        """The namespace called `name` among those `visible` says the caller may see."""
         for ns in self._by_identity.values():
-            if ns.name == name:
+            if ns.name == name and visible(ns):
                 return ns
-        known = ", ".join(sorted(ns.name for ns in self._by_identity.values())) or "none"
-        raise NotFound(f"no namespace {name!r}; known: {known}")
+        raise NotFound(f"no namespace {name!r} that this client may see: `kvdepot stats` lists them")
 
     def __iter__(self) -> Iterator[Namespace]:
         return iter(self._by_identity.values())

@@ -142,8 +142,11 @@ class HostPool:
                 f"the pool ({self._file_size / 2**30:.2f} GiB) does not fit in {directory} "
                 f"({_free_bytes(directory) / 2**30:.2f} GiB {what})"
             )
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        # The daemon's user alone: the pool holds every tenant's KV, and a
+        # process that maps it could read or overwrite any of it.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # whatever the umask
             os.ftruncate(fd, self._file_size)
             self.buffer = mmap.mmap(fd, self._file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))

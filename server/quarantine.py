@@ -3,7 +3,8 @@
 A store whose worker copies itself (the shared-memory transport) and whose
 session ended mid-job may still be written by that worker: its process could
 be alive with a broken stream. Its slots go back to the pool only once the
-process has exited, or after QUARANTINE_MAX_SECONDS.
+process has exited, or after QUARANTINE_MAX_SECONDS. The pid is the one the
+kernel reported for the session's job socket, never the client's word.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ QUARANTINE_MAX_SECONDS = 60.0
 
 
 def process_gone(pid: int) -> bool:
-    """True when `pid` has exited (a zombie has no memory left to write with)."""
+    """True when `pid` has exited (a zombie has no memory left to write with).
+    A pid of 0 is a writer the kernel could not name to this daemon (another
+    PID namespace, or TCP): it is never known to be gone, so its slots wait
+    the whole QUARANTINE_MAX_SECONDS."""
     if pid <= 0:
-        return True
+        return False
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 
 import grpc
@@ -12,6 +11,7 @@ from kvdepot.errors import KVDepotError
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 from kvdepot.server.depot import Depot
+from kvdepot.server.tenants import Identity, Tenants
 
 log = logging.getLogger("kvdepot.service")
 
@@ -32,15 +32,35 @@ def _unary(method):
     return wrapper
 
 
+def _token(context) -> str:
+    given = dict(context.invocation_metadata() or ()).get("authorization", "")
+    return given[len("Bearer "):] if given.startswith("Bearer ") else ""
+
+
 class KVDepotService(pb_grpc.KVDepotServicer):
-    def __init__(self, depot: Depot, job_socket: str = ""):
+    def __init__(self, depot: Depot, tenants: Tenants, job_socket: str = ""):
         self.depot = depot
-        # Told to every session; empty when the daemon has no job socket.
+        self.tenants = tenants
+        # Told to every session; empty when the daemon has no job socket, that
+        # is on TCP, where the token names the client instead.
         self.job_socket = job_socket
+
+    def _token_identity(self, context) -> Identity | None:
+        """On TCP, who the call's token says the caller is (the interceptor has
+        refused calls without a known token); None on a unix socket."""
+        if self.job_socket:
+            return None
+        return self.tenants.for_token(_token(context))
+
+    def _operator(self, session_id: str, context) -> Identity | None:
+        if session_id:
+            return self.depot.session(session_id).identity
+        return self._token_identity(context)
 
     async def Attach(self, request, context):
         try:
-            session = self.depot.attach(request.client_name, request.pid, request.protocol_version)
+            identity = self._token_identity(context)
+            session = self.depot.attach(request.client_name, request.protocol_version, identity)
         except KVDepotError as e:
             await context.abort(e.code, str(e))
         try:
@@ -51,6 +71,7 @@ class KVDepotService(pb_grpc.KVDepotServicer):
                     pool=self.depot.pool_info(),
                     daemon_version=self.depot.version,
                     job_socket=self.job_socket,
+                    tenant=identity.tenant if identity else "",
                 )
             )
             while True:
@@ -99,18 +120,20 @@ class KVDepotService(pb_grpc.KVDepotServicer):
 
     @_unary
     def GetStats(self, request, context):
-        return self.depot.stats()
+        # The asking session (the CLI's own) is left out of the clients it lists.
+        return self.depot.stats(self._operator(request.session_id, context), request.session_id)
 
     @_unary
     def Clear(self, request, context):
-        return self.depot.clear(request.namespace_name)
+        return self.depot.clear(self._operator(request.session_id, context), request.namespace_name)
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without `authorization: Bearer <token>` (TCP listeners only)."""
+    """Refuses calls without `authorization: Bearer <token>` of a known tenant
+    (TCP listeners only)."""
 
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}"
+    def __init__(self, tenants: Tenants):
+        self._tenants = tenants
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
@@ -121,9 +144,10 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         metadata = dict(handler_call_details.invocation_metadata or ())
         given = metadata.get("authorization", "")
+        token = given[len("Bearer "):] if given.startswith("Bearer ") else ""
         # Health checks reveal nothing and probes carry no token.
-        if handler_call_details.method.startswith("/grpc.health.v1.Health/") or hmac.compare_digest(
-            given.encode(), self._expected.encode()
+        if handler_call_details.method.startswith("/grpc.health.v1.Health/") or (
+            token and self._tenants.for_token(token) is not None
         ):
             return await continuation(handler_call_details)
         if handler_call_details.method.endswith("/Attach"):

@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
+from kvdepot.errors import PermissionDenied
 from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.tenants import Identity
 
 
 @dataclass
@@ -20,6 +22,10 @@ class Counters:
     loaded_bytes: int = 0
     evicted_blocks: int = 0
     failed_jobs: int = 0
+
+    def add(self, other: Counters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def to_proto(self, store_seconds: float = 0.0, load_seconds: float = 0.0) -> pb.Counters:
         msg = pb.Counters(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -59,37 +65,78 @@ class BusyClock:
         return self._total
 
 
-def stats_response(depot) -> pb.GetStatsResponse:
-    """GetStats' answer: the depot's state and counters, for operators."""
+def visible_to(identity: Identity | None):
+    """Which namespaces (and sessions) `identity` may see: its own scope's,
+    every one for an admin, none without an identity."""
+    if identity is None:
+        return lambda scope: False
+    if identity.admin:
+        return lambda scope: True
+    return lambda scope: scope == identity.scope
+
+
+def stats_response(depot, identity: Identity | None, asking_session_id: str = "") -> pb.GetStatsResponse:
+    """GetStats' answer: the pool for anyone; namespaces, sessions and counters
+    for those who may see them (another tenant's counts would tell what it asks)."""
     pool = depot.pool
     used = pool.used_slots
-    transports = depot.transports.values()
     response = pb.GetStatsResponse(
         daemon_version=depot.version,
         daemon_instance=depot.instance,
         uptime_seconds=time.monotonic() - depot.started,
-        pool=depot.pool_info(),
+        pool=pb.PoolInfo(slot_bytes=pool.slot_bytes, num_slots=pool.num_slots, pinned=pool.pinned),
         used_slots=used,
-        pinned_slots=depot.index.pinned_slots,
-        quarantined_slots=depot.quarantine.slots,
-        open_ipc_mappings=sum(t.open_mappings for t in transports),
-        gpus=[gpu for t in transports for gpu in t.gpu_stats()],
         occupancy=used / pool.num_slots,
         eviction_policy=depot.policy.name,
-        totals=depot.totals.to_proto(depot.store_clock.seconds, depot.load_clock.seconds),
-        sessions_ended=depot.sessions_ended,
     )
+    if identity is None:
+        return response
+    visible = visible_to(identity)
+    if identity.admin:
+        transports = depot.transports.values()
+        response.pinned_slots = depot.index.pinned_slots
+        response.quarantined_slots = depot.quarantine.slots
+        response.open_ipc_mappings = sum(t.open_mappings for t in transports)
+        response.gpus.extend(gpu for t in transports for gpu in t.gpu_stats())
+        response.totals.CopyFrom(depot.totals.to_proto(depot.store_clock.seconds, depot.load_clock.seconds))
+        response.sessions_ended = depot.sessions_ended
+    else:
+        totals = Counters()
+        for ns in depot.namespaces:
+            if visible(ns.scope):
+                totals.add(ns.counters)
+        response.totals.CopyFrom(totals.to_proto())
     for ns in depot.namespaces:
-        response.namespaces.add(
-            name=ns.name, counters=ns.counters.to_proto(), ready_blocks=ns.ready_blocks, used_slots=ns.used_slots
-        )
+        if visible(ns.scope):
+            response.namespaces.add(
+                name=ns.name, counters=ns.counters.to_proto(), ready_blocks=ns.ready_blocks, used_slots=ns.used_slots
+            )
     for session in depot.sessions.values():
+        who = session.identity
+        if who is None or not visible(who.scope) or session.id == asking_session_id:
+            continue
         response.clients.add(
-            session_id=session.id,
+            session_number=session.number,
             client_name=session.client_name,
-            pid=session.pid,
+            pid=who.pid,
+            tenant=who.tenant,
+            uid=who.uid if who.uid is not None else 0,
             counters=session.counters.to_proto(),
             jobs_in_flight=len(session.jobs),
             workers=len(session.workers),
         )
     return response
+
+
+def clear_scope(depot, identity: Identity | None, namespace_name: str) -> list:
+    """The namespaces a Clear of `namespace_name` (empty: all) by `identity` empties."""
+    if identity is None:
+        raise PermissionDenied("clearing needs a session: name the caller's session_id")
+    visible = visible_to(identity)
+    if namespace_name:
+        return [depot.namespaces.named(namespace_name, lambda ns: visible(ns.scope))]
+    if not identity.admin:
+        raise PermissionDenied(
+            f"clearing every namespace is for admins ({identity.describe()} is not): clear yours by name"
+        )
+    return [None]  # every namespace

@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -18,17 +17,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvcache import make_kv_cache, namespace, prompt_keys  # noqa: E402
 from kvdepot.client.shm_copy import MappedPool  # noqa: E402
 from kvdepot.client.tensors import tensor_layout, tensor_spec  # noqa: E402
-from kvdepot.defaults import PROTOCOL_VERSION  # noqa: E402
 from kvdepot.proto import kvdepot_pb2 as pb  # noqa: E402
-from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc  # noqa: E402
+from raw_client import RawSession  # noqa: E402
 
 
 def main() -> int:
     socket_path, blocks = sys.argv[1], int(sys.argv[2])
-    stub = pb_grpc.KVDepotStub(grpc.insecure_channel("unix:" + socket_path))
-    stream = stub.Attach(pb.AttachRequest(client_name="rogue", pid=__import__("os").getpid(),
-                                          protocol_version=PROTOCOL_VERSION))
-    started = next(stream).started
+    # pid: a lie the daemon must not believe (an unknown pid would free the slots at once).
+    session = RawSession(socket_path, name="rogue", pid=int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    stub, started = session.stub, session.started
     tensors, block_dim = make_kv_cache("per_layer", seed=99)
     worker = stub.RegisterWorker(pb.RegisterWorkerRequest(
         session_id=started.session_id, namespace=pb.NamespaceSpec(**namespace("per_layer")), rank=0,
@@ -37,7 +34,7 @@ def main() -> int:
     response = stub.SubmitStore(pb.SubmitStoreRequest(
         session_id=started.session_id, worker_id=worker.worker_id, job_id=1,
         keys=prompt_keys(blocks, prompt=77), block_ids=list(range(blocks))))
-    stream.cancel()  # the session ends; this process does not
+    session.stream.cancel()  # the session ends; this process does not
     print(json.dumps({"slots": list(response.slots)}), flush=True)
     sys.stdin.readline()
     pool = MappedPool(started.pool.shm_path, started.pool.slot_bytes, started.pool.num_slots)

@@ -199,13 +199,13 @@ def test_a_client_of_the_previous_protocol_is_refused_with_a_reason(daemon):
     from kvdepot.proto import kvdepot_pb2 as pb
     from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 
-    # Version 1 clients computed other keys and send no key_version.
+    # Version 2 clients took their identity from their own word; version 1 sent no key_version.
     with grpc.insecure_channel("unix:" + daemon.socket) as channel:
         stream = pb_grpc.KVDepotStub(channel).Attach(pb.AttachRequest(client_name="old", protocol_version=1))
         with pytest.raises(grpc.RpcError) as info:
             next(stream)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "speaks protocol version 2, the client 1" in info.value.details()
+    assert "speaks protocol version 3, the client 1" in info.value.details()
 
 
 def test_the_cli_reports_a_bad_token_file_without_a_traceback(tmp_path):

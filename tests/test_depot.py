@@ -21,10 +21,19 @@ from kvdepot.keys import KEY_VERSION, block_keys
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.depot import Depot
 from kvdepot.server.pool import HostPool
+from kvdepot.server.tenants import Identity
 from kvdepot.server.transports.base import Transport
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
 SLOT = 4096
+
+# The depot takes identities as the job socket proves them; one tenant here.
+ADMIN = Identity("t", "t", admin=True, uid=0, gid=0)
+
+
+def identity(pid: int) -> Identity:
+    return Identity("t", "t", admin=True, uid=0, gid=0, pid=pid)
+
 BLOCK_BYTES = 1024
 NUM_BLOCKS = 64
 
@@ -105,7 +114,7 @@ def worker(depot, transport, session, device: str, rank: int = 0, tp_size: int =
 
 def attached_worker(depot, transport):
     """A session with one worker, for the tests that need nothing else."""
-    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
+    session = depot.attach("c", PROTOCOL_VERSION, identity(os.getpid()))
     return session, worker(depot, transport, session, "mem0")[0]
 
 
@@ -132,7 +141,7 @@ def notifications(session) -> list:
 
 def test_a_store_then_a_load_moves_the_exact_bytes_and_tells_the_client(depot):
     depot, transport = depot
-    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
+    session = depot.attach("c", PROTOCOL_VERSION, identity(os.getpid()))
     w, memory = worker(depot, transport, session, "mem0")
     engine_id, _ = depot.register_engine(session.id, namespace())
     ks = keys(4, prompt=1)
@@ -142,7 +151,7 @@ def test_a_store_then_a_load_moves_the_exact_bytes_and_tells_the_client(depot):
     assert torch.equal(memory[10:14], memory[0:4])
     done = [n.job_done for n in notifications(session) if n.HasField("job_done")]
     assert [(d.job_id, d.ok) for d in done] == [(1, True), (2, True)]
-    stats = depot.stats()
+    stats = depot.stats(ADMIN)
     assert stats.pinned_slots == 0 and stats.used_slots == 4
     assert (stats.totals.stored_blocks, stats.totals.loaded_blocks) == (4, 4)
 
@@ -159,10 +168,10 @@ def test_a_store_is_invisible_until_it_commits_and_a_failed_one_never_shows(depo
     assert answer.status == pb.LookupResponse.NOT_YET and answer.ready_blocks == 0 and answer.storing_blocks == 3
     with pytest.raises(errors.FailedPrecondition, match="not stored"):
         load(depot, session, w, 2, ks, [5, 6, 7])
-    assert depot.stats().pinned_slots == 3
+    assert depot.stats(ADMIN).pinned_slots == 3
     transport.release(ok=False)
     assert depot.lookup(session.id, engine_id, ks).ready_blocks == 0
-    stats = depot.stats()
+    stats = depot.stats(ADMIN)
     assert stats.used_slots == 0 and stats.pinned_slots == 0 and stats.totals.failed_jobs == 1
     # The engine's copy of the namespace followed: storing, then dropped.
     changed = [n.blocks_changed for n in notifications(session) if n.HasField("blocks_changed")]
@@ -172,7 +181,7 @@ def test_a_store_is_invisible_until_it_commits_and_a_failed_one_never_shows(depo
 
 def test_pinned_blocks_are_never_evicted(depot):
     depot, transport = depot
-    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
+    session = depot.attach("c", PROTOCOL_VERSION, identity(os.getpid()))
     w, memory = worker(depot, transport, session, "mem0")
     engine_id, _ = depot.register_engine(session.id, namespace())
     old = keys(16, prompt=3)
@@ -187,13 +196,13 @@ def test_pinned_blocks_are_never_evicted(depot):
     assert depot.lookup(session.id, engine_id, old[:2]).ready_blocks == 2
     assert depot.lookup(session.id, engine_id, old[2:3]).ready_blocks == 0
     assert torch.equal(memory[40:42], memory[0:2])
-    assert depot.stats().totals.evicted_blocks == 14
+    assert depot.stats(ADMIN).totals.evicted_blocks == 14
 
 
 def test_a_block_is_served_only_once_every_tp_rank_stored_its_shard(depot):
     depot, transport = depot
-    a = depot.attach("rank0", os.getpid(), PROTOCOL_VERSION)
-    b = depot.attach("rank1", os.getpid(), PROTOCOL_VERSION)
+    a = depot.attach("rank0", PROTOCOL_VERSION, identity(os.getpid()))
+    b = depot.attach("rank1", PROTOCOL_VERSION, identity(os.getpid()))
     w0, m0 = worker(depot, transport, a, "gpu0", rank=0, tp_size=2)
     w1, m1 = worker(depot, transport, b, "gpu1", rank=1, tp_size=2)
     engine_id, _ = depot.register_engine(a.id, namespace(tp_size=2))
@@ -214,8 +223,8 @@ def test_a_block_is_served_only_once_every_tp_rank_stored_its_shard(depot):
 
 def test_a_session_that_ends_mid_job_releases_everything_and_others_go_on(depot):
     depot, transport = depot
-    gone = depot.attach("gone", os.getpid(), PROTOCOL_VERSION)
-    stays = depot.attach("stays", os.getpid(), PROTOCOL_VERSION)
+    gone = depot.attach("gone", PROTOCOL_VERSION, identity(os.getpid()))
+    stays = depot.attach("stays", PROTOCOL_VERSION, identity(os.getpid()))
     w, _ = worker(depot, transport, gone, "mem0")
     other, _ = worker(depot, transport, stays, "mem1")
     engine_id, _ = depot.register_engine(stays.id, namespace())
@@ -224,9 +233,9 @@ def test_a_session_that_ends_mid_job_releases_everything_and_others_go_on(depot)
     transport.hold = True
     store(depot, gone, w, 1, keys(4, prompt=7), [0, 1, 2, 3])
     load(depot, gone, w, 2, stored, [8, 9, 10, 11])
-    assert depot.stats().pinned_slots == 8
+    assert depot.stats(ADMIN).pinned_slots == 8
     depot.end_session(gone)
-    stats = depot.stats()
+    stats = depot.stats(ADMIN)
     assert stats.pinned_slots == 0 and stats.used_slots == 4 and stats.totals.failed_jobs == 2
     assert [c.client_name for c in stats.clients] == ["stays"] and stats.sessions_ended == 1
     assert transport.closed == [w.id]
@@ -245,7 +254,7 @@ def test_slots_a_live_writer_may_still_touch_stay_out_of_use_until_it_exits(tmp_
     depot.add_transport(SharedMemoryTransport(depot.finish_job))
     writer = subprocess.Popen(["sleep", "60"])
     try:
-        session = depot.attach("writer", writer.pid, PROTOCOL_VERSION)
+        session = depot.attach("writer", PROTOCOL_VERSION, identity(writer.pid))
         w, _ = worker(depot, InProcessTransport(depot.finish_job, pool), session, "mem0")
         response = store(depot, session, w, 1, keys(4, prompt=8), [0, 1, 2, 3])
         depot.end_session(session)
@@ -265,7 +274,7 @@ def test_a_client_that_completes_its_own_jobs_and_one_that_may_not(tmp_path):
     pool = HostPool(size=16 * SLOT, slot_bytes=SLOT, directory=str(tmp_path), name="c", pin="off")
     depot = Depot(pool, "lru", "i", "v")
     depot.add_transport(SharedMemoryTransport(depot.finish_job))
-    session = depot.attach("c", os.getpid(), PROTOCOL_VERSION)
+    session = depot.attach("c", PROTOCOL_VERSION, identity(os.getpid()))
     w, _ = worker(depot, InProcessTransport(depot.finish_job, pool), session, "mem0")
     engine_id, _ = depot.register_engine(session.id, namespace())
     ks = keys(2, prompt=9)
@@ -308,4 +317,4 @@ def test_draining_refuses_new_jobs_and_waits_for_those_in_flight(depot):
 
     assert asyncio.run(drain_while_the_job_runs())
     with pytest.raises(errors.Unavailable):
-        depot.attach("late", os.getpid(), PROTOCOL_VERSION)
+        depot.attach("late", PROTOCOL_VERSION, identity(os.getpid()))

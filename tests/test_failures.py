@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,7 +118,12 @@ def test_daemon_killed_and_restarted_client_reconnects_by_itself(daemon, client_
     assert client.lookup(engine, keys).ready_blocks == 8
 
 
-def test_slots_of_a_client_that_left_but_lives_on_are_not_reused_until_it_exits(start_daemon, client_factory):
+# The pid a client claims is not believed: one the daemon cannot see (0, or a
+# lie) must not free the slots while the real process lives.
+@pytest.mark.parametrize("claimed_pid", ["own", "0"])
+def test_slots_of_a_client_that_left_but_lives_on_are_not_reused_until_it_exits(
+    start_daemon, client_factory, claimed_pid
+):
     daemon = start_daemon(pool_size="512KiB")  # 32 slots
     survivor = client_factory(daemon, name="survivor")
     worker, engine, tensors = attach_worker(survivor, seed=14)
@@ -125,13 +131,16 @@ def test_slots_of_a_client_that_left_but_lives_on_are_not_reused_until_it_exits(
     job = survivor.submit_store(worker, 1, first, list(range(8)))
     assert survivor.wait([job], 10)[job].ok
 
+    claim = [] if claimed_pid == "own" else [claimed_pid]
     rogue = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "rogue_client.py"),
-                              daemon.socket, "8"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              daemon.socket, "8", *claim], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=subprocess_env())
     try:
         slots = json.loads(rogue.stdout.readline())["slots"]
         assert len(slots) == 8
         wait_until(lambda: survivor.stats().quarantined_slots == 8, what="the rogue's slots quarantined")
+        time.sleep(1.0)  # several rounds of the daemon's housekeeping
+        assert survivor.stats().quarantined_slots == 8, "quarantine released while its writer lives"
         # The survivor fills the rest of the pool; none of it may land in the rogue's slots.
         second = prompt_keys(16, prompt=61)
         job = survivor.submit_store(worker, 2, second, list(range(8, 24)))
@@ -160,7 +169,7 @@ def test_a_closed_client_does_not_copy_into_slots_it_no_longer_owns(daemon, clie
     from kvdepot.client.shm_copy import MappedPool
 
     transfer = client.begin_store(worker, 1, prompt_keys(4, prompt=62), [0, 1, 2, 3])
-    info = client.stats().pool
+    info = client._connection.pool_info
     client.close()
     transfer.run()
     result = client.wait([1], 5)[1]

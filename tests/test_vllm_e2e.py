@@ -8,6 +8,7 @@ the daemon's counters show where the KV came from.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -247,4 +248,4 @@ def test_two_models_under_one_relative_path_share_nothing_and_one_model_under_tw
     assert totals(daemon).hit_blocks == hits
     with KVDepotClient(daemon.socket, name="test-stats") as client:
         names = sorted(ns.name for ns in client.connect(10).stats().namespaces)
-    assert len(names) == 2 and all(name.startswith("model@w") for name in names), names
+    assert len(names) == 2 and all(name.startswith(f"uid-{os.getuid()}/model@w") for name in names), names

@@ -1,0 +1,166 @@
+"""Who a client is, and which tenant it acts for.
+
+Identity comes from the kernel (the peer's uid, gid and pid on a unix socket,
+server/peer.py) or from a credential (a token on TCP), never from what a
+client says. An operator maps identities to tenants in the configuration file:
+
+    [[tenant]]
+    name = "team-a"          # letters, digits, '.', '_' or '-'
+    uids = [1000, 1001]      # unix-socket peers with these uids ...
+    gids = [3000]            # ... or this primary gid
+    token_file = "/etc/kvdepot/team-a.token"   # TCP clients sending this token
+    share = "llama-fleet"    # optional sharing group: tenants naming the same one share blocks
+    admin = false            # may see every tenant's stats and clear everything
+
+A unix peer that no entry names is a tenant of its own, "uid-UID". A tenant's
+namespaces belong to its scope (its sharing group, else itself): a client sees,
+loads and clears the blocks of its scope only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import re
+from dataclasses import dataclass
+
+from kvdepot import defaults
+from kvdepot.server.peer import Peer
+
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_KEYS = {"name", "uids", "gids", "token_file", "share", "admin"}
+
+
+class TenantConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    name: str
+    uids: frozenset[int] = frozenset()
+    gids: frozenset[int] = frozenset()
+    token: str | None = None
+    share: str | None = None
+    admin: bool = False
+
+    @property
+    def scope(self) -> str:
+        return self.share or self.name
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A session's proven identity."""
+
+    tenant: str
+    # Namespaces are made and found per scope: the tenant, or its sharing group.
+    scope: str
+    admin: bool
+    # From the kernel on a unix socket; None on TCP. pid 0: not visible here.
+    uid: int | None = None
+    gid: int | None = None
+    pid: int = 0
+
+    def describe(self) -> str:
+        who = f"uid {self.uid} pid {self.pid or '?'}" if self.uid is not None else "a token"
+        return f"tenant {self.tenant} ({who}{', admin' if self.admin else ''})"
+
+
+class Tenants:
+    def __init__(self, specs: list[TenantSpec], admin_uids: frozenset[int], default_token: str | None = None):
+        self._specs = specs
+        self._admin_uids = admin_uids
+        # --auth-token-file: the token of a single-tenant TCP deployment, whose
+        # holder runs the daemon's node and so administers it.
+        self._default_token = default_token
+
+    def for_peer(self, peer: Peer) -> Identity:
+        spec = next((s for s in self._specs if peer.uid in s.uids), None)
+        if spec is None:
+            spec = next((s for s in self._specs if peer.gid in s.gids), None)
+        if spec is None:
+            name = f"uid-{peer.uid}"
+            return Identity(name, name, peer.uid in self._admin_uids, peer.uid, peer.gid, peer.pid)
+        admin = spec.admin or peer.uid in self._admin_uids
+        return Identity(spec.name, spec.scope, admin, peer.uid, peer.gid, peer.pid)
+
+    def for_token(self, token: str) -> Identity | None:
+        """The identity a TCP client's token proves, or None for an unknown token."""
+        found = None
+        # Every token is compared, in constant time each, so the time taken
+        # does not tell which tenant's token was nearly right.
+        for spec in self._specs:
+            if spec.token is not None and hmac.compare_digest(spec.token.encode(), token.encode()):
+                found = Identity(spec.name, spec.scope, spec.admin)
+        if self._default_token is not None and hmac.compare_digest(self._default_token.encode(), token.encode()):
+            found = found or Identity("token", "token", True)
+        return found
+
+    @property
+    def has_tokens(self) -> bool:
+        return self._default_token is not None or any(s.token is not None for s in self._specs)
+
+
+def default_admin_uids() -> frozenset[int]:
+    """root and the daemon's own user."""
+    return frozenset({0, os.getuid()})
+
+
+def parse_admin_uids(text: str) -> frozenset[int]:
+    if not text.strip():
+        return default_admin_uids()
+    try:
+        return frozenset(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise TenantConfigError(f"admin_uids must be uids separated by commas, not {text!r}") from None
+
+
+def parse_tenants(entries, source: str) -> list[TenantSpec]:
+    """The [[tenant]] tables of the configuration file."""
+    if not isinstance(entries, list):
+        raise TenantConfigError(f"{source}: 'tenant' must be an array of tables ([[tenant]])")
+    specs: list[TenantSpec] = []
+    seen_uids: dict[int, str] = {}
+    for position, entry in enumerate(entries):
+        where = f"{source}: tenant {position + 1}"
+        if not isinstance(entry, dict):
+            raise TenantConfigError(f"{where} is not a table")
+        unknown = sorted(set(entry) - _KEYS)
+        if unknown:
+            raise TenantConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_KEYS))}")
+        name = entry.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or name.startswith("uid-"):
+            raise TenantConfigError(
+                f"{where}: name must be 1-64 letters, digits, '.', '_' or '-' (and not start with 'uid-')"
+            )
+        if any(s.name == name for s in specs):
+            raise TenantConfigError(f"{where}: tenant {name} is defined twice")
+        share = entry.get("share")
+        if share is not None and (not isinstance(share, str) or not _NAME.fullmatch(share)):
+            raise TenantConfigError(f"{where}: share must be 1-64 letters, digits, '.', '_' or '-'")
+        uids, gids = _ids(entry.get("uids", []), f"{where}: uids"), _ids(entry.get("gids", []), f"{where}: gids")
+        for uid in uids:
+            if uid in seen_uids:
+                raise TenantConfigError(f"{where}: uid {uid} is in tenant {seen_uids[uid]} already")
+            seen_uids[uid] = name
+        token = None
+        if "token_file" in entry:
+            try:
+                token = defaults.read_token(str(entry["token_file"]))
+            except ValueError as e:
+                raise TenantConfigError(f"{where}: {e}") from None
+        admin = entry.get("admin", False)
+        if not isinstance(admin, bool):
+            raise TenantConfigError(f"{where}: admin must be true or false")
+        specs.append(TenantSpec(name, frozenset(uids), frozenset(gids), token, share, admin))
+    tokens = [s.token for s in specs if s.token is not None]
+    if len(tokens) != len(set(tokens)):
+        raise TenantConfigError(f"{source}: two tenants have the same token")
+    return specs
+
+
+def _ids(value, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and 0 <= v < 2**32 for v in value):
+        raise TenantConfigError(f"{where} must be a list of ids (0 to 4294967295)")
+    return value

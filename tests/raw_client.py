@@ -1,0 +1,92 @@
+"""The daemon's protocol spoken directly, without the client library's care:
+what attack scripts and protocol tests use, in the test process or in a
+second one."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import grpc
+
+from kvdepot.defaults import PROTOCOL_VERSION
+from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
+
+LENGTH = struct.Struct("<I")
+
+
+class RawJobSocket:
+    """Speaks the job socket's framing directly."""
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(path)
+
+    def send(self, frame: pb.JobFrame) -> None:
+        data = frame.SerializeToString()
+        self.sock.sendall(LENGTH.pack(len(data)) + data)
+
+    def _exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                return data
+            data += chunk
+        return data
+
+    def reply(self) -> pb.JobReply | None:
+        """The next reply, or None when the daemon closed the connection."""
+        header = self._exactly(LENGTH.size)
+        if len(header) < LENGTH.size:
+            return None
+        reply = pb.JobReply()
+        reply.ParseFromString(self._exactly(LENGTH.unpack(header)[0]))
+        return reply
+
+    def hello(self, session_id: str) -> pb.JobReply | None:
+        self.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=session_id)))
+        return self.reply()
+
+    def closed_by_daemon(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class RawSession:
+    """A session of our own: Attach, then (unless told not to) the job socket's
+    hello that proves who we are. `stub` makes any call; `jobs` is the job
+    socket connection."""
+
+    def __init__(self, socket_path: str, name: str = "raw", hello: bool = True, pid: int | None = None):
+        self.channel = grpc.insecure_channel(f"unix:{socket_path}")
+        self.stub = pb_grpc.KVDepotStub(self.channel)
+        request = pb.AttachRequest(
+            client_name=name, pid=os.getpid() if pid is None else pid, protocol_version=PROTOCOL_VERSION
+        )
+        self.stream = self.stub.Attach(request)
+        self.started = next(self.stream).started
+        self.id = self.started.session_id
+        self.jobs = None
+        self.ready = None
+        if hello:
+            self.jobs = RawJobSocket(self.started.job_socket)
+            reply = self.jobs.hello(self.id)
+            if reply is None or not reply.HasField("ready"):
+                raise RuntimeError(f"the daemon refused our hello: {reply}")
+            self.ready = reply.ready
+
+    def close(self) -> None:
+        """Ends the session (the Attach stream closes)."""
+        self.stream.cancel()
+        if self.jobs is not None:
+            self.jobs.close()
+        self.channel.close()

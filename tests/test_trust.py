@@ -1,0 +1,159 @@
+"""Trust between tenants, against the real daemon: identity comes from the
+kernel (the job socket's SO_PEERCRED), each uid is a tenant of its own unless
+the configuration says otherwise, and a tenant's blocks are invisible to every
+other tenant. The attacker runs as a second uid (nobody), so these tests need
+root, as CI has."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from conftest import subprocess_env
+from kvcache import attach_worker, block_of, prompt_keys
+from raw_client import RawSession
+
+HERE = Path(__file__).resolve().parent
+NOBODY = 65534
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv to run a second uid"
+)
+
+
+def as_uid(uid: int) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+
+
+@pytest.fixture
+def open_folder():
+    """A daemon folder every uid can reach (pytest's own are root's alone).
+    Requested before start_daemon, so it is removed after the daemons stop."""
+    folder = Path(tempfile.mkdtemp(prefix="kvdepot-trust-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def start_shared(start_daemon, folder: Path, **options):
+    daemon = start_daemon(folder=folder, **options)
+    # What an operator does with a group; here every uid may connect.
+    for path in (daemon.socket, daemon.socket + ".jobs"):
+        os.chmod(path, 0o666)
+    return daemon
+
+
+def probe(daemon, stored: int, unstored: int, victim_namespace: str) -> dict:
+    result = subprocess.run(
+        [*as_uid(NOBODY), sys.executable, str(HERE / "tenant_probe.py"), daemon.socket, str(stored),
+         str(unstored), victim_namespace],
+        capture_output=True, text=True, timeout=60, env=subprocess_env(), cwd="/",
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def store_and_check(client, worker, tensors, prompt: int) -> None:
+    keys = prompt_keys(4, prompt=prompt)
+    job = client.submit_store(worker, 1, keys, [0, 1, 2, 3])
+    assert client.wait([job], 10)[job].ok
+
+
+def test_another_tenant_can_neither_read_probe_poison_nor_clear_a_tenants_blocks(
+    open_folder, start_daemon, client_factory
+):
+    daemon = start_shared(start_daemon, open_folder)
+    victim = client_factory(daemon, name="victim")
+    worker, engine, tensors = attach_worker(victim, seed=40)
+    store_and_check(victim, worker, tensors, prompt=400)
+
+    got = probe(daemon, stored=400, unstored=401, victim_namespace=worker.namespace_name)
+
+    assert (got["uid"], got["tenant"], got["admin"]) == (NOBODY, f"uid-{NOBODY}", False)
+    assert got["namespace_name"] != worker.namespace_name
+    assert got["victim_blocks_seen"] == 0, "another tenant's lookup found the victim's blocks"
+    assert got["stats_namespaces"] == [got["namespace_name"]]
+    assert got["stats_clients"] == []
+    assert got["anonymous_stats"] == [0, 0, 0]
+    assert got["clear_victim_namespace"] == "NOT_FOUND"
+    assert got["clear_all"] == "PERMISSION_DENIED"
+    assert got["clear_all_without_session"] == "PERMISSION_DENIED"
+    # The victim's blocks are all there, with their bytes; the poisoned prompt is not.
+    assert victim.lookup(engine, prompt_keys(4, prompt=401)).ready_blocks == 0
+    assert victim.lookup(engine, prompt_keys(4, prompt=400)).ready_blocks == 4
+    job = victim.submit_load(worker, 2, prompt_keys(4, prompt=400), [10, 11, 12, 13])
+    assert victim.wait([job], 10)[job].ok
+    for i in range(4):
+        for src, dst in zip(block_of(tensors, "per_layer", i), block_of(tensors, "per_layer", 10 + i)):
+            assert torch.equal(src.view(torch.int16), dst.view(torch.int16))
+    # Root is an admin: it sees both tenants.
+    names = {ns.name for ns in victim.stats().namespaces}
+    assert names == {worker.namespace_name, got["namespace_name"]}
+
+
+def test_tenants_the_configuration_puts_in_one_sharing_group_share_blocks(open_folder, start_daemon, client_factory):
+    config = open_folder / "kvdepot.toml"
+    config.write_text(
+        '[[tenant]]\nname = "serving"\nuids = [0]\nshare = "fleet"\n\n'
+        f'[[tenant]]\nname = "batch"\nuids = [{NOBODY}]\nshare = "fleet"\n'
+    )
+    daemon = start_shared(start_daemon, open_folder, config=str(config))
+    victim = client_factory(daemon, name="serving")
+    worker, engine, tensors = attach_worker(victim, seed=41)
+    store_and_check(victim, worker, tensors, prompt=410)
+
+    got = probe(daemon, stored=410, unstored=411, victim_namespace=worker.namespace_name)
+
+    assert (got["tenant"], got["admin"]) == ("batch", False)
+    assert got["namespace_name"] == worker.namespace_name and worker.namespace_name.startswith("fleet/")
+    assert got["victim_blocks_seen"] == 4
+    assert got["stats_clients"] == ["serving"]
+    # One group, one namespace: clearing it by name is allowed; everything is not.
+    assert got["clear_victim_namespace"] == "OK" and got["clear_all"] == "PERMISSION_DENIED"
+
+
+def test_a_session_acts_only_after_its_hello_and_only_for_the_process_that_said_it(open_folder, start_daemon):
+    daemon = start_shared(start_daemon, open_folder)
+    unproven = RawSession(daemon.socket, hello=False)
+    with pytest.raises(grpc.RpcError) as info:
+        unproven.stub.GetStats(__import__("kvdepot.proto.kvdepot_pb2", fromlist=["pb"]).GetStatsRequest(
+            session_id=unproven.id))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "has not said hello on the job socket" in info.value.details()
+    unproven.close()
+
+    # A session whose job socket closed: another process that learned its id
+    # (a leak) cannot take it over with a hello of its own.
+    owner = RawSession(daemon.socket)
+    owner.jobs.close()
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from raw_client import RawJobSocket; "
+        "r = RawJobSocket(sys.argv[2]).hello(sys.argv[3]); print(r.refused.code, r.refused.message)"
+    )
+    result = subprocess.run(
+        [*as_uid(NOBODY), sys.executable, "-c", script, str(HERE), daemon.socket + ".jobs", owner.id],
+        capture_output=True, text=True, timeout=60, env=subprocess_env(), cwd="/",
+    )
+    assert result.returncode == 0, result.stderr
+    code, message = result.stdout.split(" ", 1)
+    assert int(code) == grpc.StatusCode.PERMISSION_DENIED.value[0]
+    assert "belongs to another process" in message
+    owner.close()
+
+
+def test_the_pool_file_is_the_daemons_alone(open_folder, start_daemon, client_factory):
+    daemon = start_shared(start_daemon, open_folder)
+    client = client_factory(daemon)
+    path = client._connection.pool_info.shm_path
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    result = subprocess.run([*as_uid(NOBODY), "cat", path], capture_output=True, timeout=30)
+    assert result.returncode != 0 and b"Permission denied" in result.stderr
