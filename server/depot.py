@@ -34,13 +34,13 @@ from kvdepot.errors import (
 )
 from kvdepot.layout import WorkerLayout
 from kvdepot.proto import kvdepot_pb2 as pb
-from kvdepot.server.eviction import make_policy
 from kvdepot.server.index import Block, BlockIndex
 from kvdepot.server.namespaces import Namespace, Namespaces
 from kvdepot.server.outbox import ChangeFeed, Outbox
 from kvdepot.server.pool import HostPool
 from kvdepot.server.quarantine import Quarantine
 from kvdepot.server.registration import worker_layout
+from kvdepot.server.shares import ScopedEviction
 from kvdepot.server.stats import BusyClock, Counters, clear_scope, stats_response
 from kvdepot.server.tenants import Identity
 from kvdepot.server.transports.base import Transport
@@ -100,7 +100,9 @@ class Session:
 
 
 class Depot:
-    def __init__(self, pool: HostPool, eviction: str, instance: str, version: str):
+    def __init__(
+        self, pool: HostPool, eviction: str, instance: str, version: str, quotas: dict[str, int] | None = None
+    ):
         self.pool = pool
         self.instance = instance
         self.version = version
@@ -111,9 +113,11 @@ class Depot:
         self.sessions: dict[str, Session] = {}
         self.sessions_ended = 0
         self.changes = ChangeFeed(self.sessions)
-        self.policy = make_policy(eviction, pool.num_slots)
-        self.index = BlockIndex(pool, self.policy, self._count_eviction, self.changes.note)
         self.namespaces = Namespaces(self._new_id, lambda ns: log.info("namespace %s created", ns.name))
+        self.evictions = ScopedEviction(eviction, pool.num_slots, quotas)
+        self.index = BlockIndex(
+            pool, self.evictions, self._count_eviction, self.changes.note, lambda: self.namespaces
+        )
         self.quarantine = Quarantine(pool)
         # By the TensorHandle kind their workers register with.
         self.transports: dict[str, Transport] = {}

@@ -14,12 +14,13 @@ stores of the same keys, which follow at once, never evict it first.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from kvdepot.errors import FailedPrecondition
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.namespaces import Namespace
 from kvdepot.server.pool import HostPool
+from kvdepot.server.shares import ScopedEviction
 
 
 class Block:
@@ -63,18 +64,21 @@ class BlockIndex:
     def __init__(
         self,
         pool: HostPool,
-        policy,
+        evictions: ScopedEviction,
         on_evict: Callable[[Block], None],
         on_change: Callable[[Block, str], None] = lambda block, state: None,
+        namespaces: Callable[[], Iterable[Namespace]] | None = None,
     ):
         self.pool = pool
-        self.policy = policy
+        self.evictions = evictions
         self._on_evict = on_evict
         # Told "storing", "ready" or "dropped" whenever a block's state as
         # Lookup reports it changes.
         self._on_change = on_change
         self._blocks: dict[tuple[int, bytes], Block] = {}
         self._pinned: set[Block] = set()
+        # Every namespace that may hold slots (the depot's list; else found from the blocks).
+        self._namespaces = namespaces or (lambda: {b.ns for b in self._blocks.values()})
 
     # ------------------------------------------------------------ queries
 
@@ -121,7 +125,7 @@ class BlockIndex:
         writes: list[tuple[int, Block]] = []
         already = 0
         # Runs once per block of every store, mostly evicting: names bound once.
-        blocks, touch, on_change, ns_id = self._blocks, self.policy.touch, self._on_change, ns.id
+        blocks, touch, on_change, ns_id = self._blocks, self.evictions.of(ns.scope).touch, self._on_change, ns.id
         for position, key in enumerate(keys):
             index_key = (ns_id, key)
             block = blocks.get(index_key)
@@ -135,7 +139,7 @@ class BlockIndex:
                 block = Block(ns, key)
             # Pinned before making room, so that eviction cannot take it.
             self._pin(block)
-            slot = self._allocate_slot(index_key)
+            slot = self._allocate_slot(index_key, ns.scope)
             if slot is None:
                 self._unpin(block)
                 return StoreReservation(writes, already, len(keys) - position)
@@ -161,7 +165,7 @@ class BlockIndex:
                 self._on_change(block, "dropped")
             return self._drop_shard(block, rank, release_slot)
         if not block.committed:
-            self.policy.insert(block.index_key)
+            self.evictions.of(block.ns.scope).insert(block.index_key)
         block.committed.add(rank)
         if len(block.committed) == block.ns.tp_size:
             block.ready = True
@@ -180,7 +184,7 @@ class BlockIndex:
                 self.pool.release(slot)
         if not block.held_slots() and not block.writers and block.pins == 0:
             del self._blocks[block.index_key]
-            self.policy.remove(block.index_key)
+            self.evictions.of(block.ns.scope).remove(block.index_key)
         return None if release_slot else slot
 
     # ------------------------------------------------------------ loads
@@ -204,19 +208,26 @@ class BlockIndex:
     def finish_load(self, block: Block) -> None:
         block.loading -= 1
         self._unpin(block)
-        self.policy.touch(block.index_key)
+        self.evictions.of(block.ns.scope).touch(block.index_key)
 
     # ------------------------------------------------------------ room
 
-    def _allocate_slot(self, incoming: tuple[int, bytes]) -> int | None:
-        slot = self.pool.allocate()
+    def _allocate_slot(self, incoming: tuple[int, bytes], scope: str) -> int | None:
+        quota = self.evictions.quotas.get(scope)
+        at_quota = quota is not None and self._slots_by_scope().get(scope, 0) >= quota
+        slot = None if at_quota else self.pool.allocate()
         if slot is not None:
             return slot
-        # A full pool (the steady state): each new block evicts one.
+        # A full pool (the steady state), or a scope at its quota: each new
+        # block evicts one, of the scope that shares.py says gives up a slot.
         evictable = self._evictable
         while slot is None:
-            victim_key = self.policy.victim(evictable, incoming)
-            if victim_key is None:
+            for victim_scope in self.evictions.order(scope, self._slots_by_scope):
+                own = victim_scope == scope
+                victim_key = self.evictions.of(victim_scope).victim(evictable, incoming if own else None)
+                if victim_key is not None:
+                    break
+            else:
                 return None
             victim = self._blocks[victim_key]
             self._drop(victim)
@@ -224,6 +235,12 @@ class BlockIndex:
             self._on_change(victim, "dropped")
             slot = self.pool.allocate()
         return slot
+
+    def _slots_by_scope(self) -> dict[str, int]:
+        used: dict[str, int] = {}
+        for ns in self._namespaces():
+            used[ns.scope] = used.get(ns.scope, 0) + ns.used_slots
+        return used
 
     def _evictable(self, index_key: tuple[int, bytes]) -> bool:
         return self._blocks[index_key].pins == 0
@@ -245,7 +262,7 @@ class BlockIndex:
             if block.pins:
                 pinned += 1
                 continue
-            self.policy.remove(block.index_key)
+            self.evictions.of(block.ns.scope).remove(block.index_key)
             self._drop(block)
             self._on_change(block, "dropped")
             cleared += 1

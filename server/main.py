@@ -26,7 +26,7 @@ from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_conf
 from kvdepot.server.depot import Depot
 from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
 from kvdepot.server.service import KVDepotService, TokenAuthInterceptor
-from kvdepot.server.tenants import Tenants, parse_admin_uids
+from kvdepot.server.tenants import TenantConfigError, Tenants, parse_admin_uids, scope_quotas
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
 log = logging.getLogger("kvdepot")
@@ -189,7 +189,13 @@ async def serve(config: DaemonConfig) -> int:
         "pinned" if pool.pinned else "not pinned",
     )
 
-    depot = Depot(pool, config.eviction, instance, kvdepot.__version__)
+    try:
+        quotas = scope_quotas(config.tenants, pool.size, pool.slot_bytes)
+    except TenantConfigError as e:
+        pool.close()
+        guard.release()
+        raise StartupError(str(e)) from e
+    depot = Depot(pool, config.eviction, instance, kvdepot.__version__, quotas)
     add_transports(depot, pool, config)
     tenants = Tenants(config.tenants, parse_admin_uids(config.admin_uids), token)
     interceptors = [TokenAuthInterceptor(tenants)] if unix_path is None else []

@@ -87,7 +87,7 @@ def stats_response(depot, identity: Identity | None, asking_session_id: str = ""
         pool=pb.PoolInfo(slot_bytes=pool.slot_bytes, num_slots=pool.num_slots, pinned=pool.pinned),
         used_slots=used,
         occupancy=used / pool.num_slots,
-        eviction_policy=depot.policy.name,
+        eviction_policy=depot.evictions.name,
     )
     if identity is None:
         return response

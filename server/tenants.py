@@ -10,6 +10,7 @@ client says. An operator maps identities to tenants in the configuration file:
     gids = [3000]            # ... or this primary gid
     token_file = "/etc/kvdepot/team-a.token"   # TCP clients sending this token
     share = "llama-fleet"    # optional sharing group: tenants naming the same one share blocks
+    quota = "40%"            # optional: the most of the pool its scope may hold ("40%" or "16GiB")
     admin = false            # may see every tenant's stats and clear everything
 
 A unix peer that no entry names is a tenant of its own, "uid-UID". A tenant's
@@ -28,7 +29,8 @@ from kvdepot import defaults
 from kvdepot.server.peer import Peer
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-_KEYS = {"name", "uids", "gids", "token_file", "share", "admin"}
+_KEYS = {"name", "uids", "gids", "token_file", "share", "quota", "admin"}
+_QUOTA = re.compile(r"\s*(\d+(?:\.\d+)?)\s*%\s*")
 
 
 class TenantConfigError(ValueError):
@@ -43,6 +45,8 @@ class TenantSpec:
     token: str | None = None
     share: str | None = None
     admin: bool = False
+    # "40%" of the pool, or a size ("16GiB"); None: an equal part when the pool is full.
+    quota: str | None = None
 
     @property
     def scope(self) -> str:
@@ -153,11 +157,51 @@ def parse_tenants(entries, source: str) -> list[TenantSpec]:
         admin = entry.get("admin", False)
         if not isinstance(admin, bool):
             raise TenantConfigError(f"{where}: admin must be true or false")
-        specs.append(TenantSpec(name, frozenset(uids), frozenset(gids), token, share, admin))
+        quota = entry.get("quota")
+        if quota is not None:
+            quota = str(quota)
+            _quota_bytes(quota, 1, where)  # the format, before the pool's size is known
+        specs.append(TenantSpec(name, frozenset(uids), frozenset(gids), token, share, admin, quota))
     tokens = [s.token for s in specs if s.token is not None]
     if len(tokens) != len(set(tokens)):
         raise TenantConfigError(f"{source}: two tenants have the same token")
     return specs
+
+
+def scope_quotas(specs: list[TenantSpec], pool_bytes: int, slot_bytes: int) -> dict[str, int]:
+    """Each scope's quota in slots. Tenants of one sharing group share one quota,
+    so they must give the same one (or one of them gives it)."""
+    quotas: dict[str, tuple[str, int]] = {}
+    for spec in specs:
+        if spec.quota is None:
+            continue
+        slots = max(1, _quota_bytes(spec.quota, pool_bytes, f"tenant {spec.name}") // slot_bytes)
+        known = quotas.get(spec.scope)
+        if known is not None and known[1] != slots:
+            raise TenantConfigError(
+                f"tenants {known[0]} and {spec.name} share {spec.scope} but give it different quotas"
+            )
+        quotas[spec.scope] = (spec.name, slots)
+    return {scope: slots for scope, (_, slots) in quotas.items()}
+
+
+def _quota_bytes(text: str, pool_bytes: int, where: str) -> int:
+    # Imported here: config.py imports this module.
+    from kvdepot.server.config import ConfigError, parse_size
+
+    match = _QUOTA.fullmatch(text)
+    if match:
+        percent = float(match.group(1))
+        if not 0 < percent <= 100:
+            raise TenantConfigError(f"{where}: quota {text!r} must be more than 0% and at most 100%")
+        return int(pool_bytes * percent / 100)
+    try:
+        size = parse_size(text)
+    except (ConfigError, ValueError):
+        raise TenantConfigError(f"{where}: quota {text!r} is neither a percentage nor a size like 16GiB") from None
+    if size <= 0:
+        raise TenantConfigError(f"{where}: quota {text!r} must be more than 0")
+    return min(size, pool_bytes)
 
 
 def _ids(value, where: str) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdepot.server.eviction import make_policy
+from kvdepot.server.shares import ScopedEviction
 from kvdepot.server.index import BlockIndex, Namespace
 from kvdepot.server.pool import HostPool
 
@@ -20,7 +20,7 @@ def pool(tmp_path):
 def test_tp2_blocks_become_ready_round_after_round_in_a_full_pool(pool, policy):
     """Rank 1's stores of the keys rank 0 just stored must not evict rank 0's shards."""
     evicted = []
-    index = BlockIndex(pool, make_policy(policy, pool.num_slots), evicted.append)
+    index = BlockIndex(pool, ScopedEviction(policy, pool.num_slots), evicted.append)
     ns = Namespace(id=1, name="tp2", tp_size=2, scope="t")
     for round_ in range(12):
         keys = [bytes([round_, i]) * 16 for i in range(8)]
@@ -35,7 +35,7 @@ def test_tp2_blocks_become_ready_round_after_round_in_a_full_pool(pool, policy):
 
 
 def test_a_failed_shard_never_exposes_the_block_and_frees_its_slot(pool):
-    index = BlockIndex(pool, make_policy("lru", pool.num_slots), lambda b: None)
+    index = BlockIndex(pool, ScopedEviction("lru", pool.num_slots), lambda b: None)
     ns = Namespace(id=1, name="tp2", tp_size=2, scope="t")
     keys = [bytes([9, i]) * 16 for i in range(4)]
     for rank, ok in ((0, True), (1, False)):

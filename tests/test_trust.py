@@ -157,3 +157,52 @@ def test_the_pool_file_is_the_daemons_alone(open_folder, start_daemon, client_fa
     assert os.stat(path).st_mode & 0o777 == 0o600
     result = subprocess.run([*as_uid(NOBODY), "cat", path], capture_output=True, timeout=30)
     assert result.returncode != 0 and b"Permission denied" in result.stderr
+
+
+def flood(daemon, blocks: int) -> dict:
+    result = subprocess.run(
+        [*as_uid(NOBODY), sys.executable, str(HERE / "tenant_flood.py"), daemon.socket, str(blocks)],
+        capture_output=True, text=True, timeout=60, env=subprocess_env(), cwd="/",
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_one_tenants_big_store_does_not_evict_another_below_its_share(open_folder, start_daemon, client_factory):
+    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB")  # 32 slots
+    victim = client_factory(daemon, name="victim")
+    worker, engine, tensors = attach_worker(victim, seed=42)
+    keys = prompt_keys(12, prompt=420)
+    job = victim.submit_store(worker, 1, keys, list(range(12)))
+    assert victim.wait([job], 10)[job].ok
+
+    # 20 slots are free; the flood's other 10 blocks would have to evict. The
+    # victim holds 12 of 32, under an equal share of 16: the flood, over its
+    # share once it holds 20, may only evict its own.
+    got = flood(daemon, 30)
+    assert got == {"stored": 20, "not_stored": 10}
+    assert victim.lookup(engine, keys).ready_blocks == 12
+    job = victim.submit_load(worker, 2, keys, list(range(20, 32)))
+    assert victim.wait([job], 10)[job].ok
+    for i in range(12):
+        for src, dst in zip(block_of(tensors, "per_layer", i), block_of(tensors, "per_layer", 20 + i)):
+            assert torch.equal(src.view(torch.int16), dst.view(torch.int16))
+
+    # The victim, under its share, takes its slots back from the flood's.
+    more = prompt_keys(4, prompt=421)
+    job = victim.submit_store(worker, 3, more, list(range(40, 44)))
+    assert victim.wait([job], 10)[job].ok
+    assert victim.lookup(engine, keys + more).ready_blocks == 16
+    assert victim.stats().totals.evicted_blocks == 4
+
+
+def test_a_tenant_at_its_quota_evicts_only_its_own_blocks(open_folder, start_daemon, client_factory):
+    config = open_folder / "kvdepot.toml"
+    config.write_text(f'[[tenant]]\nname = "small"\nuids = [{NOBODY}]\nquota = "25%"\n')
+    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB", config=str(config))
+    owner = client_factory(daemon, name="owner")
+    worker, engine, tensors = attach_worker(owner, seed=43)
+    # The flood may hold 8 of 32 slots, though 32 are free.
+    assert flood(daemon, 12) == {"stored": 8, "not_stored": 4}
+    names = {ns.name: ns.used_slots for ns in owner.stats().namespaces}
+    assert [used for name, used in names.items() if name.startswith("small/")] == [8]

@@ -1,0 +1,53 @@
+"""Each tenant's share of the pool: one eviction order per scope (a tenant, or
+its sharing group), and which scope gives up a slot when the pool is full.
+
+Without this one tenant's big store evicted everyone. Now, when the pool is
+full and a scope stores a block:
+- a scope's share is its quota (the configuration's `quota`), or else an equal
+  part of the pool among the scopes that hold blocks;
+- a scope at or over its share evicts its own blocks only: if none can go (its
+  own job pins them), its block is not stored;
+- a scope under its share takes the slot from the scopes over theirs, the
+  furthest over first.
+With one scope (every engine of one user, the common case) the storing scope is
+always at its share, and eviction is the policy's plain order. A pool with free
+slots evicts nobody: shares matter only when the pool is full.
+Within a scope, the policy (LRU or ARC) picks the block.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvdepot.server.eviction import make_policy
+
+
+class ScopedEviction:
+    def __init__(self, policy: str, capacity: int, quotas: dict[str, int] | None = None):
+        make_policy(policy, capacity)  # an unknown name fails here, at start
+        self.name = policy
+        self.capacity = capacity
+        # Scope -> the most slots it may hold.
+        self.quotas = dict(quotas or {})
+        self._policies: dict[str, object] = {}
+
+    def of(self, scope: str):
+        policy = self._policies.get(scope)
+        if policy is None:
+            policy = make_policy(self.name, self.quotas.get(scope, self.capacity))
+            self._policies[scope] = policy
+        return policy
+
+    def share(self, scope: str, active: int) -> float:
+        return self.quotas.get(scope, self.capacity / max(1, active))
+
+    def order(self, incoming: str, used: Callable[[], dict[str, int]]) -> list[str]:
+        """The scopes to evict from, in turn, for a block of `incoming` in a full pool."""
+        slots = used()
+        slots.setdefault(incoming, 0)
+        active = len([s for s, n in slots.items() if n > 0 or s == incoming])
+        if slots[incoming] >= self.share(incoming, active):
+            return [incoming]
+        # Under its share: the slot comes from those over theirs, most over first.
+        over = sorted(slots, key=lambda s: slots[s] - self.share(s, active), reverse=True)
+        return [s for s in over if slots[s] > self.share(s, active)] or over
