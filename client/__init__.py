@@ -13,6 +13,7 @@ _EXPORTS = {
     "Transfer": "kvdepot.client.client",
     "block_keys": "kvdepot.keys",
     "OperatorClient": "kvdepot.client.cli",
+    "Tls": "kvdepot.client.rpc",
 }
 
 __all__ = sorted(_EXPORTS)

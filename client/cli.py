@@ -17,6 +17,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdepot.client.job_socket import JobSocket
+from kvdepot.client.rpc import Tls, open_channel
 from kvdepot.defaults import PROTOCOL_VERSION, default_socket_path, grpc_target, read_token
 from kvdepot.errors import KVDepotError, Unavailable, from_rpc_error
 from kvdepot.proto import kvdepot_pb2 as pb
@@ -48,9 +49,9 @@ def message_to_dict(message: Message) -> dict:
 
 
 class OperatorClient:
-    def __init__(self, target: str, auth_token: str | None = None, timeout: float = 5.0):
+    def __init__(self, target: str, auth_token: str | None = None, timeout: float = 5.0, tls: Tls | None = None):
         self.target = grpc_target(target)
-        self._channel = grpc.insecure_channel(self.target)
+        self._channel = open_channel(self.target, tls.credentials() if tls is not None else None)
         self._stub = pb_grpc.KVDepotStub(self._channel)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self._timeout = timeout
@@ -163,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("KVDEPOT_AUTH_TOKEN_FILE"),
         help="token file for a TCP daemon (also $KVDEPOT_AUTH_TOKEN_FILE)",
     )
+    for name, what in (("ca", "CA certificates of a TCP daemon's certificate (default: the system's)"),
+                       ("cert", "this client's certificate, for a daemon that asks for one"),
+                       ("key", "the key of --tls-cert-file")):
+        parser.add_argument(
+            f"--tls-{name}-file", default=os.environ.get(f"KVDEPOT_TLS_{name.upper()}_FILE"),
+            help=f"{what} (also $KVDEPOT_TLS_{name.upper()}_FILE); any of these turns TLS on",
+        )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     commands = parser.add_subparsers(dest="command", required=True)
     stats = commands.add_parser("stats", help="cache statistics: hits, bytes, occupancy, per namespace and client")
@@ -184,7 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"kvdepot: {e}", file=sys.stderr)
             return 2
-    client = OperatorClient(args.socket or default_socket_path(), token, args.timeout)
+    tls = None
+    if args.tls_ca_file or args.tls_cert_file:
+        tls = Tls(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+    try:
+        client = OperatorClient(args.socket or default_socket_path(), token, args.timeout, tls)
+    except KVDepotError as e:
+        print(f"kvdepot: {e}", file=sys.stderr)
+        return 2
     try:
         if args.command == "stats":
             stats = client.stats()

@@ -32,6 +32,7 @@ from typing import Iterable, Mapping, Sequence
 
 from kvdepot.client.jobs import JobBook, JobResult
 from kvdepot.client.key_copy import EngineCopies, EngineHandle
+from kvdepot.client.rpc import Tls
 from kvdepot.client.session import Connection, Session
 from kvdepot.client.workers import WorkerHandle, make_worker
 from kvdepot.defaults import default_socket_path, grpc_target
@@ -119,6 +120,7 @@ class KVDepotClient:
         *,
         name: str = "kvdepot-client",
         auth_token: str | None = None,
+        tls: Tls | None = None,
         call_timeout: float = 10.0,
         backoff_initial: float = 0.05,
         backoff_max: float = 2.0,
@@ -130,8 +132,10 @@ class KVDepotClient:
         self._copies_running = 0
         self._copies_changed = threading.Condition()
         metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        credentials = tls.credentials() if tls is not None else None
         self._session = Session(
-            self.target, name, metadata, call_timeout, (backoff_initial, backoff_max), self._jobs, self._copies
+            self.target, name, metadata, credentials, call_timeout, (backoff_initial, backoff_max), self._jobs,
+            self._copies,
         )
 
     # ------------------------------------------------------------ connection

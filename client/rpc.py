@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
 
-from kvdepot.errors import KVDepotError, Unavailable, from_status
+from kvdepot.errors import InvalidArgument, KVDepotError, Unavailable, from_status
 
 # Status codes that mean "the daemon is not there (any more)", not "your request is wrong".
 GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -30,15 +32,43 @@ def unary(method, request, timeout: float, metadata):
         raise typed_error(e.code(), e.details()) from None
 
 
-def open_channel(target: str) -> grpc.Channel:
-    return grpc.insecure_channel(
-        target,
-        options=[
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1_000),
-            # Every call is small and an engine step waits on some (docs/benchmarks.md).
-            ("grpc.optimization_target", "latency"),
-        ],
-    )
+@dataclass(frozen=True)
+class Tls:
+    """TLS towards a daemon on TCP: the CA that signed its certificate (None:
+    the system's), and this client's own certificate where the daemon asks for one."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise InvalidArgument("a client certificate needs its key: give both tls_cert_file and tls_key_file")
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca_file), private_key=_read(self.key_file), certificate_chain=_read(self.cert_file)
+        )
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise InvalidArgument(f"cannot read the TLS file {path}: {e.strerror}") from None
+
+
+def open_channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A channel to the daemon: plain on a unix socket, TLS where `credentials` are given."""
+    options = [
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
+        # Every call is small and an engine step waits on some (docs/benchmarks.md).
+        ("grpc.optimization_target", "latency"),
+    ]
+    if credentials is not None:
+        return grpc.secure_channel(target, credentials, options=options)
+    return grpc.insecure_channel(target, options=options)

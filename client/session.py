@@ -57,6 +57,7 @@ class Session:
         target: str,
         name: str,
         metadata: tuple,
+        credentials: grpc.ChannelCredentials | None,
         call_timeout: float,
         backoff: tuple[float, float],
         book: JobBook,
@@ -68,6 +69,7 @@ class Session:
         self.reconnects = 0
         self.closing = threading.Event()
         self._metadata = metadata
+        self._credentials = credentials
         self._backoff = backoff
         self._book = book
         self._copies = copies
@@ -141,7 +143,7 @@ class Session:
     def _stream_loop(self) -> None:
         delay = self._backoff[0]
         while not self.closing.is_set():
-            channel = open_channel(self.target)
+            channel = open_channel(self.target, self._credentials)
             reason = "the stream ended"
             try:
                 stub = pb_grpc.KVDepotStub(channel)

@@ -27,8 +27,8 @@ MODES = ("eager", "lazy")
 
 # Every key of kv_connector_extra_config (the README documents each).
 EXTRA_CONFIG_KEYS = (
-    "socket", "auth_token_file", "mode", "store", "store_decode", "min_prompt_tokens",
-    "max_defer_s", "call_timeout_s", "connect_timeout_s", "model_id",
+    "socket", "auth_token_file", "tls_ca_file", "tls_cert_file", "tls_key_file", "mode", "store", "store_decode",
+    "min_prompt_tokens", "max_defer_s", "call_timeout_s", "connect_timeout_s", "model_id",
 )  # fmt: skip
 
 
@@ -94,6 +94,10 @@ class StorePolicy:
 class ConnectorConfig:
     socket: str = field(default_factory=default_socket_path)
     auth_token: str | None = None
+    # TLS towards a daemon on TCP (files: its CA; this engine's certificate and key).
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     # eager: store blocks as they are computed; lazy: when the request finishes
     # or is preempted.
     mode: str = "eager"
@@ -124,8 +128,9 @@ class ConnectorConfig:
         fields: dict[str, Any] = {}
         if "socket" in extra:
             fields["socket"] = _string(extra, "socket")
-        if "model_id" in extra:
-            fields["model_id"] = _string(extra, "model_id")
+        for key in ("model_id", "tls_ca_file", "tls_cert_file", "tls_key_file"):
+            if key in extra:
+                fields[key] = _string(extra, key)
         if "auth_token_file" in extra:
             path = _string(extra, "auth_token_file")
             try:
@@ -163,7 +168,14 @@ class ConnectorConfig:
         """
         from kvdepot.client import KVDepotClient
 
-        client = KVDepotClient(self.socket, name=name, auth_token=self.auth_token, call_timeout=self.call_timeout_s)
+        from kvdepot.client.rpc import Tls
+
+        tls = None
+        if self.tls_ca_file or self.tls_cert_file:
+            tls = Tls(self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
+        client = KVDepotClient(
+            self.socket, name=name, auth_token=self.auth_token, tls=tls, call_timeout=self.call_timeout_s
+        )
         # Without the daemon the client has said so (once per process), and attaches when it can.
         client.wait_connected(self.connect_timeout_s)
         return client

@@ -124,6 +124,19 @@ OPTIONS = [
         "Required for TCP; ignored on unix sockets, whose file permissions decide who connects.",
     ),
     Option(
+        "tls_cert_file",
+        None,
+        "PEM certificate chain the daemon presents on TCP. TCP other than loopback needs TLS, "
+        "so that tokens never travel in clear.",
+    ),
+    Option("tls_key_file", None, "PEM private key of --tls-cert-file."),
+    Option(
+        "tls_client_ca_file",
+        None,
+        "PEM CA certificates: TCP clients must present a certificate they signed. A tenant's "
+        "cert_names then name its clients without a token.",
+    ),
+    Option(
         "admin_uids",
         "",
         "Uids whose unix-socket clients may see every tenant's stats and clear every namespace, "
@@ -216,6 +229,9 @@ class DaemonConfig:
     copy_chunk_bytes: int
     copy_programs: int
     pin_chunk_bytes: int
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
     admin_uids: str = ""
     # Read from auth_token_file when the configuration is loaded; never logged.
     auth_token: str | None = field(default=None, repr=False)
@@ -327,6 +343,10 @@ def _check(config: DaemonConfig) -> None:
         )
     if config.pin_threads < 0:
         raise ConfigError("pin_threads must be 0 (automatic) or more")
+    if (config.tls_cert_file is None) != (config.tls_key_file is None):
+        raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
+    if config.tls_client_ca_file and not config.tls_cert_file:
+        raise ConfigError("tls_client_ca_file needs TLS: give tls_cert_file and tls_key_file too")
     if config.drain_timeout < 0:
         raise ConfigError("drain_timeout must not be negative")
     chunk = config.copy_chunk_bytes

@@ -25,7 +25,7 @@ from kvdepot.server import job_socket
 from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_config
 from kvdepot.server.depot import Depot
 from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
-from kvdepot.server.service import KVDepotService, TokenAuthInterceptor
+from kvdepot.server.service import KVDepotService
 from kvdepot.server.tenants import TenantConfigError, Tenants, parse_admin_uids, scope_quotas
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
@@ -143,11 +143,10 @@ async def serve(config: DaemonConfig) -> int:
     target = grpc_target(config.listen)
     unix_path = target[len("unix:"):] if target.startswith("unix:") else None
     token = config.auth_token
-    if unix_path is None and token is None:
-        raise StartupError(
-            f"refusing to serve TCP ({target}) without authentication: set --auth-token-file "
-            "(clients send it as 'authorization: Bearer TOKEN'), or listen on a unix socket"
-        )
+    tenants = Tenants(config.tenants, parse_admin_uids(config.admin_uids), token)
+    credentials = None
+    if unix_path is None:
+        credentials = _tcp_credentials(config, target, tenants)
 
     # Pool files are named after the address, so that the next daemon on it
     # can tell the ones a crashed predecessor left.
@@ -197,10 +196,7 @@ async def serve(config: DaemonConfig) -> int:
         raise StartupError(str(e)) from e
     depot = Depot(pool, config.eviction, instance, kvdepot.__version__, quotas)
     add_transports(depot, pool, config)
-    tenants = Tenants(config.tenants, parse_admin_uids(config.admin_uids), token)
-    interceptors = [TokenAuthInterceptor(tenants)] if unix_path is None else []
     server = grpc.aio.server(
-        interceptors=interceptors,
         options=[
             # Without this a second daemon could bind the same TCP port.
             ("grpc.so_reuseport", 0),
@@ -230,7 +226,7 @@ async def serve(config: DaemonConfig) -> int:
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        bound = server.add_insecure_port(target)
+        bound = server.add_secure_port(target, credentials) if credentials else server.add_insecure_port(target)
     except RuntimeError as e:
         bound = 0
         reason = str(e)
@@ -275,6 +271,37 @@ async def serve(config: DaemonConfig) -> int:
     guard.release()
     log.info("kvdepotd stopped")
     return 0
+
+
+def _tcp_credentials(config: DaemonConfig, target: str, tenants: Tenants) -> grpc.ServerCredentials | None:
+    """TLS for a TCP listener, and the checks that TCP clients can be named at all."""
+    if not tenants.has_tokens and not config.tls_client_ca_file:
+        raise StartupError(
+            f"refusing to serve TCP ({target}) without authentication: set --auth-token-file "
+            "(clients send it as 'authorization: Bearer TOKEN'), tenants' token_file, or "
+            "--tls-client-ca-file with tenants' cert_names; or listen on a unix socket"
+        )
+    if config.tls_cert_file is None:
+        host = target.rsplit(":", 1)[0].strip("[]")
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            raise StartupError(
+                f"refusing to serve TCP on {target} without TLS: tokens would travel in clear. "
+                "Set --tls-cert-file and --tls-key-file (plain TCP is allowed on loopback only)"
+            )
+        log.warning("serving TCP on %s without TLS (loopback only)", target)
+        return None
+    try:
+        with open(config.tls_cert_file, "rb") as f:
+            chain = f.read()
+        with open(config.tls_key_file, "rb") as f:
+            key = f.read()
+        client_ca = None
+        if config.tls_client_ca_file:
+            with open(config.tls_client_ca_file, "rb") as f:
+                client_ca = f.read()
+    except OSError as e:
+        raise StartupError(f"cannot read a TLS file: {e.filename}: {e.strerror}") from e
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca, require_client_auth=bool(client_ca))
 
 
 def add_transports(depot: Depot, pool: HostPool, config: DaemonConfig) -> None:

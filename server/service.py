@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from kvdepot.errors import KVDepotError
+from kvdepot.errors import KVDepotError, PermissionDenied, Unauthenticated
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 from kvdepot.server.depot import Depot
@@ -17,11 +17,13 @@ log = logging.getLogger("kvdepot.service")
 
 
 def _unary(method):
-    """Turns a typed error into its gRPC status; anything else is a bug, logged."""
+    """Checks who calls (on TCP), turns a typed error into its gRPC status;
+    anything else is a bug, logged."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
+            self._check_caller(request, context)
             return method(self, request, context)
         except KVDepotError as e:
             await context.abort(e.code, str(e))
@@ -37,29 +39,52 @@ def _token(context) -> str:
     return given[len("Bearer "):] if given.startswith("Bearer ") else ""
 
 
+def _certificate_names(context) -> list[str]:
+    """The verified client certificate's common name and alternative names (TLS with client CAs)."""
+    auth = context.auth_context() or {}
+    names = [*auth.get("x509_common_name", []), *auth.get("x509_subject_alternative_name", [])]
+    return [n.decode(errors="replace") if isinstance(n, bytes) else str(n) for n in names]
+
+
 class KVDepotService(pb_grpc.KVDepotServicer):
     def __init__(self, depot: Depot, tenants: Tenants, job_socket: str = ""):
         self.depot = depot
         self.tenants = tenants
-        # Told to every session; empty when the daemon has no job socket, that
-        # is on TCP, where the token names the client instead.
+        # Told to every session. Set on a unix socket, where the client's hello
+        # there proves who it is; empty on TCP, where each call's token or
+        # client certificate does.
         self.job_socket = job_socket
 
-    def _token_identity(self, context) -> Identity | None:
-        """On TCP, who the call's token says the caller is (the interceptor has
-        refused calls without a known token); None on a unix socket."""
+    def _tcp_identity(self, context) -> Identity | None:
+        """On TCP, who the call's token or client certificate proves; None on a unix socket."""
         if self.job_socket:
             return None
-        return self.tenants.for_token(_token(context))
+        token = _token(context)
+        identity = self.tenants.for_token(token) if token else None
+        if identity is None:
+            identity = self.tenants.for_certificate(_certificate_names(context))
+        if identity is None:
+            raise Unauthenticated(
+                "missing or wrong auth token: send 'authorization: Bearer TOKEN' with a tenant's token, "
+                "or a client certificate a tenant names"
+            )
+        return identity
+
+    def _check_caller(self, request, context) -> None:
+        """On TCP a session acts only for the identity that opened it."""
+        identity = self._tcp_identity(context)
+        session = self.depot.sessions.get(getattr(request, "session_id", ""))
+        if identity is not None and session is not None and session.identity != identity:
+            raise PermissionDenied(f"session {session.number} belongs to another identity")
 
     def _operator(self, session_id: str, context) -> Identity | None:
         if session_id:
             return self.depot.session(session_id).identity
-        return self._token_identity(context)
+        return self._tcp_identity(context)
 
     async def Attach(self, request, context):
         try:
-            identity = self._token_identity(context)
+            identity = self._tcp_identity(context)
             session = self.depot.attach(request.client_name, request.protocol_version, identity)
         except KVDepotError as e:
             await context.abort(e.code, str(e))
@@ -126,30 +151,3 @@ class KVDepotService(pb_grpc.KVDepotServicer):
     @_unary
     def Clear(self, request, context):
         return self.depot.clear(self._operator(request.session_id, context), request.namespace_name)
-
-
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without `authorization: Bearer <token>` of a known tenant
-    (TCP listeners only)."""
-
-    def __init__(self, tenants: Tenants):
-        self._tenants = tenants
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
-
-    async def intercept_service(self, continuation, handler_call_details):
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        given = metadata.get("authorization", "")
-        token = given[len("Bearer "):] if given.startswith("Bearer ") else ""
-        # Health checks reveal nothing and probes carry no token.
-        if handler_call_details.method.startswith("/grpc.health.v1.Health/") or (
-            token and self._tenants.for_token(token) is not None
-        ):
-            return await continuation(handler_call_details)
-        if handler_call_details.method.endswith("/Attach"):
-            return self._deny_stream
-        return self._deny_unary

@@ -8,7 +8,8 @@ client says. An operator maps identities to tenants in the configuration file:
     name = "team-a"          # letters, digits, '.', '_' or '-'
     uids = [1000, 1001]      # unix-socket peers with these uids ...
     gids = [3000]            # ... or this primary gid
-    token_file = "/etc/kvdepot/team-a.token"   # TCP clients sending this token
+    token_file = "/etc/kvdepot/team-a.token"   # TCP clients sending this token ...
+    cert_names = ["engine-a.example"]          # ... or presenting a client certificate of this name
     share = "llama-fleet"    # optional sharing group: tenants naming the same one share blocks
     quota = "40%"            # optional: the most of the pool its scope may hold ("40%" or "16GiB")
     admin = false            # may see every tenant's stats and clear everything
@@ -29,7 +30,7 @@ from kvdepot import defaults
 from kvdepot.server.peer import Peer
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-_KEYS = {"name", "uids", "gids", "token_file", "share", "quota", "admin"}
+_KEYS = {"name", "uids", "gids", "token_file", "cert_names", "share", "quota", "admin"}
 _QUOTA = re.compile(r"\s*(\d+(?:\.\d+)?)\s*%\s*")
 
 
@@ -47,6 +48,8 @@ class TenantSpec:
     admin: bool = False
     # "40%" of the pool, or a size ("16GiB"); None: an equal part when the pool is full.
     quota: str | None = None
+    # Common names or subject alternative names of TCP clients' certificates.
+    cert_names: frozenset[str] = frozenset()
 
     @property
     def scope(self) -> str:
@@ -100,6 +103,13 @@ class Tenants:
         if self._default_token is not None and hmac.compare_digest(self._default_token.encode(), token.encode()):
             found = found or Identity("token", "token", True)
         return found
+
+    def for_certificate(self, names: list[str]) -> Identity | None:
+        """The identity a verified TCP client certificate (its CN and SANs) proves."""
+        for spec in self._specs:
+            if spec.cert_names & set(names):
+                return Identity(spec.name, spec.scope, spec.admin)
+        return None
 
     @property
     def has_tokens(self) -> bool:
@@ -157,14 +167,22 @@ def parse_tenants(entries, source: str) -> list[TenantSpec]:
         admin = entry.get("admin", False)
         if not isinstance(admin, bool):
             raise TenantConfigError(f"{where}: admin must be true or false")
+        cert_names = entry.get("cert_names", [])
+        if not isinstance(cert_names, list) or not all(isinstance(n, str) and n for n in cert_names):
+            raise TenantConfigError(f"{where}: cert_names must be a list of certificate names")
         quota = entry.get("quota")
         if quota is not None:
             quota = str(quota)
             _quota_bytes(quota, 1, where)  # the format, before the pool's size is known
-        specs.append(TenantSpec(name, frozenset(uids), frozenset(gids), token, share, admin, quota))
+        specs.append(
+            TenantSpec(name, frozenset(uids), frozenset(gids), token, share, admin, quota, frozenset(cert_names))
+        )
     tokens = [s.token for s in specs if s.token is not None]
     if len(tokens) != len(set(tokens)):
         raise TenantConfigError(f"{source}: two tenants have the same token")
+    names = [n for s in specs for n in s.cert_names]
+    if len(names) != len(set(names)):
+        raise TenantConfigError(f"{source}: a certificate name is given to two tenants")
     return specs
 
 

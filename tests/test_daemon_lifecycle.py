@@ -84,11 +84,15 @@ def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_daemon, c
         (["--copy-chunk-bytes", "1000"], "copy_chunk_bytes must be a power of two"),
         (["--copy-mode", "pio"], "invalid choice: 'pio'"),
         (["--pin", "auto", "--staging-bytes", "1KiB"], "staging_bytes (1024) must hold at least one pool slot"),
+        (["--listen", "0.0.0.0:0", "--auth-token-file", "TOKEN"], "without TLS: tokens would travel in clear"),
+        (["--tls-cert-file", "TOKEN"], "tls_cert_file and tls_key_file go together"),
+        (["--admin-uids", "root"], "admin_uids must be uids"),
     ],
 )
 def test_bad_configuration_is_refused_with_a_clear_message(tmp_path, args, message):
     (tmp_path / "EMPTY").write_text("\n")
-    args = [str(tmp_path / "EMPTY") if a == "EMPTY" else a for a in args]
+    (tmp_path / "TOKEN").write_text("s3cret\n")
+    args = [str(tmp_path / a) if a in ("EMPTY", "TOKEN") else a for a in args]
     proc = run_daemon("--pin", "off", *(["--listen", str(tmp_path / "s.sock")] if "--listen" not in args else []), *args)
     assert proc.returncode in (1, 2)
     assert message in proc.stderr

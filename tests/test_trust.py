@@ -25,7 +25,7 @@ from raw_client import RawSession
 HERE = Path(__file__).resolve().parent
 NOBODY = 65534
 
-pytestmark = pytest.mark.skipif(
+needs_second_uid = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv to run a second uid"
 )
 
@@ -68,6 +68,7 @@ def store_and_check(client, worker, tensors, prompt: int) -> None:
     assert client.wait([job], 10)[job].ok
 
 
+@needs_second_uid
 def test_another_tenant_can_neither_read_probe_poison_nor_clear_a_tenants_blocks(
     open_folder, start_daemon, client_factory
 ):
@@ -100,6 +101,7 @@ def test_another_tenant_can_neither_read_probe_poison_nor_clear_a_tenants_blocks
     assert names == {worker.namespace_name, got["namespace_name"]}
 
 
+@needs_second_uid
 def test_tenants_the_configuration_puts_in_one_sharing_group_share_blocks(open_folder, start_daemon, client_factory):
     config = open_folder / "kvdepot.toml"
     config.write_text(
@@ -121,6 +123,7 @@ def test_tenants_the_configuration_puts_in_one_sharing_group_share_blocks(open_f
     assert got["clear_victim_namespace"] == "OK" and got["clear_all"] == "PERMISSION_DENIED"
 
 
+@needs_second_uid
 def test_a_session_acts_only_after_its_hello_and_only_for_the_process_that_said_it(open_folder, start_daemon):
     daemon = start_shared(start_daemon, open_folder)
     unproven = RawSession(daemon.socket, hello=False)
@@ -150,6 +153,7 @@ def test_a_session_acts_only_after_its_hello_and_only_for_the_process_that_said_
     owner.close()
 
 
+@needs_second_uid
 def test_the_pool_file_is_the_daemons_alone(open_folder, start_daemon, client_factory):
     daemon = start_shared(start_daemon, open_folder)
     client = client_factory(daemon)
@@ -168,6 +172,7 @@ def flood(daemon, blocks: int) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+@needs_second_uid
 def test_one_tenants_big_store_does_not_evict_another_below_its_share(open_folder, start_daemon, client_factory):
     daemon = start_shared(start_daemon, open_folder, pool_size="512KiB")  # 32 slots
     victim = client_factory(daemon, name="victim")
@@ -196,6 +201,7 @@ def test_one_tenants_big_store_does_not_evict_another_below_its_share(open_folde
     assert victim.stats().totals.evicted_blocks == 4
 
 
+@needs_second_uid
 def test_a_tenant_at_its_quota_evicts_only_its_own_blocks(open_folder, start_daemon, client_factory):
     config = open_folder / "kvdepot.toml"
     config.write_text(f'[[tenant]]\nname = "small"\nuids = [{NOBODY}]\nquota = "25%"\n')
@@ -206,3 +212,26 @@ def test_a_tenant_at_its_quota_evicts_only_its_own_blocks(open_folder, start_dae
     assert flood(daemon, 12) == {"stored": 8, "not_stored": 4}
     names = {ns.name: ns.used_slots for ns in owner.stats().namespaces}
     assert [used for name, used in names.items() if name.startswith("small/")] == [8]
+
+
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ('[[tenant]]\nname = "a"\nuidz = [1]\n', "unknown key(s) uidz"),
+        ('[[tenant]]\nname = "a b"\n', "name must be 1-64 letters"),
+        ('[[tenant]]\nname = "uid-5"\n', "not start with 'uid-'"),
+        ('[[tenant]]\nname = "a"\nuids = [1]\n[[tenant]]\nname = "b"\nuids = [1]\n', "uid 1 is in tenant a already"),
+        ('[[tenant]]\nname = "a"\nquota = "lots"\n', "neither a percentage nor a size"),
+        ('[[tenant]]\nname = "a"\nquota = "150%"\n', "at most 100%"),
+        ('[[tenant]]\nname = "a"\ntoken_file = "/nonexistent"\n', "cannot read the auth token file"),
+        ('tenant = 3\n', "must be an array of tables"),
+    ],
+)
+def test_a_bad_tenant_table_is_refused_with_a_clear_message(tmp_path, toml, message):
+    from kvdepot.server.config import ConfigError, load_config
+
+    path = tmp_path / "kvdepot.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=".*") as info:
+        load_config(["--config", str(path)], environ={})
+    assert message in str(info.value)

@@ -1,0 +1,80 @@
+"""TCP with TLS, against the real daemon: the token travels only inside TLS,
+and client certificates name tenants. (Plain TCP off loopback is refused at
+start: test_daemon_lifecycle's bad configurations.)"""
+
+from __future__ import annotations
+
+import pytest
+from kvcache import attach_worker, prompt_keys
+from test_daemon_lifecycle import free_port
+from tls_certs import CA
+
+from kvdepot import errors
+
+
+@pytest.fixture
+def pki(tmp_path):
+    ca = CA(tmp_path)
+    server_cert, server_key = ca.issue("kvdepotd", server=True)
+    return ca, server_cert, server_key
+
+
+def round_trip(client, seed: int, prompt: int) -> None:
+    worker, engine, tensors = attach_worker(client, seed=seed)
+    keys = prompt_keys(2, prompt=prompt)
+    job = client.submit_store(worker, 1, keys, [0, 1])
+    assert client.wait([job], 10)[job].ok
+    assert client.lookup(engine, keys).ready_blocks == 2
+
+
+def test_a_token_over_tls_works_and_plain_or_untrusted_connections_do_not(start_daemon, tmp_path, pki):
+    from kvdepot.client import KVDepotClient, OperatorClient, Tls
+
+    ca, server_cert, server_key = pki
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    address = f"127.0.0.1:{free_port()}"
+    start_daemon(listen=address, auth_token_file=str(token_file), tls_cert_file=str(server_cert),
+                 tls_key_file=str(server_key))
+
+    client = KVDepotClient(address, auth_token="s3cret", tls=Tls(ca_file=str(ca.path))).connect(10)
+    try:
+        round_trip(client, seed=50, prompt=500)
+        assert client.stats().namespaces[0].name.startswith("token/")
+    finally:
+        client.close()
+    # Without TLS, or trusting another CA, nothing gets through (the token is never sent in clear).
+    with pytest.raises(errors.Unavailable):
+        OperatorClient(address, auth_token="s3cret", timeout=3).stats()
+    other_ca = CA(tmp_path / "..", name="another CA")
+    with pytest.raises(errors.Unavailable):
+        OperatorClient(address, auth_token="s3cret", timeout=3, tls=Tls(ca_file=str(other_ca.path))).stats()
+    with pytest.raises(errors.Unauthenticated):
+        OperatorClient(address, auth_token="wrong", tls=Tls(ca_file=str(ca.path))).stats()
+
+
+def test_client_certificates_name_tenants_without_a_token(start_daemon, tmp_path, pki):
+    from kvdepot.client import KVDepotClient, OperatorClient, Tls
+
+    ca, server_cert, server_key = pki
+    engine_cert, engine_key = ca.issue("engine-a")
+    stranger_cert, stranger_key = ca.issue("stranger")
+    config = tmp_path / "kvdepot.toml"
+    config.write_text('[[tenant]]\nname = "team-a"\ncert_names = ["engine-a"]\n')
+    address = f"127.0.0.1:{free_port()}"
+    start_daemon(listen=address, config=str(config), tls_cert_file=str(server_cert), tls_key_file=str(server_key),
+                 tls_client_ca_file=str(ca.path))
+
+    client = KVDepotClient(address, tls=Tls(str(ca.path), str(engine_cert), str(engine_key))).connect(10)
+    try:
+        round_trip(client, seed=51, prompt=510)
+        [ns] = client.stats().namespaces
+        assert ns.name.startswith("team-a/")
+    finally:
+        client.close()
+    # A certificate the CA signed but no tenant names: known to TLS, not to the daemon.
+    with pytest.raises(errors.Unauthenticated):
+        OperatorClient(address, tls=Tls(str(ca.path), str(stranger_cert), str(stranger_key))).stats()
+    # No certificate at all: the handshake fails.
+    with pytest.raises(errors.Unavailable):
+        OperatorClient(address, timeout=3, tls=Tls(str(ca.path))).stats()
