@@ -7,13 +7,15 @@ from __future__ import annotations
 import pytest
 from kvcache import attach_worker, prompt_keys
 from test_daemon_lifecycle import free_port
-from tls_certs import CA
 
 from kvdepot import errors
 
 
 @pytest.fixture
 def pki(tmp_path):
+    # Imported here, not at collection: the GPU machines run `-m cuda` without cryptography.
+    from tls_certs import CA
+
     ca = CA(tmp_path)
     server_cert, server_key = ca.issue("kvdepotd", server=True)
     return ca, server_cert, server_key
@@ -46,7 +48,7 @@ def test_a_token_over_tls_works_and_plain_or_untrusted_connections_do_not(start_
     # Without TLS, or trusting another CA, nothing gets through (the token is never sent in clear).
     with pytest.raises(errors.Unavailable):
         OperatorClient(address, auth_token="s3cret", timeout=3).stats()
-    other_ca = CA(tmp_path / "..", name="another CA")
+    other_ca = type(ca)(tmp_path, name="another CA")
     with pytest.raises(errors.Unavailable):
         OperatorClient(address, auth_token="s3cret", timeout=3, tls=Tls(ca_file=str(other_ca.path))).stats()
     with pytest.raises(errors.Unauthenticated):
