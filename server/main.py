@@ -24,6 +24,7 @@ from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 from kvdepot.server import job_socket
 from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_config
 from kvdepot.server.depot import Depot
+from kvdepot.server.limits import Limits
 from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
 from kvdepot.server.service import KVDepotService, TokenAuthInterceptor
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
@@ -188,7 +189,7 @@ async def serve(config: DaemonConfig) -> int:
         "pinned" if pool.pinned else "not pinned",
     )
 
-    depot = Depot(pool, config.eviction, instance, kvdepot.__version__)
+    depot = Depot(pool, config.eviction, instance, kvdepot.__version__, Limits.of(config))
     add_transports(depot, pool, config)
     interceptors = [TokenAuthInterceptor(token)] if unix_path is None else []
     server = grpc.aio.server(

@@ -8,6 +8,9 @@ from dataclasses import dataclass, fields
 
 from kvdepot.proto import kvdepot_pb2 as pb
 
+# Characters of a client's name that stats show (the client chose it).
+CLIENT_NAME_CHARS = 256
+
 
 @dataclass
 class Counters:
@@ -79,14 +82,22 @@ def stats_response(depot) -> pb.GetStatsResponse:
         totals=depot.totals.to_proto(depot.store_clock.seconds, depot.load_clock.seconds),
         sessions_ended=depot.sessions_ended,
     )
-    for ns in depot.namespaces:
+    # A reply that grows with the clients and namespaces a node has seen would
+    # one day pass gRPC's 4 MiB: the busiest come first, the rest are counted.
+    most = depot.limits.stats_max_entries
+    namespaces = sorted(depot.namespaces, key=lambda ns: ns.used_slots, reverse=True)
+    response.namespaces_omitted = max(0, len(namespaces) - most)
+    for ns in namespaces[:most]:
         response.namespaces.add(
             name=ns.name, counters=ns.counters.to_proto(), ready_blocks=ns.ready_blocks, used_slots=ns.used_slots
         )
-    for session in depot.sessions.values():
+    sessions = sorted(depot.sessions.values(), key=lambda s: s.counters.stored_bytes + s.counters.loaded_bytes,
+                      reverse=True)
+    response.clients_omitted = max(0, len(sessions) - most)
+    for session in sessions[:most]:
         response.clients.add(
             session_id=session.id,
-            client_name=session.client_name,
+            client_name=session.client_name[:CLIENT_NAME_CHARS],
             pid=session.pid,
             counters=session.counters.to_proto(),
             jobs_in_flight=len(session.jobs),
