@@ -7,7 +7,7 @@ Run by tests/test_limits_registration.py as a second process.
     hostile_client.py SOCKET registrations
     hostile_client.py SOCKET flood engines|workers|jobs|namespaces COUNT
                                                (then waits for a line on stdin)
-    hostile_client.py SOCKET stall BLOCKS      (then waits for a line on stdin)
+    hostile_client.py SOCKET stall BLOCKS [store|load]   (then waits for a line on stdin)
     hostile_client.py SOCKET counters
     hostile_client.py SOCKET namespaces COUNT
 """
@@ -142,8 +142,9 @@ def flood(h: Hostile, what: str, count: int) -> None:
     sys.stdin.readline()
 
 
-def stall(h: Hostile, blocks: int) -> None:
-    """Stores a pool's worth of blocks and never completes the job."""
+def stall(h: Hostile, blocks: int, kind: str) -> None:
+    """Stores a pool's worth of blocks and never completes the job; or (load)
+    stores them, then loads them and never completes the load."""
     stream, started = h.attach()
     sid = started.session_id
     response = h.stub.RegisterWorker(worker(sid, [tensor([blocks, 64], [64, 1], 0, storage_bytes=blocks * 64,
@@ -151,7 +152,13 @@ def stall(h: Hostile, blocks: int) -> None:
     keys = [i.to_bytes(32, "little") for i in range(1, blocks + 1)]
     store = h.stub.SubmitStore(pb.SubmitStoreRequest(session_id=sid, worker_id=response.worker_id, job_id=1,
                                                      keys=keys, block_ids=list(range(blocks))))
-    emit(case="stall", slots=len(store.slots))
+    if kind == "load":
+        h.stub.CompleteJob(pb.CompleteJobRequest(session_id=sid, job_id=1, ok=True))
+        load = h.stub.SubmitLoad(pb.SubmitLoadRequest(session_id=sid, worker_id=response.worker_id, job_id=2,
+                                                      keys=keys, block_ids=list(range(blocks))))
+        emit(case="stall", slots=len(load.slots))
+    else:
+        emit(case="stall", slots=len(store.slots))
     for note in stream:
         if note.HasField("job_done"):
             emit(case="job_done", job_id=note.job_done.job_id, ok=note.job_done.ok, error=note.job_done.error)
@@ -197,7 +204,7 @@ def main() -> int:
     elif what == "flood":
         flood(h, args[0], int(args[1]))
     elif what == "stall":
-        stall(h, int(args[0]))
+        stall(h, int(args[0]), args[1] if len(args) > 1 else "store")
     elif what == "counters":
         counters(h)
     elif what == "namespaces":

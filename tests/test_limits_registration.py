@@ -200,6 +200,27 @@ def test_a_store_never_completed_fails_at_its_deadline_and_frees_the_pool(start_
     assert client.lookup(engine, keys).ready_blocks == 4
 
 
+def test_a_load_never_completed_fails_at_its_deadline_and_unpins_its_blocks(start_daemon, client_factory, hostile):
+    daemon = start_daemon(job_deadline=3)  # 256 slots
+    client = client_factory(daemon, name="good")
+    worker, engine, _ = attach_worker(client, seed=3)
+    keys = prompt_keys(4, prompt=8)
+
+    rogue = hostile(daemon, "stall", "256", "load")
+    assert rogue.until("stall")[-1]["slots"] == 256
+    # The rogue's load pins every block of the pool: none can be evicted for new ones.
+    assert stored(client, worker, 1, keys) == 4
+
+    done = rogue.until("job_done", timeout=30)[-1]
+    assert done["ok"] is False and "load job 2 was not completed within --job-deadline (3 s)" in done["error"]
+    # A load only reads its slots: they need no quarantine, and can be evicted at once.
+    stats = client.stats()
+    assert stats.pinned_slots == 0 and stats.quarantined_slots == 0
+    assert stored(client, worker, 2, keys) == 0
+    assert client.lookup(engine, keys).ready_blocks == 4
+    rogue.finish()
+
+
 def test_counts_a_client_reports_cannot_break_stats(daemon, client_factory, hostile):
     client = client_factory(daemon, name="good")
     got = hostile(daemon, "counters").all()
@@ -257,3 +278,14 @@ def test_live_namespaces_are_bounded_and_stats_lists_are_capped(start_daemon, cl
     wait_until(lambda: client.stats().namespaces_omitted == 0 and len(client.stats().namespaces) == 1,
                what="namespaces freed")
     client.register_engine({"model": "one-more", "block_size": 16, "tp_size": 1, "key_version": 1})
+
+
+def test_limits_are_options_that_must_be_positive(tmp_path):
+    from kvdepot.server.config import ConfigError, load_config
+
+    config = load_config(["--max-tp-size", "8", "--job-deadline", "5"], environ={"KVDEPOT_MAX_NAMESPACES": "10"})
+    assert (config.max_tp_size, config.job_deadline, config.max_namespaces) == (8, 5.0, 10)
+    assert config.max_engines_per_session == 64
+    for argv in (["--max-tp-size", "0"], ["--job-deadline", "0"], ["--stats-max-entries", "-1"]):
+        with pytest.raises(ConfigError, match=argv[0][2:].replace("-", "_")):
+            load_config(argv, environ={})
