@@ -174,7 +174,7 @@ class Depot:
         session = self.sessions.get(session_id)
         if session is None:
             raise NotFound(
-                f"unknown session {session_id!r}: attach first (after a daemon restart, attach and register again)"
+                f"unknown session {shown(session_id)}: attach first (after a daemon restart, attach and register again)"
             )
         return session
 

@@ -100,6 +100,7 @@ def registrations(h: Hostile) -> None:
     register("huge_offset", [tensor([4, 1], [1, 1], 0, byte_offset=2**63 - 1, storage_bytes=2**64 - 1)])
     register("far_end", [tensor([2**40, 2], [2**30, 1], 0, page_bytes=2, storage_bytes=2**62)])
     h.call("clear_unknown", "Clear", pb.ClearRequest(namespace_name=big))
+    h.call("unknown_session", "Lookup", pb.LookupRequest(session_id=big, engine_id=1))
     # Pages of 1 byte, as many as fit a slot, each tensor with 3 outer
     # dimensions; the last tensor's negative size cancels the others' page
     # count, so a check that sums them first lets every tensor be enumerated.

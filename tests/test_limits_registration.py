@@ -123,6 +123,7 @@ EXPECTED = {
     "huge_offset": ("INVALID_ARGUMENT", "byte_offset 9223372036854775807 is outside 0 to 2^62"),
     "far_end": ("INVALID_ARGUMENT", "past 2^62"),
     "clear_unknown": ("NOT_FOUND", "no namespace 'xxxx"),
+    "unknown_session": ("NOT_FOUND", "unknown session 'xxxx"),
     "negative_dims_0": ("INVALID_ARGUMENT", "tensor 511 ('t'): every dimension must be at least 1"),
     "negative_dims_1": ("INVALID_ARGUMENT", "every dimension must be at least 1"),
     "negative_dims_2": ("INVALID_ARGUMENT", "every dimension must be at least 1"),
