@@ -44,6 +44,42 @@ MAX_DIMS = 8
 MAX_PAGES_PER_BLOCK = 4096
 MAX_TENSORS_PER_WORKER = 4096
 MAX_PAGES_PER_WORKER = 65536
+# Sizes and strides (elements) and byte offsets a client may claim, checked
+# before any of them is multiplied: with them every byte offset of a page,
+# plus a slot offset, fits a signed 64-bit integer, as the copy kernels and
+# the pool's arithmetic need.
+MAX_DIM_ELEMENTS = 1 << 48
+MAX_BYTE_OFFSET = 1 << 62
+
+
+def check_tensor_bounds(
+    where: str, shape: Sequence[int], strides: Sequence[int], block_dim: int, byte_offset: int, storage_bytes: int
+) -> None:
+    """The checks on a tensor description that need no arithmetic on its numbers."""
+    if not shape or len(shape) > MAX_DIMS:
+        raise InvalidArgument(f"{where}: a KV-cache tensor has 1 to {MAX_DIMS} dimensions, not {len(shape)}")
+    if len(strides) != len(shape):
+        raise InvalidArgument(f"{where}: {len(shape)} dimensions in shape but {len(strides)} strides")
+    if any(s <= 0 for s in shape):
+        raise InvalidArgument(f"{where}: every dimension must be at least 1, got {tuple(shape)}")
+    if any(s < 0 for s in strides):
+        raise InvalidArgument(f"{where}: negative strides are not supported, got {tuple(strides)}")
+    if any(s > MAX_DIM_ELEMENTS for s in shape) or any(s > MAX_DIM_ELEMENTS for s in strides):
+        raise InvalidArgument(
+            f"{where}: sizes and strides are at most {MAX_DIM_ELEMENTS} (2^48) elements, got shape "
+            f"{tuple(shape)}, strides {tuple(strides)}"
+        )
+    if not 0 <= block_dim < len(shape):
+        raise InvalidArgument(f"{where}: block_dim {block_dim} is not a dimension of shape {tuple(shape)}")
+    if not 0 <= byte_offset <= MAX_BYTE_OFFSET:
+        raise InvalidArgument(f"{where}: byte_offset {byte_offset} is outside 0 to 2^62")
+    if storage_bytes > MAX_BYTE_OFFSET:
+        raise InvalidArgument(f"{where}: storage_bytes {storage_bytes} is more than 2^62")
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """A client's string in an error: escaped, and cut short."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -107,29 +143,14 @@ def describe(
     `page_bytes`, when given, is the sender's own computation; a mismatch
     means the two sides disagree about the tensor and is refused.
     """
-    where = f"tensor {name!r}"
+    where = f"tensor {_shown(name)}"
     if dtype not in DTYPE_BYTES:
         raise InvalidArgument(
-            f"{where}: unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}"
+            f"{where}: unknown dtype {_shown(dtype)}; known: {', '.join(sorted(DTYPE_BYTES))}"
         )
     shape = tuple(int(s) for s in shape)
     strides = tuple(int(s) for s in strides)
-    if not shape or len(shape) > MAX_DIMS:
-        raise InvalidArgument(f"{where}: a KV-cache tensor has 1 to {MAX_DIMS} dimensions, not {len(shape)}")
-    if len(strides) != len(shape):
-        raise InvalidArgument(
-            f"{where}: {len(shape)} dimensions in shape but {len(strides)} strides"
-        )
-    if any(s <= 0 for s in shape):
-        raise InvalidArgument(f"{where}: every dimension must be at least 1, got {shape}")
-    if any(s < 0 for s in strides):
-        raise InvalidArgument(f"{where}: negative strides are not supported, got {strides}")
-    if not 0 <= block_dim < len(shape):
-        raise InvalidArgument(
-            f"{where}: block_dim {block_dim} is not a dimension of shape {shape}"
-        )
-    if byte_offset < 0:
-        raise InvalidArgument(f"{where}: byte_offset {byte_offset} is negative")
+    check_tensor_bounds(where, shape, strides, block_dim, byte_offset, storage_bytes)
     elem = DTYPE_BYTES[dtype]
 
     # The dimensions after block_dim must cover a dense run of elements.
@@ -167,6 +188,8 @@ def describe(
             "into one block would overwrite another"
         )
     end = byte_offset + (num_blocks - 1) * block_stride + max(page_offsets) + computed_page_bytes
+    if end > MAX_BYTE_OFFSET:
+        raise InvalidArgument(f"{where}: the layout reaches byte {end}, past 2^62 (shape {shape}, strides {strides})")
     if end > storage_bytes:
         raise InvalidArgument(
             f"{where}: the layout reaches byte {end} but its storage holds only "

@@ -207,7 +207,84 @@ OPTIONS = [
         "slots, at least one); one DMA copy never crosses two of them.",
         size=True,
     ),
+    # Limits on registrations, jobs and namespaces: what one client can make
+    # the daemon hold. Each default is far above what a real node's engines
+    # need (dozens of engines, TP up to 8, hundreds of layers, thousands of
+    # jobs in flight); a client past one gets an error naming the option.
+    Option(
+        "max_engines_per_session",
+        64,
+        "Engines (RegisterEngine) one session may register; each gets every block change of its "
+        "namespace. More: RESOURCE_EXHAUSTED.",
+        kind=int,
+    ),
+    Option(
+        "max_workers_per_session",
+        64,
+        "Workers (RegisterWorker) one session may register. More: RESOURCE_EXHAUSTED.",
+        kind=int,
+    ),
+    Option(
+        "max_jobs_per_session",
+        4096,
+        "Stores and loads one session may have in flight. More: RESOURCE_EXHAUSTED until some finish.",
+        kind=int,
+    ),
+    Option(
+        "max_tp_size",
+        64,
+        "Largest tensor-parallel size a namespace may declare. More: INVALID_ARGUMENT.",
+        kind=int,
+    ),
+    Option(
+        "max_tensors_per_worker",
+        1024,
+        "KV-cache tensors one worker may register (two per layer is the most real layouts use). "
+        "More: INVALID_ARGUMENT.",
+        kind=int,
+    ),
+    Option(
+        "max_name_length",
+        512,
+        "Characters of a client's names: namespace fields, device, tensor names. Longer: INVALID_ARGUMENT.",
+        kind=int,
+    ),
+    Option(
+        "max_namespaces",
+        1024,
+        "Namespaces the daemon holds at once (one is freed when no engine or worker is registered "
+        "in it and it holds no block). More: RESOURCE_EXHAUSTED.",
+        kind=int,
+    ),
+    Option(
+        "job_deadline",
+        60.0,
+        "Seconds a client that copies itself (shared-memory transport) has to complete a job. Later, "
+        "the job fails (JobDone ok=false) and a store's slots stay out of use until that client's "
+        "process exits (at most a minute), instead of staying pinned.",
+        kind=float,
+    ),
+    Option(
+        "stats_max_entries",
+        256,
+        "Namespaces, and clients, that one stats answer lists at most (the busiest); the rest are "
+        "counted (namespaces_omitted, clients_omitted).",
+        kind=int,
+    ),
 ]
+
+
+# The integer limits; each must be at least 1.
+LIMITS = (
+    "max_engines_per_session",
+    "max_workers_per_session",
+    "max_jobs_per_session",
+    "max_tp_size",
+    "max_tensors_per_worker",
+    "max_name_length",
+    "max_namespaces",
+    "stats_max_entries",
+)
 
 
 @dataclass
@@ -229,6 +306,15 @@ class DaemonConfig:
     copy_chunk_bytes: int
     copy_programs: int
     pin_chunk_bytes: int
+    max_engines_per_session: int
+    max_workers_per_session: int
+    max_jobs_per_session: int
+    max_tp_size: int
+    max_tensors_per_worker: int
+    max_name_length: int
+    max_namespaces: int
+    job_deadline: float
+    stats_max_entries: int
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
@@ -354,6 +440,11 @@ def _check(config: DaemonConfig) -> None:
         raise ConfigError(f"copy_chunk_bytes must be a power of two of at least 64, not {chunk}")
     if config.copy_programs < 0:
         raise ConfigError("copy_programs must be 0 (automatic) or more")
+    for name in LIMITS:
+        if getattr(config, name) < 1:
+            raise ConfigError(f"{name} must be at least 1, not {getattr(config, name)}")
+    if not 0 < config.job_deadline < float("inf"):
+        raise ConfigError(f"job_deadline must be a positive number of seconds, not {config.job_deadline}")
     if config.copy_mode == "dma" and config.pin != "off" and config.staging_bytes < config.slot_size:
         raise ConfigError(
             f"staging_bytes ({config.staging_bytes}) must hold at least one pool slot ({config.slot_size} bytes)"

@@ -35,6 +35,7 @@ from kvdepot.errors import (
 from kvdepot.layout import WorkerLayout
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.index import Block, BlockIndex
+from kvdepot.server.limits import Limits, expired_jobs, saturating_add, shown
 from kvdepot.server.namespaces import Namespace, Namespaces
 from kvdepot.server.outbox import ChangeFeed, Outbox
 from kvdepot.server.pool import HostPool
@@ -76,6 +77,8 @@ class Job:
     slots: list[int]
     # The transport's own state for the job (its prepare_job's answer).
     transport_state: object = None
+    # time.monotonic() past which a job the worker copies fails (job_deadline).
+    deadline: float = 0.0
 
 
 @dataclass(eq=False)
@@ -101,9 +104,16 @@ class Session:
 
 class Depot:
     def __init__(
-        self, pool: HostPool, eviction: str, instance: str, version: str, quotas: dict[str, int] | None = None
+        self,
+        pool: HostPool,
+        eviction: str,
+        instance: str,
+        version: str,
+        limits: Limits | None = None,
+        quotas: dict[str, int] | None = None,
     ):
         self.pool = pool
+        self.limits = limits = limits or Limits()
         self.instance = instance
         self.version = version
         self.started = time.monotonic()
@@ -113,7 +123,7 @@ class Depot:
         self.sessions: dict[str, Session] = {}
         self.sessions_ended = 0
         self.changes = ChangeFeed(self.sessions)
-        self.namespaces = Namespaces(self._new_id, lambda ns: log.info("namespace %s created", ns.name))
+        self.namespaces = Namespaces(self._new_id, lambda ns: log.info("namespace %r created", ns.name), limits)
         self.evictions = ScopedEviction(eviction, pool.num_slots, quotas)
         self.index = BlockIndex(
             pool, self.evictions, self._count_eviction, self.changes.note, lambda: self.namespaces
@@ -184,9 +194,12 @@ class Depot:
                 worker.transport.close_worker(worker)
             except Exception:  # the other workers' mappings must still be closed
                 log.exception("closing worker %d failed", worker.id)
+        for ns in [*session.engines.values(), *(w.ns for w in session.workers.values())]:
+            self.namespaces.release(ns)
+        self.namespaces.sweep()
         del self.sessions[session.id]
         self.sessions_ended += 1
-        log.info("session %d ended: %r%s, %d job(s) were in flight", session.number, session.client_name,
+        log.info("session %d ended: %s%s, %d job(s) were in flight", session.number, shown(session.client_name),
                  _who(session), len(jobs))
 
     def _session(self, session_id: str) -> Session:
@@ -210,9 +223,11 @@ class Depot:
 
     def register_engine(self, session_id: str, spec: pb.NamespaceSpec) -> tuple[int, Namespace]:
         session = self.session(session_id)
+        self.limits.room_for_engine(session)
         ns = self.namespaces.of(spec, session.identity.scope)
         engine_id = self._new_id()
         session.engines[engine_id] = ns
+        self.namespaces.acquire(ns)
         blocks = self.index.blocks_of(ns)
         ready = [b.key for b in blocks if b.ready]
         storing = [b.key for b in blocks if not b.ready and b.writers]
@@ -221,8 +236,9 @@ class Depot:
 
     def register_worker(self, request: pb.RegisterWorkerRequest) -> Worker:
         session = self.session(request.session_id)
+        self.limits.room_for_worker(session)
         ns = self.namespaces.of(request.namespace, session.identity.scope)
-        layout = worker_layout(request, ns, self.pool.slot_bytes)
+        layout = worker_layout(request, ns, self.pool.slot_bytes, self.limits)
         kind = request.handles[0].WhichOneof("transport")
         transport = self.transports.get(kind)
         if transport is None:
@@ -231,8 +247,9 @@ class Depot:
         transport.open_worker(worker, request)
         ns.fix_rank_layout(request.rank, layout)
         session.workers[worker.id] = worker
+        self.namespaces.acquire(ns)
         log.info(
-            "worker %d registered: %s rank %d on %s, %d tensors, %d blocks of %d bytes, %s",
+            "worker %d registered: %r rank %d on %r, %d tensors, %d blocks of %d bytes, %s",
             worker.id,
             ns.name,
             worker.rank,
@@ -276,6 +293,7 @@ class Depot:
     def report_lookups(self, request: pb.ReportLookupsRequest) -> None:
         session = self.session(request.session_id)
         ns = self._engine(session, request.engine_id)
+        self.limits.check_lookup_report(request)
         self._count(
             session, ns, lookups=request.lookups, hit_blocks=request.hit_blocks, miss_blocks=request.miss_blocks
         )
@@ -292,6 +310,7 @@ class Depot:
             raise NotFound(f"unknown worker {request.worker_id} in this session: register it first")
         if request.job_id in session.jobs or request.job_id in session.recent_job_id_set:
             raise AlreadyExists(f"job id {request.job_id} is already used by this session")
+        self.limits.room_for_job(session)
         if len(request.keys) != len(request.block_ids):
             raise InvalidArgument(
                 f"{len(request.keys)} keys but {len(request.block_ids)} block ids: give one block id for each key"
@@ -315,6 +334,7 @@ class Depot:
         return session, worker, keys, list(request.block_ids), state
 
     def _begin(self, job: Job) -> None:
+        job.deadline = time.monotonic() + self.limits.job_deadline
         job.session.jobs[job.id] = job
         (self.store_clock if job.kind == "store" else self.load_clock).start()
         self._jobs_in_flight += 1
@@ -378,8 +398,8 @@ class Depot:
         # The client learns the outcome from this call's answer: no JobDone.
         self.finish_job(job, request.ok, request.error, notify=False)
 
-    def finish_job(self, job: Job, ok: bool, error: str = "", notify: bool = True) -> None:
-        """Commits or rolls back a job whose copies have ended, and tells its client."""
+    def finish_job(self, job: Job, ok: bool, error: str = "", notify: bool = True, expired: bool = False) -> None:
+        """Commits or rolls back a job whose copies have ended (or `expired`), and tells its client."""
         session, worker = job.session, job.worker
         if session.jobs.pop(job.id, None) is None:
             return
@@ -389,9 +409,9 @@ class Depot:
         session.recent_job_id_set.add(job.id)
         n, nbytes = len(job.blocks), len(job.blocks) * worker.layout.block_bytes
         if job.kind == "store":
-            # A client that copies itself and went away may still be writing:
-            # its failed shards' slots wait in quarantine, not in the pool.
-            writer_may_live = session.ended and worker.transport.worker_copies
+            # A client that copies itself and went away (or missed the deadline) may
+            # still be writing: its failed shards' slots wait in quarantine, not in the pool.
+            writer_may_live = (session.ended or expired) and worker.transport.worker_copies
             held = []
             for block in job.blocks:
                 slot = self.index.finish_store(block, worker.rank, ok, release_slot=not writer_may_live)
@@ -423,6 +443,9 @@ class Depot:
     async def housekeeping(self, interval: float = 0.25) -> None:
         while True:
             await asyncio.sleep(interval)
+            for job, error in expired_jobs(self.sessions.values(), time.monotonic(), self.limits.job_deadline):
+                self.finish_job(job, False, error, expired=True)
+            self.namespaces.sweep()
             if self.quarantine:
                 released = self.quarantine.release()
                 if released:
@@ -451,7 +474,7 @@ class Depot:
         targets = [self.totals, ns.counters] + ([session.counters] if session else [])
         for counters in targets:
             for name, delta in deltas.items():
-                setattr(counters, name, getattr(counters, name) + delta)
+                setattr(counters, name, saturating_add(getattr(counters, name), delta))
 
     def _count_eviction(self, block: Block) -> None:
         # Once per block evicted, which in a full pool is once per block stored.
@@ -469,7 +492,7 @@ class Depot:
             cleared, pinned = cleared + counts[0], pinned + counts[1]
         self.changes.send()
         log.info("%s cleared %d block(s) of %s; %d pinned kept", identity.describe(), cleared,
-                 repr(namespace_name) if namespace_name else "every namespace it sees", pinned)
+                 shown(namespace_name) if namespace_name else "every namespace", pinned)
         return pb.ClearResponse(cleared_blocks=cleared, pinned_blocks=pinned)
 
 

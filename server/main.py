@@ -24,6 +24,7 @@ from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 from kvdepot.server import job_socket
 from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_config
 from kvdepot.server.depot import Depot
+from kvdepot.server.limits import Limits
 from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
 from kvdepot.server.service import KVDepotService
 from kvdepot.server.tenants import TenantConfigError, Tenants, parse_admin_uids, scope_quotas
@@ -194,7 +195,7 @@ async def serve(config: DaemonConfig) -> int:
         pool.close()
         guard.release()
         raise StartupError(str(e)) from e
-    depot = Depot(pool, config.eviction, instance, kvdepot.__version__, quotas)
+    depot = Depot(pool, config.eviction, instance, kvdepot.__version__, Limits.of(config), quotas)
     add_transports(depot, pool, config)
     server = grpc.aio.server(
         options=[

@@ -2,6 +2,10 @@
 
 Blocks of two engines meet only when every field of their NamespaceSpec is
 equal; the name is what `kvdepot stats` shows and `kvdepot clear` takes.
+
+A namespace lives while an engine or worker is registered in it or a block of
+it is in the index; then it is freed (its counters with it), so that clients
+that come and go with ever new namespaces leave nothing behind.
 """
 
 from __future__ import annotations
@@ -10,11 +14,11 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from kvdepot.errors import InvalidArgument, NotFound
+from kvdepot.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvdepot.layout import WorkerLayout
 from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.limits import Limits, shown
 from kvdepot.server.stats import Counters
-
 
 @dataclass(eq=False)
 class Namespace:
@@ -28,12 +32,15 @@ class Namespace:
     rank_signatures: dict[int, tuple] = field(default_factory=dict)
     ready_blocks: int = 0
     used_slots: int = 0
+    # Engines and workers registered in it.
+    registrations: int = 0
+    identity: tuple = ()
 
     def check_rank_layout(self, rank: int, layout: WorkerLayout) -> None:
         known = self.rank_signatures.get(rank)
         if known is not None and known != layout.signature():
             raise InvalidArgument(
-                f"rank {rank} of namespace {self.name} was registered with another "
+                f"rank {rank} of namespace {self.name!r} was registered with another "
                 "layout (dtype, page sizes or pages per block differ): engines that share a "
                 "namespace must share the KV layout"
             )
@@ -66,7 +73,8 @@ def _name(spec: pb.NamespaceSpec, scope: str) -> str:
     return name + (":" + hashlib.sha256(spec.extra.encode()).hexdigest()[:8] if spec.extra else "")
 
 
-def _check(spec: pb.NamespaceSpec) -> None:
+def _check(spec: pb.NamespaceSpec, limits: Limits) -> None:
+    limits.check_namespace(spec)
     if not spec.model:
         raise InvalidArgument("namespace.model is required")
     if spec.block_size < 1:
@@ -81,30 +89,70 @@ def _check(spec: pb.NamespaceSpec) -> None:
 
 
 class Namespaces:
-    """Every namespace some client registered, by identity."""
+    """Every live namespace, by identity."""
 
-    def __init__(self, new_id: Callable[[], int], on_create: Callable[[Namespace], None] = lambda ns: None):
+    def __init__(
+        self,
+        new_id: Callable[[], int],
+        on_create: Callable[[Namespace], None] = lambda ns: None,
+        limits: Limits | None = None,
+    ):
         self._new_id = new_id
         self._on_create = on_create
+        self._limits = limits or Limits()
         self._by_identity: dict[tuple, Namespace] = {}
+        # Namespaces with no registration: freed once their last block is gone.
+        self._idle: set[Namespace] = set()
 
     def of(self, spec: pb.NamespaceSpec, scope: str) -> Namespace:
-        """The namespace of `spec` in `scope`, created on first use; InvalidArgument for a bad spec."""
-        _check(spec)
+        """The namespace of `spec` in `scope`, created on first use; InvalidArgument
+        for a bad spec. It stays idle (freed when it holds no block) until acquired."""
+        _check(spec, self._limits)
         identity = _identity(spec, scope)
         ns = self._by_identity.get(identity)
         if ns is None:
-            ns = Namespace(id=self._new_id(), name=_name(spec, scope), tp_size=spec.tp_size, scope=scope)
+            if len(self._by_identity) >= self._limits.max_namespaces and not self.sweep():
+                raise ResourceExhausted(
+                    f"the daemon holds {len(self._by_identity)} namespaces, the most it may "
+                    f"(--max-namespaces {self._limits.max_namespaces})"
+                )
+            ns = Namespace(
+                id=self._new_id(), name=_name(spec, scope), tp_size=spec.tp_size, scope=scope, identity=identity
+            )
             self._by_identity[identity] = ns
+            self._idle.add(ns)
             self._on_create(ns)
         return ns
+
+    def acquire(self, ns: Namespace) -> None:
+        """An engine or worker has registered in `ns`."""
+        ns.registrations += 1
+        self._idle.discard(ns)
+
+    def release(self, ns: Namespace) -> None:
+        """An engine or worker of `ns` is gone (its session ended)."""
+        ns.registrations -= 1
+        if ns.registrations == 0:
+            self._idle.add(ns)
+
+    def sweep(self) -> int:
+        """Frees the idle namespaces that hold no block; returns how many."""
+        empty = [ns for ns in self._idle if ns.used_slots == 0 and ns.ready_blocks == 0]
+        for ns in empty:
+            self._idle.discard(ns)
+            del self._by_identity[ns.identity]
+        return len(empty)
+
+    def __len__(self) -> int:
+        return len(self._by_identity)
 
     def named(self, name: str, visible: Callable[[Namespace], bool]) -> Namespace:
         """The namespace called `name` among those `visible` says the caller may see."""
         for ns in self._by_identity.values():
             if ns.name == name and visible(ns):
                 return ns
-        raise NotFound(f"no namespace {name!r} that this client may see: `kvdepot stats` lists them")
+        # Other tenants' names are not listed: they would tell what those tenants serve.
+        raise NotFound(f"no namespace {shown(name)} that this client may see: `kvdepot stats` lists them")
 
     def __iter__(self) -> Iterator[Namespace]:
         return iter(self._by_identity.values())

@@ -1,7 +1,8 @@
 """A RegisterWorker request's tensors, checked before any handle is opened.
 
 The size of a block follows from the shapes alone, so an oversized or absurd
-registration is refused before a single page offset is computed.
+registration is refused before a single page offset is computed; and every
+number is bounded (Limits.check_worker) before those sizes are computed.
 """
 
 from __future__ import annotations
@@ -9,21 +10,22 @@ from __future__ import annotations
 import math
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.layout import DTYPE_BYTES, MAX_PAGES_PER_WORKER, MAX_TENSORS_PER_WORKER, WorkerLayout, describe
+from kvdepot.layout import DTYPE_BYTES, MAX_PAGES_PER_WORKER, WorkerLayout, describe
 from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.limits import Limits
 from kvdepot.server.namespaces import Namespace
 
 
 def _block_bytes_of(spec: pb.TensorSpec) -> int:
-    """Bytes of one block of a tensor, from its shape (0 if the spec is malformed)."""
+    """Bytes of one block of a tensor, from its shape (bounded by Limits.check_worker)."""
     shape = list(spec.shape)
-    if spec.dtype not in DTYPE_BYTES or not 0 <= spec.block_dim < len(shape) or min(shape, default=0) < 1:
-        return 0
-    return DTYPE_BYTES[spec.dtype] * math.prod(shape) // shape[spec.block_dim]
+    return DTYPE_BYTES.get(spec.dtype, 0) * math.prod(shape) // shape[spec.block_dim]
 
 
-def worker_layout(request: pb.RegisterWorkerRequest, ns: Namespace, slot_bytes: int) -> WorkerLayout:
+def worker_layout(request: pb.RegisterWorkerRequest, ns: Namespace, slot_bytes: int, limits: Limits) -> WorkerLayout:
     """The layout the request's tensors describe; InvalidArgument if it is unusable."""
+    # Sizes, counts and strings first: what follows multiplies and sums them.
+    limits.check_worker(request)
     if request.rank >= ns.tp_size:
         raise InvalidArgument(f"rank {request.rank} is outside tp_size {ns.tp_size}")
     if not request.tensors:
@@ -32,9 +34,8 @@ def worker_layout(request: pb.RegisterWorkerRequest, ns: Namespace, slot_bytes: 
         raise InvalidArgument(
             f"{len(request.tensors)} tensors but {len(request.handles)} handles: give one handle for each tensor"
         )
-    if len(request.tensors) > MAX_TENSORS_PER_WORKER:
-        raise InvalidArgument(f"{len(request.tensors)} tensors; a worker registers at most {MAX_TENSORS_PER_WORKER}")
-    pages = sum(math.prod(t.shape[: t.block_dim]) for t in request.tensors if t.block_dim < len(t.shape))
+    # Every size is at least 1 (checked above), so no tensor's pages can hide another's.
+    pages = sum(math.prod(t.shape[: t.block_dim]) for t in request.tensors)
     if pages > MAX_PAGES_PER_WORKER:
         raise InvalidArgument(f"{pages} pages per block over all tensors; a worker has at most {MAX_PAGES_PER_WORKER}")
     block_bytes = sum(_block_bytes_of(t) for t in request.tensors)

@@ -10,6 +10,9 @@ from kvdepot.errors import PermissionDenied
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.tenants import Identity
 
+# Characters of a client's name that stats show (the client chose it).
+CLIENT_NAME_CHARS = 256
+
 
 @dataclass
 class Counters:
@@ -25,7 +28,7 @@ class Counters:
 
     def add(self, other: Counters) -> None:
         for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+            setattr(self, f.name, min(getattr(self, f.name) + getattr(other, f.name), 2**64 - 1))
 
     def to_proto(self, store_seconds: float = 0.0, load_seconds: float = 0.0) -> pb.Counters:
         msg = pb.Counters(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -106,18 +109,27 @@ def stats_response(depot, identity: Identity | None, asking_session_id: str = ""
             if visible(ns.scope):
                 totals.add(ns.counters)
         response.totals.CopyFrom(totals.to_proto())
-    for ns in depot.namespaces:
-        if visible(ns.scope):
-            response.namespaces.add(
-                name=ns.name, counters=ns.counters.to_proto(), ready_blocks=ns.ready_blocks, used_slots=ns.used_slots
-            )
-    for session in depot.sessions.values():
+    # A reply that grows with the clients and namespaces a node has seen would
+    # one day pass gRPC's 4 MiB: the busiest come first, the rest are counted.
+    most = depot.limits.stats_max_entries
+    namespaces = sorted((ns for ns in depot.namespaces if visible(ns.scope)), key=lambda ns: ns.used_slots,
+                        reverse=True)
+    response.namespaces_omitted = max(0, len(namespaces) - most)
+    for ns in namespaces[:most]:
+        response.namespaces.add(
+            name=ns.name, counters=ns.counters.to_proto(), ready_blocks=ns.ready_blocks, used_slots=ns.used_slots
+        )
+    sessions = [
+        s for s in depot.sessions.values()
+        if s.identity is not None and visible(s.identity.scope) and s.id != asking_session_id
+    ]
+    sessions.sort(key=lambda s: s.counters.stored_bytes + s.counters.loaded_bytes, reverse=True)
+    response.clients_omitted = max(0, len(sessions) - most)
+    for session in sessions[:most]:
         who = session.identity
-        if who is None or not visible(who.scope) or session.id == asking_session_id:
-            continue
         response.clients.add(
             session_number=session.number,
-            client_name=session.client_name,
+            client_name=session.client_name[:CLIENT_NAME_CHARS],
             pid=who.pid,
             tenant=who.tenant,
             uid=who.uid if who.uid is not None else 0,

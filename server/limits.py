@@ -1,0 +1,157 @@
+"""Bounds on what one client can make the daemon hold or compute.
+
+Every number a client sends is checked against a bound before the daemon does
+arithmetic with it or keeps anything for it: how many engines, workers and
+jobs a session has, how long its strings are, how large its tensors claim to
+be, and what it adds to the counters everyone's stats show. A refusal names
+the option that raises the bound (server/config.py, README "Limits").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvdepot.errors import InvalidArgument, ResourceExhausted
+from kvdepot.layout import check_tensor_bounds
+from kvdepot.proto import kvdepot_pb2 as pb
+
+# Counters are uint64 on the wire: one past this and GetStats cannot be built.
+COUNTER_MAX = (1 << 64) - 1
+
+# What one ReportLookups may add: far more than an engine answers between two
+# reports (it reports every few seconds), far less than a counter holds.
+MAX_REPORTED_LOOKUPS = 1 << 32
+# Blocks one lookup covers at most (16M tokens at 16 tokens a block).
+MAX_BLOCKS_PER_LOOKUP = 1 << 20
+
+# Characters of a client's string that an error message or a stats entry repeats.
+SHOWN_CHARS = 80
+
+
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """A client-given string for an error or a log line: quoted and escaped
+    (a newline cannot forge a log line) and cut short (an error's size stays
+    within what gRPC carries)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The options of the "Limits on registrations, jobs and namespaces" block."""
+
+    max_engines_per_session: int = 64
+    max_workers_per_session: int = 64
+    max_jobs_per_session: int = 4096
+    max_tp_size: int = 64
+    max_tensors_per_worker: int = 1024
+    max_name_length: int = 512
+    max_namespaces: int = 1024
+    job_deadline: float = 60.0
+    stats_max_entries: int = 256
+
+    @classmethod
+    def of(cls, config) -> Limits:
+        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
+    # ------------------------------------------------------------ sessions
+
+    def room_for_engine(self, session) -> None:
+        if len(session.engines) >= self.max_engines_per_session:
+            raise ResourceExhausted(
+                f"this session has registered {len(session.engines)} engines, the most one session may "
+                f"(--max-engines-per-session {self.max_engines_per_session})"
+            )
+
+    def room_for_worker(self, session) -> None:
+        if len(session.workers) >= self.max_workers_per_session:
+            raise ResourceExhausted(
+                f"this session has registered {len(session.workers)} workers, the most one session may "
+                f"(--max-workers-per-session {self.max_workers_per_session})"
+            )
+
+    def room_for_job(self, session) -> None:
+        if len(session.jobs) >= self.max_jobs_per_session:
+            raise ResourceExhausted(
+                f"this session has {len(session.jobs)} jobs in flight, the most one session may "
+                f"(--max-jobs-per-session {self.max_jobs_per_session}): wait for some to finish"
+            )
+
+    # ------------------------------------------------------------ strings
+
+    def check_text(self, field: str, value: str, printable: bool = True) -> None:
+        """A client's string that the daemon keeps, shows in stats or logs."""
+        if len(value) > self.max_name_length:
+            raise InvalidArgument(
+                f"{field} has {len(value)} characters, more than --max-name-length ({self.max_name_length}): "
+                f"{shown(value)}"
+            )
+        if printable and not value.isprintable():
+            raise InvalidArgument(f"{field} has control characters: {shown(value)}")
+
+    def check_namespace(self, spec: pb.NamespaceSpec) -> None:
+        for name in ("model", "revision", "kv_dtype", "layout"):
+            self.check_text(f"namespace.{name}", getattr(spec, name))
+        # Hashed into the name, never shown: any characters, bounded length.
+        self.check_text("namespace.extra", spec.extra, printable=False)
+        if spec.tp_size > self.max_tp_size:
+            raise InvalidArgument(
+                f"namespace.tp_size {spec.tp_size} is more than --max-tp-size ({self.max_tp_size})"
+            )
+
+    # ------------------------------------------------------------ workers
+
+    def check_worker(self, request: pb.RegisterWorkerRequest) -> None:
+        """Everything about a RegisterWorker request that needs no namespace,
+        checked before its tensors' sizes are multiplied or summed."""
+        self.check_text("device", request.device)
+        if len(request.tensors) > self.max_tensors_per_worker:
+            raise InvalidArgument(
+                f"{len(request.tensors)} tensors; a worker registers at most "
+                f"{self.max_tensors_per_worker} (--max-tensors-per-worker)"
+            )
+        for position, t in enumerate(request.tensors):
+            self.check_text(f"tensor {position} name", t.name)
+            where = f"tensor {position} ({shown(t.name, 40)})"
+            check_tensor_bounds(where, t.shape, t.strides, t.block_dim, t.byte_offset, t.storage_bytes)
+
+    # ------------------------------------------------------------ counters
+
+    @staticmethod
+    def check_lookup_report(request: pb.ReportLookupsRequest) -> None:
+        if request.lookups > MAX_REPORTED_LOOKUPS:
+            raise InvalidArgument(
+                f"ReportLookups counts {request.lookups} lookups; one report counts at most "
+                f"{MAX_REPORTED_LOOKUPS} (report more often)"
+            )
+        covered = request.lookups * MAX_BLOCKS_PER_LOOKUP
+        if request.hit_blocks + request.miss_blocks > covered:
+            raise InvalidArgument(
+                f"ReportLookups counts {request.hit_blocks} hit and {request.miss_blocks} missed blocks for "
+                f"{request.lookups} lookups; a lookup covers at most {MAX_BLOCKS_PER_LOOKUP} blocks"
+            )
+
+
+def expired_jobs(sessions, now: float, deadline: float):
+    """(job, why it failed) for each job its worker copies (the shared-memory
+    transport) and did not complete in time: until it does, the job pins its
+    blocks, which no other client can then store into or evict."""
+    for session in sessions:
+        # Jobs are kept in the order they began, so their deadlines ascend.
+        late = []
+        for job in session.jobs.values():
+            if job.deadline > now:
+                break
+            if job.worker.transport.worker_copies:
+                late.append(job)
+        for job in late:
+            why = f"{job.kind} job {job.id} was not completed within --job-deadline ({deadline:g} s)"
+            if job.kind == "store":
+                why += ": its slots stay out of use while this process lives"
+            yield job, why
+
+
+def saturating_add(value: int, delta: int) -> int:
+    """A counter that stops at the largest uint64 instead of breaking GetStats."""
+    return min(value + delta, COUNTER_MAX)
