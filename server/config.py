@@ -186,6 +186,42 @@ OPTIONS = [
         "slots, at least one); one DMA copy never crosses two of them.",
         size=True,
     ),
+    # Limits on what one client can make the daemon hold (connections, notifications)
+    Option(
+        "max_queued_notification_keys",
+        0,
+        "Block keys of notifications (a job's end counts one) that may wait for one session's "
+        "Attach stream to read them; a session further behind (a stopped or hung client) is "
+        "ended. 0: twice the pool's slots (a snapshot of a full pool fits), at least 524288 "
+        "(a queue that full holds about 55 MiB).",
+        kind=int,
+    ),
+    Option(
+        "max_job_connections",
+        1024,
+        "Job socket connections open at once; more are refused (the client runs its jobs "
+        "through gRPC calls instead).",
+        kind=int,
+    ),
+    Option(
+        "max_job_connections_per_uid",
+        512,
+        "Job socket connections open at once from processes of one user id (from the kernel).",
+        kind=int,
+    ),
+    Option(
+        "job_hello_timeout",
+        10.0,
+        "Seconds a new job socket connection has to say hello before it is closed.",
+        kind=float,
+    ),
+    Option(
+        "max_unread_job_replies",
+        "16MiB",
+        "Replies a job socket connection may leave unread before it is closed. Past 256 KiB "
+        "the daemon already stops reading that connection's requests until it reads.",
+        size=True,
+    ),
 ]
 
 
@@ -208,6 +244,11 @@ class DaemonConfig:
     copy_chunk_bytes: int
     copy_programs: int
     pin_chunk_bytes: int
+    max_queued_notification_keys: int
+    max_job_connections: int
+    max_job_connections_per_uid: int
+    job_hello_timeout: float
+    max_unread_job_replies: int
     # Read from auth_token_file when the configuration is loaded; never logged.
     auth_token: str | None = field(default=None, repr=False)
 
@@ -318,10 +359,22 @@ def _check(config: DaemonConfig) -> None:
         raise ConfigError(f"copy_chunk_bytes must be a power of two of at least 64, not {chunk}")
     if config.copy_programs < 0:
         raise ConfigError("copy_programs must be 0 (automatic) or more")
+    _check_limits(config)
     if config.copy_mode == "dma" and config.pin != "off" and config.staging_bytes < config.slot_size:
         raise ConfigError(
             f"staging_bytes ({config.staging_bytes}) must hold at least one pool slot ({config.slot_size} bytes)"
         )
+
+
+def _check_limits(config: DaemonConfig) -> None:
+    if config.max_queued_notification_keys < 0:
+        raise ConfigError("max_queued_notification_keys must be 0 (automatic) or more")
+    if config.max_job_connections < 1 or config.max_job_connections_per_uid < 1:
+        raise ConfigError("max_job_connections and max_job_connections_per_uid must be at least 1")
+    if config.job_hello_timeout <= 0:
+        raise ConfigError("job_hello_timeout must be more than 0 seconds")
+    if config.max_unread_job_replies < 1 << 20:
+        raise ConfigError(f"max_unread_job_replies must be at least 1MiB, not {config.max_unread_job_replies}")
 
 
 def describe(config: DaemonConfig) -> dict:

@@ -12,6 +12,7 @@ from kvdepot.errors import KVDepotError
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 from kvdepot.server.depot import Depot
+from kvdepot.server.logsafe import shown
 
 log = logging.getLogger("kvdepot.service")
 
@@ -33,16 +34,20 @@ def _unary(method):
 
 
 class KVDepotService(pb_grpc.KVDepotServicer):
-    def __init__(self, depot: Depot, job_socket: str = ""):
+    def __init__(self, depot: Depot, job_socket: str = "", max_queued_keys: int | None = None):
         self.depot = depot
         # Told to every session; empty when the daemon has no job socket.
         self.job_socket = job_socket
+        # Keys of notifications that may wait for one session's Attach stream.
+        self.max_queued_keys = max_queued_keys
 
     async def Attach(self, request, context):
         try:
             session = self.depot.attach(request.client_name, request.pid, request.protocol_version)
         except KVDepotError as e:
             await context.abort(e.code, str(e))
+        if self.max_queued_keys is not None:
+            session.outbox.bound(self.max_queued_keys, lambda reason: self._fell_behind(session, reason))
         try:
             yield pb.Notification(
                 started=pb.SessionStarted(
@@ -53,12 +58,22 @@ class KVDepotService(pb_grpc.KVDepotServicer):
                     job_socket=self.job_socket,
                 )
             )
-            while True:
-                yield await session.outbox.stream.get()
+            while (notification := await session.outbox.next()) is not None:
+                yield notification
+            why = f"kvdepotd ended this session: {session.outbox.overflowed}"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         finally:
             # Reached when the client closes the stream or its connection drops
             # (exit, crash, kill -9), and when the server stops.
             self.depot.end_session(session)
+
+    def _fell_behind(self, session, reason: str) -> None:
+        # Ended now, not once the stream gets to its end: a client that reads
+        # nothing may never let it, and its jobs and pins must go.
+        log.warning(
+            "ending session %s (%s, pid %d): %s", session.id, shown(session.client_name), session.pid, reason
+        )
+        self.depot.end_session(session)
 
     @_unary
     def RegisterEngine(self, request, context):

@@ -1,0 +1,26 @@
+"""A mistyped --listen never costs anyone a file: the daemon removes only
+sockets (a crashed daemon's) from where it listens."""
+
+from __future__ import annotations
+
+
+def test_listen_at_a_regular_file_refuses_to_start_and_leaves_it(start_daemon, tmp_path):
+    precious = tmp_path / "notes.txt"
+    precious.write_text("not a socket\n")
+    daemon = start_daemon(listen=str(precious), wait=False)
+    assert daemon.proc.wait(30) == 1
+    assert f"{precious} exists and is not a socket: refusing to replace it" in daemon.log()
+    assert precious.read_text() == "not a socket\n"
+
+
+def test_a_regular_file_where_the_job_socket_goes_is_left_and_jobs_use_grpc(start_daemon, tmp_path, client_factory):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    precious = folder / "kvdepot.sock.jobs"
+    precious.write_text("not a socket either\n")
+    daemon = start_daemon(folder=folder)
+    assert precious.read_text() == "not a socket either\n"
+    assert "no job socket" in daemon.log() and "is not a socket" in daemon.log()
+    client = client_factory(daemon)
+    assert client._connection.jobs.kind == "grpc"
+    assert client.stats().clients[0].client_name == "test"
