@@ -19,8 +19,10 @@ What any client can make happen again and again is logged once in a while.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+import resource
 import stat
 from dataclasses import dataclass
 
@@ -298,6 +300,34 @@ class JobConnection(asyncio.Protocol):
             )
 
 
+def fit_fd_limit(limits: JobSocketLimits) -> JobSocketLimits:
+    """The limits, with the connection limit within half the process's file
+    descriptors: the rest serve gRPC clients, the pool and the log. Job socket
+    connections must never be what keeps a new client from attaching.
+
+    The soft limit is raised to the hard one first (systemd's default soft
+    limit, 1024, would not hold the default connection limit and gRPC's).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or limits.connections <= soft // 2:
+        return limits
+    fitted = max(1, soft // 2)
+    log.warning(
+        "the job socket takes at most %d connections, not %d: the daemon may open %d files "
+        "(raise LimitNOFILE / ulimit -n for more)",
+        fitted,
+        limits.connections,
+        soft,
+    )
+    return dataclasses.replace(limits, connections=fitted)
+
+
 async def listen(depot, path: str, limits: JobSocketLimits | None = None) -> asyncio.AbstractServer:
     """Serves the job socket at `path` (a stale socket there is removed: the
     daemon holds its address lock; anything else there is left alone)."""
@@ -307,7 +337,7 @@ async def listen(depot, path: str, limits: JobSocketLimits | None = None) -> asy
         os.unlink(path)
     except FileNotFoundError:
         pass
-    gate = Gate(limits or JobSocketLimits())
+    gate = Gate(fit_fd_limit(limits or JobSocketLimits()))
     loop = asyncio.get_running_loop()
     server = await loop.create_unix_server(lambda: JobConnection(depot, gate), path)
     try:

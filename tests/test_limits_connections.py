@@ -149,3 +149,18 @@ def test_replies_left_unread_do_not_grow_the_daemon_and_other_clients_run(start_
     finally:
         flood.stop()
     store_and_check(client, worker, tensors, 20, prompt=422)
+
+
+def test_job_connections_never_take_the_files_a_new_client_needs(start_daemon, client_factory):
+    # A daemon that may open 256 files (a tight LimitNOFILE) keeps half of them from the job socket.
+    launcher = str(Path(__file__).resolve().parent / "daemon_with_few_files.py")
+    daemon = start_daemon(launcher=launcher, env={"KVDEPOT_TEST_NOFILE": "256"})
+    assert "the job socket takes at most 128 connections, not 1024" in daemon.log()
+    idle = Attacker("idle", daemon.socket, 300)
+    try:
+        assert idle.report()["refused"] == 300 - 128
+        client = client_factory(daemon, name="newcomer")
+        worker, engine, tensors = attach_worker(client, seed=45)
+        store_and_check(client, worker, tensors, 1, prompt=430)
+    finally:
+        idle.stop()
