@@ -270,7 +270,7 @@ class JobConnection(asyncio.Protocol):
             return self._refusal(request.request_id, e)
         except Exception as e:
             # A bug of the daemon's, but one a client may trigger at will.
-            self._gate.events.warning("failed " + kind, "job socket %s failed", kind, exc_info=True)
+            self._gate.events.warning(f"failed {kind}", "job socket %s failed", kind, exc_info=True)
             return self._refusal(request.request_id, RuntimeError(f"{kind} failed: see the daemon's log ({e})"))
         return frame(reply)
 

@@ -3,7 +3,8 @@ process of its own, with raw gRPC and raw sockets (no client library). Run by
 the tests; each command prints one JSON line, and those that hold something
 keep it until a line comes on stdin.
 
-  stuck-engine SOCKET N   attach, register N engines, never read the stream
+  stuck-engine SOCKET N   attach, register N engines, read nothing from the stream
+                          until told; then read it to its end and say how it ended
   idle SOCKET N           open N job socket connections and say nothing
   flood SOCKET MIB        attach, say hello, send MIB MiB of requests, read no reply
   garbage SOCKET N        N connections, each sends one frame that is no JobFrame
@@ -54,8 +55,14 @@ def stuck_engine(socket_path: str, engines: int) -> None:
     for _ in range(engines):  # each is told every change of the namespace
         stub.RegisterEngine(pb.RegisterEngineRequest(session_id=started.session_id,
                                                      namespace=pb.NamespaceSpec(**namespace("per_layer"))))
-    # The stream is never read again: everything the daemon sends it waits.
+    # The stream is not read: everything the daemon sends it waits.
     hold({"session_id": started.session_id})
+    try:
+        for _ in stream:
+            pass
+        print(json.dumps({"ended": "OK"}), flush=True)
+    except grpc.RpcError as e:
+        print(json.dumps({"ended": e.code().name, "details": e.details()}), flush=True)
 
 
 def refusal_of(sock: socket.socket) -> str | None:

@@ -79,6 +79,12 @@ def test_a_session_that_stops_reading_its_stream_is_ended_and_the_daemon_does_no
         # The client that reads its stream was never touched.
         assert client.stats().totals.failed_jobs == 0
         store_and_check(client, worker, tensors, 5000, prompt=401)
+        # Once the stuck client reads again, its stream says why it was ended.
+        stuck.proc.stdin.write("read\n")
+        stuck.proc.stdin.flush()
+        ended = stuck.report()
+        assert ended["ended"] == "RESOURCE_EXHAUSTED", ended
+        assert "kvdepotd ended this session" in ended["details"] and "--max-queued-notification-keys" in ended["details"]
     finally:
         stuck.stop()
 
