@@ -226,9 +226,19 @@ class Session:
             for worker in self._workers:
                 worker.worker_id = None
             engines = list(self._engines)
+            workers = list(self._workers)
             self._changed.notify_all()
         if connection is not None:
             connection.jobs.close()
+            # A gone daemon's pool file is deleted, but its memory (the whole
+            # pool) stays in use while any process maps it: unmap it now, not
+            # at this worker's next copy, which may be long after the next
+            # daemon has allocated its own pool. A copy of this connection
+            # that has not started fails instead of mapping it again.
+            connection.pool = None
+        for worker in workers:
+            if worker.copier is not None:
+                worker.copier.forget_pool()
         self._copies.forget_all(engines)
         closing = self.closing.is_set()
         self._book.fail_all("the client was closed during the job" if closing else "kvdepotd went away during the job")

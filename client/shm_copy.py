@@ -78,6 +78,11 @@ class BlockCopier:
             self._plan_pool, self._plan_views = pool, plan
         return self._plan_views
 
+    def forget_pool(self) -> None:
+        """Drops the views into the pool last copied with, so that a gone
+        daemon's pool is unmapped once nothing else holds it."""
+        self._plan_pool, self._plan_views = None, []
+
     # Copies run in inference mode whichever mode the caller is in: vLLM runs
     # its steps in inference mode, so views made there are inference tensors,
     # which an in-place copy outside it refuses (a flush at shutdown, say).

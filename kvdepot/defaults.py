@@ -19,6 +19,9 @@ SOCKET_ENV = "KVDEPOT_SOCKET"
 # before each message, and the longest message either side accepts.
 JOB_FRAME_HEADER = struct.Struct("<I")
 MAX_JOB_FRAME_BYTES = 64 << 20
+# The longest first frame (a hello, a few dozen bytes) the daemon reads from a
+# connection that has not said hello: a stranger's bytes are not buffered.
+MAX_HELLO_FRAME_BYTES = 4096
 
 
 def read_token(path: str) -> str:

@@ -271,6 +271,42 @@ OPTIONS = [
         "counted (namespaces_omitted, clients_omitted).",
         kind=int,
     ),
+    # Limits on what one client can make the daemon hold (connections, notifications)
+    Option(
+        "max_queued_notification_keys",
+        0,
+        "Block keys of notifications (a job's end counts one) that may wait for one session's "
+        "Attach stream to read them; a session further behind (a stopped or hung client) is "
+        "ended. 0: twice the pool's slots (a snapshot of a full pool fits), at least 524288 "
+        "(a queue that full holds about 55 MiB).",
+        kind=int,
+    ),
+    Option(
+        "max_job_connections",
+        1024,
+        "Job socket connections open at once; more are refused (a refused client cannot use its "
+        "session, and tries again).",
+        kind=int,
+    ),
+    Option(
+        "max_job_connections_per_uid",
+        512,
+        "Job socket connections open at once from processes of one user id (from the kernel).",
+        kind=int,
+    ),
+    Option(
+        "job_hello_timeout",
+        10.0,
+        "Seconds a new job socket connection has to say hello before it is closed.",
+        kind=float,
+    ),
+    Option(
+        "max_unread_job_replies",
+        "16MiB",
+        "Replies a job socket connection may leave unread before it is closed. Past 256 KiB "
+        "the daemon already stops reading that connection's requests until it reads.",
+        size=True,
+    ),
 ]
 
 
@@ -315,6 +351,11 @@ class DaemonConfig:
     max_namespaces: int
     job_deadline: float
     stats_max_entries: int
+    max_queued_notification_keys: int
+    max_job_connections: int
+    max_job_connections_per_uid: int
+    job_hello_timeout: float
+    max_unread_job_replies: int
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
@@ -445,10 +486,22 @@ def _check(config: DaemonConfig) -> None:
             raise ConfigError(f"{name} must be at least 1, not {getattr(config, name)}")
     if not 0 < config.job_deadline < float("inf"):
         raise ConfigError(f"job_deadline must be a positive number of seconds, not {config.job_deadline}")
+    _check_limits(config)
     if config.copy_mode == "dma" and config.pin != "off" and config.staging_bytes < config.slot_size:
         raise ConfigError(
             f"staging_bytes ({config.staging_bytes}) must hold at least one pool slot ({config.slot_size} bytes)"
         )
+
+
+def _check_limits(config: DaemonConfig) -> None:
+    if config.max_queued_notification_keys < 0:
+        raise ConfigError("max_queued_notification_keys must be 0 (automatic) or more")
+    if config.max_job_connections < 1 or config.max_job_connections_per_uid < 1:
+        raise ConfigError("max_job_connections and max_job_connections_per_uid must be at least 1")
+    if config.job_hello_timeout <= 0:
+        raise ConfigError("job_hello_timeout must be more than 0 seconds")
+    if config.max_unread_job_replies < 1 << 20:
+        raise ConfigError(f"max_unread_job_replies must be at least 1MiB, not {config.max_unread_job_replies}")
 
 
 def describe(config: DaemonConfig) -> dict:

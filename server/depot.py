@@ -166,7 +166,7 @@ class Depot:
             raise Unavailable("the daemon is shutting down")
         session = Session(secrets.token_hex(16), self._new_id(), client_name, identity)
         self.sessions[session.id] = session
-        log.info("session %d attached: %r%s", session.number, client_name, _who(session))
+        log.info("session %d attached: %s%s", session.number, shown(client_name), _who(session))
         return session
 
     def prove(self, session_id: str, identity: Identity) -> Session:

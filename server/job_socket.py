@@ -7,23 +7,91 @@ on both sides twice (the request in, JobDone out), a large part of a small
 job's time (docs/benchmarks.md). Here a request is read by the event loop
 itself and its answer, and later its JobDone, are written from the loop
 straight into the socket.
+
+Anyone who can reach the socket can open connections, so what they can make
+the daemon hold is bounded: connections in all and per user id (from the
+kernel, SO_PEERCRED), a deadline and a small frame size until a connection
+says hello, and the replies it leaves unread (past a high-water mark the
+daemon stops reading its requests until it reads; past a cap it is closed).
+What any client can make happen again and again is logged once in a while.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+import resource
+import stat
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvdepot.defaults import JOB_FRAME_HEADER, MAX_JOB_FRAME_BYTES
-from kvdepot.errors import FailedPrecondition, InvalidArgument, KVDepotError, NotFound, PermissionDenied
+from kvdepot.defaults import JOB_FRAME_HEADER, MAX_HELLO_FRAME_BYTES, MAX_JOB_FRAME_BYTES
+from kvdepot.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KVDepotError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.logsafe import RateLimitedLog
 from kvdepot.server.peer import peer_of
 
 log = logging.getLogger("kvdepot.jobs")
+
+# Unread replies past which the daemon stops reading a connection's requests,
+# and below which it reads them again: a few thousand replies in flight.
+PAUSE_AT_BYTES = 256 << 10
+RESUME_AT_BYTES = 64 << 10
+
+
+@dataclass
+class JobSocketLimits:
+    """What one client can make the job socket hold (server/config.py has the options)."""
+
+    connections: int = 1024
+    connections_per_uid: int = 512
+    hello_timeout: float = 10.0
+    max_unread_replies: int = 16 << 20
+
+
+class Gate:
+    """Admits connections within the limits and counts them while they are open."""
+
+    def __init__(self, limits: JobSocketLimits):
+        self.limits = limits
+        self.total = 0
+        # By the peer's uid; None for a peer without credentials.
+        self.per_uid: dict[int | None, int] = {}
+        # One line now and then for what any client can make happen at will.
+        self.events = RateLimitedLog(log)
+
+    def admit(self, uid: int | None) -> str | None:
+        """None when the connection may stay (it is counted), else why not."""
+        if self.total >= self.limits.connections:
+            return (
+                f"kvdepotd has {self.total} job socket connections open, its limit "
+                "(--max-job-connections); the client's session cannot be used until it connects"
+            )
+        if self.per_uid.get(uid, 0) >= self.limits.connections_per_uid:
+            return (
+                f"user id {uid} has {self.per_uid[uid]} job socket connections open, the limit per user "
+                "(--max-job-connections-per-uid); the client's session cannot be used until it connects"
+            )
+        self.total += 1
+        self.per_uid[uid] = self.per_uid.get(uid, 0) + 1
+        return None
+
+    def release(self, uid: int | None) -> None:
+        self.total -= 1
+        self.per_uid[uid] -= 1
+        if not self.per_uid[uid]:
+            del self.per_uid[uid]
 
 
 def job_socket_path(grpc_socket_path: str) -> str:
@@ -38,15 +106,23 @@ def frame(message) -> bytes:
 class JobConnection(asyncio.Protocol):
     """One client's job socket. Belongs to a session after its hello."""
 
-    def __init__(self, depot, tenants):
+    def __init__(self, depot, tenants, gate: Gate):
         self._depot = depot
         self._tenants = tenants
+        self._gate = gate
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self.session = None
         # JobDone of jobs that ended while a request was being handled: they go
         # out after its answer (a job can end inside its own submit).
         self._held_dones: list | None = None
+        # The peer's uid (None: unknown), and whether the gate counts this connection.
+        self._uid: int | None = None
+        self._peer = "an unknown peer"
+        self._admitted = False
+        self._hello_timer: asyncio.TimerHandle | None = None
+        # The client is not reading its replies: requests wait in the buffer.
+        self._paused = False
 
     @property
     def open(self) -> bool:
@@ -54,21 +130,57 @@ class JobConnection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self._transport = transport
+        peer = peer_of(transport.get_extra_info("socket"))
+        if peer is not None:
+            self._uid, self._peer = peer.uid, f"pid {peer.pid}, uid {peer.uid}"
+        refusal = self._gate.admit(self._uid)
+        if refusal is not None:
+            self._gate.events.warning("refused", "refused a job socket connection of %s: %s", self._peer, refusal)
+            transport.write(self._refusal(0, ResourceExhausted(refusal)))
+            transport.close()
+            return
+        self._admitted = True
+        transport.set_write_buffer_limits(high=PAUSE_AT_BYTES, low=RESUME_AT_BYTES)
+        timeout = self._gate.limits.hello_timeout
+        self._hello_timer = asyncio.get_running_loop().call_later(timeout, self._no_hello, timeout)
 
     def connection_lost(self, exc) -> None:
         if self.session is not None and self.session.outbox.job_channel is self:
             # Later JobDone go back to the Attach stream, which still ends the session.
             self.session.outbox.job_channel = None
+        if self._admitted:
+            self._gate.release(self._uid)
+            self._admitted = False
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
         self._transport = None
 
     def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        self._serve()
+
+    def pause_writing(self) -> None:
+        # Its replies pile up unread: take no more requests until they go out.
+        self._paused = True
+        self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._serve()
+        if self.open and not self._paused:
+            self._transport.resume_reading()
+
+    def _serve(self) -> None:
+        """Handles the whole frames in the buffer, until writing is paused."""
         buffer = self._buffer
-        buffer += data
         start = 0
-        while self.open and len(buffer) - start >= JOB_FRAME_HEADER.size:
+        while self.open and not self._paused and len(buffer) - start >= JOB_FRAME_HEADER.size:
             (length,) = JOB_FRAME_HEADER.unpack_from(buffer, start)
-            if length > MAX_JOB_FRAME_BYTES:
-                self._drop(f"a frame of {length} bytes (the limit is {MAX_JOB_FRAME_BYTES})")
+            limit = MAX_JOB_FRAME_BYTES if self.session is not None else MAX_HELLO_FRAME_BYTES
+            if length > limit:
+                before_hello = "" if self.session is not None else " before hello"
+                self._drop("too large", f"a frame of {length} bytes (the limit is {limit}{before_hello})")
                 return
             end = start + JOB_FRAME_HEADER.size + length
             if len(buffer) < end:
@@ -77,7 +189,7 @@ class JobConnection(asyncio.Protocol):
             try:
                 request.ParseFromString(bytes(buffer[start + JOB_FRAME_HEADER.size : end]))
             except DecodeError:
-                self._drop("a frame that is not a JobFrame")
+                self._drop("undecodable", "a frame that is not a JobFrame")
                 return
             start = end
             self._handle(request)
@@ -88,15 +200,40 @@ class JobConnection(asyncio.Protocol):
         if self._held_dones is not None:
             self._held_dones.append(message)
         else:
-            self._transport.write(message)
+            self._write(message)
 
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
 
-    def _drop(self, what: str) -> None:
-        log.warning("closing a job socket connection that sent %s", what)
+    def _write(self, message: bytes) -> None:
+        self._transport.write(message)
+        unread = self._transport.get_write_buffer_size()
+        cap = self._gate.limits.max_unread_replies
+        if unread > cap:
+            self._gate.events.warning(
+                "unread",
+                "closing the job socket connection of %s: it left %d bytes of replies unread "
+                "(the limit is %d, --max-unread-job-replies)",
+                self._peer,
+                unread,
+                cap,
+            )
+            self._transport.abort()  # what it did not read goes with it
+
+    def _drop(self, kind: str, what: str) -> None:
+        self._gate.events.warning(kind, "closing a job socket connection that sent %s (%s)", what, self._peer)
         self._transport.close()
+
+    def _no_hello(self, timeout: float) -> None:
+        self._hello_timer = None
+        if self.session is None and self.open:
+            self._gate.events.warning(
+                "no hello", "closing the job socket connection of %s: no hello within %g s", self._peer, timeout
+            )
+            error = FailedPrecondition(f"no hello within {timeout:g} s (--job-hello-timeout)")
+            self._transport.write(self._refusal(0, error))
+            self._transport.close()
 
     @staticmethod
     def _refusal(request_id: int, error: Exception) -> bytes:
@@ -113,9 +250,10 @@ class JobConnection(asyncio.Protocol):
             return
         self._held_dones = []
         try:
-            self._transport.write(self._answer(request, kind))
+            self._write(self._answer(request, kind))
             for message in self._held_dones:
-                self._transport.write(message)
+                if self.open:
+                    self._write(message)
         finally:
             self._held_dones = None
 
@@ -139,7 +277,8 @@ class JobConnection(asyncio.Protocol):
         except KVDepotError as e:
             return self._refusal(request.request_id, e)
         except Exception as e:
-            log.exception("job socket %s failed", kind)
+            # A bug of the daemon's, but one a client may trigger at will.
+            self._gate.events.warning(f"failed {kind}", "job socket %s failed", kind, exc_info=True)
             return self._refusal(request.request_id, RuntimeError(f"{kind} failed: see the daemon's log ({e})"))
         return frame(reply)
 
@@ -162,6 +301,9 @@ class JobConnection(asyncio.Protocol):
             return
         session.outbox.job_channel = self
         self.session = session
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
         ready = pb.JobSocketReady(tenant=session.identity.tenant, admin=session.identity.admin)
         self._transport.write(frame(pb.JobReply(request_id=request.request_id, ready=ready)))
 
@@ -172,15 +314,46 @@ class JobConnection(asyncio.Protocol):
             )
 
 
-async def listen(depot, tenants, path: str) -> asyncio.AbstractServer:
-    """Serves the job socket at `path` (a stale file there is removed: the
-    daemon holds its address lock)."""
+def fit_fd_limit(limits: JobSocketLimits) -> JobSocketLimits:
+    """The limits, with the connection limit within half the process's file
+    descriptors: the rest serve gRPC clients, the pool and the log. Job socket
+    connections must never be what keeps a new client from attaching.
+
+    The soft limit is raised to the hard one first (systemd's default soft
+    limit, 1024, would not hold the default connection limit and gRPC's).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or limits.connections <= soft // 2:
+        return limits
+    fitted = max(1, soft // 2)
+    log.warning(
+        "the job socket takes at most %d connections, not %d: the daemon may open %d files "
+        "(raise LimitNOFILE / ulimit -n for more)",
+        fitted,
+        limits.connections,
+        soft,
+    )
+    return dataclasses.replace(limits, connections=fitted)
+
+
+async def listen(depot, tenants, path: str, limits: JobSocketLimits | None = None) -> asyncio.AbstractServer:
+    """Serves the job socket at `path` (a stale socket there is removed: the
+    daemon holds its address lock; anything else there is left alone)."""
     try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise FileExistsError(f"{path} exists and is not a socket; it is left as it is")
         os.unlink(path)
     except FileNotFoundError:
         pass
+    gate = Gate(fit_fd_limit(limits or JobSocketLimits()))
     loop = asyncio.get_running_loop()
-    server = await loop.create_unix_server(lambda: JobConnection(depot, tenants), path)
+    server = await loop.create_unix_server(lambda: JobConnection(depot, tenants, gate), path)
     try:
         os.chmod(path, 0o660)
     except OSError:

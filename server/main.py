@@ -12,6 +12,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import sys
 import time
 
@@ -25,6 +26,7 @@ from kvdepot.server import job_socket
 from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_config
 from kvdepot.server.depot import Depot
 from kvdepot.server.limits import Limits
+from kvdepot.server.logsafe import EscapingFormatter
 from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
 from kvdepot.server.service import KVDepotService
 from kvdepot.server.tenants import TenantConfigError, Tenants, parse_admin_uids, scope_quotas
@@ -57,7 +59,8 @@ def setup_logging(config: DaemonConfig) -> None:
     if config.log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        # Messages may hold what clients sent: one record, one line.
+        handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(config.log_level.upper())
@@ -92,6 +95,7 @@ class AddressGuard:
         self._lock_fd: int | None = None
 
     def acquire(self) -> None:
+        self._refuse_non_socket()
         directory = os.path.dirname(self.lock_path) or "."
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -115,6 +119,23 @@ class AddressGuard:
         if self.socket_path and os.path.exists(self.socket_path):
             log.info("removing the stale socket %s left by a daemon that is gone", self.socket_path)
             os.unlink(self.socket_path)
+
+    def _refuse_non_socket(self) -> None:
+        # A mistyped --listen must not cost someone a file: only a socket is
+        # ever removed from where the daemon listens.
+        if not self.socket_path:
+            return
+        try:
+            mode = os.lstat(self.socket_path).st_mode
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise StartupError(f"cannot check {self.socket_path}: {e.strerror}") from e
+        if not stat.S_ISSOCK(mode):
+            raise StartupError(
+                f"{self.socket_path} exists and is not a socket: refusing to replace it; "
+                "give --listen a path that is free (or a socket a kvdepotd left)"
+            )
 
     def release(self) -> None:
         if self.socket_path:
@@ -218,12 +239,14 @@ async def serve(config: DaemonConfig) -> int:
     if unix_path:
         job_path = job_socket.job_socket_path(unix_path)
         try:
-            job_server = await job_socket.listen(depot, tenants, job_path)
+            job_server = await job_socket.listen(depot, tenants, job_path, job_limits(config))
         except OSError as e:
             pool.close()
             guard.release()
-            raise StartupError(f"cannot serve the job socket {job_path} ({e}): choose a shorter --listen path") from e
-    pb_grpc.add_KVDepotServicer_to_server(KVDepotService(depot, tenants, job_path), server)
+            raise StartupError(f"cannot serve the job socket {job_path}: {e}") from e
+    # Enough for a registration's snapshot of a namespace that fills the pool, twice.
+    max_queued_keys = config.max_queued_notification_keys or max(1 << 19, 2 * pool.num_slots)
+    pb_grpc.add_KVDepotServicer_to_server(KVDepotService(depot, tenants, job_path, max_queued_keys), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -322,6 +345,15 @@ def add_transports(depot: Depot, pool: HostPool, config: DaemonConfig) -> None:
                 programs=config.copy_programs,
             )
         )
+
+
+def job_limits(config: DaemonConfig) -> job_socket.JobSocketLimits:
+    return job_socket.JobSocketLimits(
+        connections=config.max_job_connections,
+        connections_per_uid=config.max_job_connections_per_uid,
+        hello_timeout=config.job_hello_timeout,
+        max_unread_replies=config.max_unread_job_replies,
+    )
 
 
 def _close_job_socket(server: asyncio.AbstractServer, path: str) -> None:

@@ -5,6 +5,12 @@ its Attach stream; everything else (BlocksChanged) goes to the Attach stream.
 The changes one call makes to the block index are collected while it runs and
 sent once it is done: one BlocksChanged per engine of each namespace that
 changed, so an engine's copy of its namespace's keys follows the daemon's.
+
+What waits for the Attach stream is bounded: a client that stops reading it
+(stopped, hung, or on purpose) while other engines store in its namespaces
+would otherwise make the daemon hold every change for it. Past the bound the
+session is ended (service.py), since a copy of the keys that missed changes is
+wrong anyway; the client attaches again and gets a fresh snapshot.
 """
 
 from __future__ import annotations
@@ -26,10 +32,49 @@ class Outbox:
     """One session's notifications."""
 
     def __init__(self) -> None:
-        # Read by the session's Attach stream (service.py).
-        self.stream: asyncio.Queue[pb.Notification] = asyncio.Queue()
+        # Read by the session's Attach stream (service.py) with `next`; None
+        # once the session has fallen too far behind.
+        self.stream: asyncio.Queue[pb.Notification | None] = asyncio.Queue()
         # The session's job socket connection (job_socket.py), once it has one.
         self.job_channel = None
+        self.queued_keys = 0
+        # Unbounded until the Attach stream that reads it sets a bound.
+        self._max_keys: int | None = None
+        self._on_overflow = None
+        # Why the session is being ended, once it has fallen too far behind.
+        self.overflowed: str | None = None
+
+    def bound(self, max_keys: int, on_overflow) -> None:
+        """Past `max_keys` keys waiting, everything queued is dropped and
+        `on_overflow(reason)` is called soon (not inside the call that overflowed,
+        which may be iterating over the sessions)."""
+        self._max_keys = max_keys
+        self._on_overflow = on_overflow
+
+    async def next(self) -> pb.Notification | None:
+        """The next notification; None once the session has fallen too far behind."""
+        notification = await self.stream.get()
+        if notification is not None:
+            self.queued_keys -= _keys_of(notification)
+        return notification
+
+    def _put(self, notification: pb.Notification) -> None:
+        if self.overflowed is not None:
+            return
+        self.queued_keys += _keys_of(notification)
+        if self._max_keys is None or self.queued_keys <= self._max_keys:
+            self.stream.put_nowait(notification)
+            return
+        self.overflowed = (
+            f"its Attach stream left more than {self._max_keys} keys of notifications unread "
+            "(--max-queued-notification-keys raises the limit)"
+        )
+        # The memory goes now, not when the stream is read (maybe never).
+        while not self.stream.empty():
+            self.stream.get_nowait()
+        self.stream.put_nowait(None)
+        self.queued_keys = 0
+        asyncio.get_running_loop().call_soon(self._on_overflow, self.overflowed)
 
     def has_job_channel(self) -> bool:
         return self.job_channel is not None and self.job_channel.open
@@ -40,11 +85,13 @@ class Outbox:
         if channel is not None and channel.open:
             channel.send_done(done)
         else:
-            self.stream.put_nowait(pb.Notification(job_done=done))
+            self._put(pb.Notification(job_done=done))
 
     def blocks_changed(self, engine_id: int, ready=(), storing=(), dropped=()) -> None:
+        if self.overflowed is not None:
+            return
         changed = pb.BlocksChanged(engine_id=engine_id, ready=ready, storing=storing, dropped=dropped)
-        self.stream.put_nowait(pb.Notification(blocks_changed=changed))
+        self._put(pb.Notification(blocks_changed=changed))
 
     def snapshot(self, engine_id: int, ready: list[bytes], storing: list[bytes]) -> None:
         """Every ready and storing key of a namespace, for an engine that has just registered."""
@@ -83,6 +130,14 @@ class ChangeFeed:
                 lists = messages.get(ns.id)
                 if lists:
                     session.outbox.blocks_changed(engine_id, **lists)
+
+
+def _keys_of(notification: pb.Notification) -> int:
+    """What a notification counts for against the bound: its keys, a JobDone one."""
+    if notification.HasField("blocks_changed"):
+        changed = notification.blocks_changed
+        return max(1, len(changed.ready) + len(changed.storing) + len(changed.dropped))
+    return 1
 
 
 def _live(sessions: Iterable[Session]) -> Iterable[Session]:

@@ -12,6 +12,7 @@ from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 from kvdepot.server.depot import Depot
 from kvdepot.server.tenants import Identity, Tenants
+from kvdepot.server.limits import shown
 
 log = logging.getLogger("kvdepot.service")
 
@@ -47,13 +48,15 @@ def _certificate_names(context) -> list[str]:
 
 
 class KVDepotService(pb_grpc.KVDepotServicer):
-    def __init__(self, depot: Depot, tenants: Tenants, job_socket: str = ""):
+    def __init__(self, depot: Depot, tenants: Tenants, job_socket: str = "", max_queued_keys: int | None = None):
         self.depot = depot
         self.tenants = tenants
         # Told to every session. Set on a unix socket, where the client's hello
         # there proves who it is; empty on TCP, where each call's token or
         # client certificate does.
         self.job_socket = job_socket
+        # Keys of notifications that may wait for one session's Attach stream.
+        self.max_queued_keys = max_queued_keys
 
     def _tcp_identity(self, context) -> Identity | None:
         """On TCP, who the call's token or client certificate proves; None on a unix socket."""
@@ -88,6 +91,8 @@ class KVDepotService(pb_grpc.KVDepotServicer):
             session = self.depot.attach(request.client_name, request.protocol_version, identity)
         except KVDepotError as e:
             await context.abort(e.code, str(e))
+        if self.max_queued_keys is not None:
+            session.outbox.bound(self.max_queued_keys, lambda reason: self._fell_behind(session, reason))
         try:
             yield pb.Notification(
                 started=pb.SessionStarted(
@@ -99,12 +104,21 @@ class KVDepotService(pb_grpc.KVDepotServicer):
                     tenant=identity.tenant if identity else "",
                 )
             )
-            while True:
-                yield await session.outbox.stream.get()
+            while (notification := await session.outbox.next()) is not None:
+                yield notification
+            why = f"kvdepotd ended this session: {session.outbox.overflowed}"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         finally:
             # Reached when the client closes the stream or its connection drops
             # (exit, crash, kill -9), and when the server stops.
             self.depot.end_session(session)
+
+    def _fell_behind(self, session, reason: str) -> None:
+        # Ended now, not once the stream gets to its end: a client that reads
+        # nothing may never let it, and its jobs and pins must go.
+        who = session.identity.describe() if session.identity else "not proven"
+        log.warning("ending session %d (%s, %s): %s", session.number, shown(session.client_name), who, reason)
+        self.depot.end_session(session)
 
     @_unary
     def RegisterEngine(self, request, context):

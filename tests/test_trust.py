@@ -235,3 +235,25 @@ def test_a_bad_tenant_table_is_refused_with_a_clear_message(tmp_path, toml, mess
     with pytest.raises(ConfigError, match=".*") as info:
         load_config(["--config", str(path)], environ={})
     assert message in str(info.value)
+
+
+@needs_second_uid
+def test_one_users_job_connections_at_their_limit_do_not_lock_another_user_out(open_folder, start_daemon):
+    from test_limits_connections import Attacker
+
+    daemon = start_shared(start_daemon, open_folder, max_job_connections_per_uid=40)
+    idle = Attacker("idle", daemon.socket, 100)  # root's: 40 held, the rest refused
+    try:
+        assert idle.report()["refused"] == 60
+        script = (
+            "import sys; sys.path.insert(0, sys.argv[1]); from raw_client import RawSession; "
+            "s = RawSession(sys.argv[2]); print(s.ready.tenant)"
+        )
+        result = subprocess.run(
+            [*as_uid(NOBODY), sys.executable, "-c", script, str(HERE), daemon.socket],
+            capture_output=True, text=True, timeout=60, env=subprocess_env(), cwd="/",
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == f"uid-{NOBODY}"
+    finally:
+        idle.stop()

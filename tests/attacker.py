@@ -1,0 +1,171 @@
+"""A client that tries to make the daemon hold more than it should, from a
+process of its own, with raw gRPC and raw sockets (no client library). Run by
+the tests; each command prints one JSON line, and those that hold something
+keep it until a line comes on stdin.
+
+  stuck-engine SOCKET N   attach, register N engines, read nothing from the stream
+                          until told; then read it to its end and say how it ended
+  idle SOCKET N           open N job socket connections and say nothing
+  flood SOCKET MIB        attach, say hello, send MIB MiB of requests, read no reply
+  garbage SOCKET N        N connections, each sends one frame that is no JobFrame
+  forge SOCKET TEXT       attach with TEXT as client name and namespace model
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kvcache import namespace  # noqa: E402
+from kvdepot.defaults import PROTOCOL_VERSION  # noqa: E402
+from kvdepot.proto import kvdepot_pb2 as pb  # noqa: E402
+from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc  # noqa: E402
+from raw_client import RawJobSocket  # noqa: E402
+
+LENGTH = struct.Struct("<I")
+
+
+def framed(message) -> bytes:
+    data = message.SerializeToString()
+    return LENGTH.pack(len(data)) + data
+
+
+def attach(socket_path: str, name: str = "attacker", hello: bool = True):
+    """A session; with `hello`, proven on the job socket (which closes again:
+    the session keeps its identity)."""
+    channel = grpc.insecure_channel("unix:" + socket_path)
+    stub = pb_grpc.KVDepotStub(channel)
+    stream = stub.Attach(pb.AttachRequest(client_name=name, pid=os.getpid(), protocol_version=PROTOCOL_VERSION))
+    started = next(stream).started
+    if hello:
+        jobs = RawJobSocket(started.job_socket)
+        if not jobs.hello(started.session_id).HasField("ready"):
+            raise RuntimeError("the daemon refused our hello")
+        jobs.close()
+    return channel, stub, stream, started
+
+
+def hold(report: dict) -> None:
+    print(json.dumps(report), flush=True)
+    sys.stdin.readline()
+
+
+def stuck_engine(socket_path: str, engines: int) -> None:
+    _, stub, stream, started = attach(socket_path, "stuck")
+    for _ in range(engines):  # each is told every change of the namespace
+        stub.RegisterEngine(pb.RegisterEngineRequest(session_id=started.session_id,
+                                                     namespace=pb.NamespaceSpec(**namespace("per_layer"))))
+    # The stream is not read: everything the daemon sends it waits.
+    hold({"engines": engines})
+    try:
+        for _ in stream:
+            pass
+        print(json.dumps({"ended": "OK"}), flush=True)
+    except grpc.RpcError as e:
+        print(json.dumps({"ended": e.code().name, "details": e.details()}), flush=True)
+
+
+def refusal_of(sock: socket.socket) -> str | None:
+    """The JobRefused message the daemon sent before closing, or None while it keeps the connection."""
+    try:
+        header = sock.recv(LENGTH.size, socket.MSG_WAITALL | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    except ConnectionResetError:
+        return "reset"
+    if len(header) < LENGTH.size:
+        return "closed"
+    reply = pb.JobReply()
+    reply.ParseFromString(sock.recv(LENGTH.unpack(header)[0], socket.MSG_WAITALL))
+    return f"{reply.refused.code} {reply.refused.message}"
+
+
+def idle(socket_path: str, count: int) -> None:
+    connections = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(socket_path + ".jobs")
+        connections.append(sock)
+    time.sleep(1)  # for the daemon to answer those it refuses
+    answers = [refusal_of(sock) for sock in connections]
+    refused = [a for a in answers if a is not None]
+    hold({"opened": count, "refused": len(refused), "first_refusal": refused[0] if refused else None})
+
+
+def flood(socket_path: str, mib: int) -> None:
+    _, _, stream, started = attach(socket_path, "flood", hello=False)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(socket_path + ".jobs")
+    sock.sendall(framed(pb.JobFrame(hello=pb.JobSocketHello(session_id=started.session_id))))
+    # Each request is refused (it names no job): a small frame in, a larger reply out.
+    chunk = b"".join(framed(pb.JobFrame(request_id=i + 1)) for i in range(65536))
+    sock.setblocking(False)
+    # Until it is sent, or the daemon has taken nothing for 2 s (it stopped reading, as it should).
+    sent, progress = 0, time.monotonic()
+    while sent < mib << 20 and time.monotonic() - progress < 2:
+        try:
+            offset = sent % len(chunk)
+            sent += sock.send(chunk[offset:])
+            progress = time.monotonic()
+        except BlockingIOError:
+            time.sleep(0.01)
+        except OSError as e:  # the daemon closed it
+            print(f"the daemon closed the connection: {e!r}", file=sys.stderr, flush=True)
+            break
+    hold({"sent_mib": sent / 2**20})
+
+
+def garbage(socket_path: str, count: int) -> None:
+    for i in range(count):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(socket_path + ".jobs")
+        sock.sendall(LENGTH.pack(3) + b"\xff\xff\xff" if i % 2 else LENGTH.pack(1 << 30))
+        sock.settimeout(10)
+        try:
+            sock.recv(1)
+        except OSError:
+            pass
+        sock.close()
+    print(json.dumps({"sent": count}), flush=True)
+
+
+def forge(socket_path: str, text: str) -> None:
+    channel, stub, stream, started = attach(socket_path, text)
+    spec = pb.NamespaceSpec(**{**namespace("per_layer"), "model": text})
+    try:  # refused (a model name must be printable); either way nothing may reach the log raw
+        stub.RegisterEngine(pb.RegisterEngineRequest(session_id=started.session_id, namespace=spec))
+    except grpc.RpcError:
+        pass
+    stream.cancel()
+    channel.close()
+    print(json.dumps({"attached": True}), flush=True)
+
+
+def main() -> int:
+    command, socket_path, arg = sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else ""
+    if command == "stuck-engine":
+        stuck_engine(socket_path, int(arg))
+    elif command == "idle":
+        idle(socket_path, int(arg))
+    elif command == "flood":
+        flood(socket_path, int(arg))
+    elif command == "garbage":
+        garbage(socket_path, int(arg))
+    elif command == "forge":
+        forge(socket_path, arg)
+    else:
+        raise SystemExit(f"unknown command {command}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

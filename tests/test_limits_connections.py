@@ -1,0 +1,179 @@
+"""What one client can make the daemon hold through its connections and its
+notifications is bounded: a client that stops reading, opens connections it
+never uses, or never reads its replies is refused or cut off, and the other
+clients keep working with exact bytes. Every attack runs in a process of its
+own (tests/attacker.py) against the real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import subprocess_env, wait_until
+from kvcache import attach_worker, block_of, prompt_keys
+from kvdepot.proto import kvdepot_pb2 as pb
+
+ATTACKER = str(Path(__file__).resolve().parent / "attacker.py")
+
+
+class Attacker:
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen([sys.executable, ATTACKER, *map(str, args)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+
+    def report(self, timeout: float = 60) -> dict:
+        line = self.proc.stdout.readline()
+        assert line, f"the attacker failed: {self.proc.stderr.read()}"
+        return json.loads(line)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def store_and_check(client, worker, tensors, job_id: int, prompt: int, blocks: int = 8) -> None:
+    """Stores blocks 0.., loads them into the upper half of the cache, and checks every byte."""
+    keys = prompt_keys(blocks, prompt=prompt)
+    job = client.submit_store(worker, job_id, keys, list(range(blocks)))
+    assert client.wait([job], 30)[job].ok
+    load = client.submit_load(worker, job_id + 1, keys, list(range(64, 64 + blocks)))
+    assert client.wait([load], 30)[load].ok
+    for i in range(blocks):
+        for a, b in zip(block_of(tensors, "per_layer", i), block_of(tensors, "per_layer", 64 + i)):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_a_session_that_stops_reading_its_stream_is_ended_and_the_daemon_does_not_grow(start_daemon, client_factory):
+    daemon = start_daemon(max_queued_notification_keys=20000)
+    client = client_factory(daemon, name="good")
+    worker, engine, tensors = attach_worker(client, seed=41)
+    stuck = Attacker("stuck-engine", daemon.socket, 16)
+    stuck.report()
+    try:
+        assert "stuck" in {c.client_name for c in client.stats().clients}
+        store_and_check(client, worker, tensors, 1, prompt=400)
+        before = rss_bytes(daemon.proc.pid)
+        # Every store changes keys of the stuck engines' namespace: 128 stored,
+        # 128 ready, and as many evicted from the 256-slot pool, for each engine.
+        for i in range(400):
+            job = client.submit_store(worker, 10 + i, prompt_keys(128, prompt=1000 + i), list(range(128)))
+            assert client.wait([job], 30)[job].ok
+        grown = rss_bytes(daemon.proc.pid) - before
+        assert grown < 24 << 20, f"the daemon grew by {grown >> 20} MiB for a client that reads nothing"
+        assert "stuck" not in {c.client_name for c in client.stats().clients}
+        assert f"('stuck', tenant uid-{os.getuid()} (uid {os.getuid()} pid {stuck.proc.pid}" in daemon.log()
+        assert "left more than 20000 keys of notifications unread" in daemon.log()
+        # The client that reads its stream was never touched.
+        assert client.stats().totals.failed_jobs == 0
+        store_and_check(client, worker, tensors, 5000, prompt=401)
+        # Once the stuck client reads again, its stream says why it was ended.
+        stuck.proc.stdin.write("read\n")
+        stuck.proc.stdin.flush()
+        ended = stuck.report()
+        assert ended["ended"] == "RESOURCE_EXHAUSTED", ended
+        assert "kvdepotd ended this session" in ended["details"] and "--max-queued-notification-keys" in ended["details"]
+    finally:
+        stuck.stop()
+
+
+@pytest.mark.parametrize("total, per_uid, option", [(50, 40, "(--max-job-connections-per-uid)"),
+                                                    (40, 512, "(--max-job-connections)")])
+def test_job_connections_beyond_the_limits_are_refused_and_a_new_client_still_works(
+        start_daemon, client_factory, total, per_uid, option):
+    daemon = start_daemon(max_job_connections=total, max_job_connections_per_uid=per_uid)
+    idle = Attacker("idle", daemon.socket, 300)
+    try:
+        report = idle.report()
+        # Those past the limit (all of this test's uid) were refused and closed, with the reason.
+        assert report["refused"] == 300 - 40
+        assert report["first_refusal"].startswith("8 ")  # RESOURCE_EXHAUSTED
+        assert option in report["first_refusal"]
+        # One line in the log for them all, not one per connection.
+        assert daemon.log().count("refused a job socket connection") == 1
+        # A new client of the same user cannot prove who it is while they hold the job
+        # socket (another user's can, under the per-user limit: test_trust.py).
+        from kvdepot.client import KVDepotClient
+
+        newcomer = KVDepotClient(daemon.socket, name="newcomer")
+        try:
+            assert not newcomer.wait_connected(2)
+        finally:
+            newcomer.close()
+    finally:
+        idle.stop()
+    # The idle connections are gone with their process: the next client gets the job socket again.
+    later = client_factory(daemon, name="later")
+    assert later._connection.jobs.kind == "socket"
+    worker, engine, tensors = attach_worker(later, seed=43)
+    store_and_check(later, worker, tensors, 1, prompt=411)
+
+
+def test_a_connection_that_never_says_hello_is_closed_after_the_deadline(start_daemon):
+    daemon = start_daemon(job_hello_timeout=1)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(15)
+    sock.connect(daemon.socket + ".jobs")
+    header = sock.recv(4, socket.MSG_WAITALL)
+    reply = pb.JobReply()
+    reply.ParseFromString(sock.recv(int.from_bytes(header, "little"), socket.MSG_WAITALL))
+    assert reply.refused.code == 9 and "no hello within 1 s" in reply.refused.message
+    assert sock.recv(1) == b""
+    sock.close()
+    # A stranger's frame before hello is small: a large one closes the connection at once.
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(15)
+    sock.connect(daemon.socket + ".jobs")
+    sock.sendall((1 << 20).to_bytes(4, "little") + b"\0" * 65536)
+    assert sock.recv(1) == b""
+    sock.close()
+    wait_until(lambda: "a frame of 1048576 bytes (the limit is 4096 before hello)" in daemon.log())
+
+
+def test_replies_left_unread_do_not_grow_the_daemon_and_other_clients_run(start_daemon, client_factory):
+    daemon = start_daemon()
+    client = client_factory(daemon, name="good")
+    worker, engine, tensors = attach_worker(client, seed=44)
+    store_and_check(client, worker, tensors, 1, prompt=420)
+    before = rss_bytes(daemon.proc.pid)
+    flood = Attacker("flood", daemon.socket, 16)
+    try:
+        report = flood.report()
+        # The daemon stopped reading long before 16 MiB of requests (about 280 MiB of replies).
+        assert report["sent_mib"] < 4, report
+        grown = rss_bytes(daemon.proc.pid) - before
+        assert grown < 24 << 20, f"the daemon grew by {grown >> 20} MiB holding replies nobody reads"
+        store_and_check(client, worker, tensors, 10, prompt=421)
+    finally:
+        flood.stop()
+    store_and_check(client, worker, tensors, 20, prompt=422)
+
+
+def test_job_connections_never_take_the_files_a_new_client_needs(start_daemon, client_factory):
+    # A daemon that may open 256 files (a tight LimitNOFILE) keeps half of them from the job socket.
+    launcher = str(Path(__file__).resolve().parent / "daemon_with_few_files.py")
+    daemon = start_daemon(launcher=launcher, env={"KVDEPOT_TEST_NOFILE": "256"}, job_hello_timeout=2)
+    assert "the job socket takes at most 128 connections, not 1024" in daemon.log()
+    idle = Attacker("idle", daemon.socket, 300)
+    try:
+        assert idle.report()["refused"] == 300 - 128
+        # The daemon still has files to answer with; the idle connections hold the job
+        # socket only until their hello deadline, and then the newcomer proves who it is.
+        client = client_factory(daemon, name="newcomer")
+        worker, engine, tensors = attach_worker(client, seed=45)
+        store_and_check(client, worker, tensors, 1, prompt=430)
+    finally:
+        idle.stop()
