@@ -19,8 +19,6 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
 from kvdepot.defaults import KEY_BYTES, PROTOCOL_VERSION
 from kvdepot.errors import (
@@ -32,14 +30,14 @@ from kvdepot.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvdepot.layout import WorkerLayout
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.index import Block, BlockIndex
 from kvdepot.server.limits import Limits, expired_jobs, saturating_add, shown
 from kvdepot.server.namespaces import Namespace, Namespaces
-from kvdepot.server.outbox import ChangeFeed, Outbox
+from kvdepot.server.outbox import ChangeFeed
 from kvdepot.server.pool import HostPool
 from kvdepot.server.quarantine import Quarantine
+from kvdepot.server.records import RECENT_JOB_IDS, Job, Session, Worker
 from kvdepot.server.registration import worker_layout
 from kvdepot.server.shares import ScopedEviction
 from kvdepot.server.stats import BusyClock, Counters, clear_scope, stats_response
@@ -47,60 +45,6 @@ from kvdepot.server.tenants import Identity
 from kvdepot.server.transports.base import Transport
 
 log = logging.getLogger("kvdepot.depot")
-
-# Job ids a session finished recently, still refused as duplicates: a client
-# that reuses one that fast has lost track of its jobs.
-RECENT_JOB_IDS = 4096
-
-
-@dataclass(eq=False)
-class Worker:
-    id: int
-    session: Session
-    ns: Namespace
-    rank: int
-    device: str
-    layout: WorkerLayout
-    transport: Transport
-
-
-@dataclass(eq=False)
-class Job:
-    id: int
-    kind: str  # "store" or "load"
-    session: Session
-    worker: Worker
-    # The blocks the job writes (store) or reads (load), their block ids in the
-    # worker's memory and their slots in the pool.
-    blocks: list[Block]
-    block_ids: list[int]
-    slots: list[int]
-    # The transport's own state for the job (its prepare_job's answer).
-    transport_state: object = None
-    # time.monotonic() past which a job the worker copies fails (job_deadline).
-    deadline: float = 0.0
-
-
-@dataclass(eq=False)
-class Session:
-    # A secret: whoever knows it acts as the session, so it is told to the
-    # attaching client alone; logs and stats name the session by `number`.
-    id: str
-    number: int
-    client_name: str
-    # Who the session acts for, from the kernel or a token; None until proven
-    # (a unix-socket session proves it with its job socket's hello).
-    identity: Identity | None = None
-    outbox: Outbox = field(default_factory=Outbox)
-    engines: dict[int, Namespace] = field(default_factory=dict)
-    workers: dict[int, Worker] = field(default_factory=dict)
-    jobs: dict[int, Job] = field(default_factory=dict)
-    recent_job_ids: deque = field(default_factory=lambda: deque(maxlen=RECENT_JOB_IDS))
-    recent_job_id_set: set = field(default_factory=set)
-    counters: Counters = field(default_factory=Counters)
-    # The client is gone; jobs still in flight are abandoned.
-    ended: bool = False
-
 
 class Depot:
     def __init__(
@@ -443,13 +387,25 @@ class Depot:
     async def housekeeping(self, interval: float = 0.25) -> None:
         while True:
             await asyncio.sleep(interval)
-            for job, error in expired_jobs(self.sessions.values(), time.monotonic(), self.limits.job_deadline):
+            now = time.monotonic()
+            for job, error in expired_jobs(self.sessions.values(), now, self.limits.job_deadline):
                 self.finish_job(job, False, error, expired=True)
+            self._end_unproven(now)
             self.namespaces.sweep()
             if self.quarantine:
                 released = self.quarantine.release()
                 if released:
                     log.info("released %d quarantined slot(s): their writer is gone", released)
+
+    def _end_unproven(self, now: float) -> None:
+        """Sessions that never proved who they are hold nothing useful: they go."""
+        deadline = self.limits.job_hello_timeout
+        late = [s for s in self.sessions.values() if s.identity is None and now - s.attached_at > deadline]
+        for session in late:
+            reason = f"it did not say hello on the job socket within {deadline:g} s (--job-hello-timeout)"
+            log.warning("ending session %d (%s): %s", session.number, shown(session.client_name), reason)
+            session.outbox.end(reason, FailedPrecondition.code)
+            self.end_session(session)
 
     async def drain(self, timeout: float) -> bool:
         """Refuses new jobs and waits for those in flight; False if time ran out."""

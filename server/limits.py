@@ -50,6 +50,8 @@ class Limits:
     max_namespaces: int = 1024
     job_deadline: float = 60.0
     stats_max_entries: int = 256
+    # A session must prove who it is (its job socket's hello) this soon.
+    job_hello_timeout: float = 10.0
 
     @classmethod
     def of(cls, config) -> Limits:

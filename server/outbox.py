@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Iterable
 
+from kvdepot.errors import ResourceExhausted
 from kvdepot.proto import kvdepot_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvdepot.server.depot import Session
+    from kvdepot.server.records import Session
     from kvdepot.server.index import Block
 
 # Keys per BlocksChanged message of a registration snapshot (1 MiB of keys).
@@ -43,6 +44,8 @@ class Outbox:
         self._on_overflow = None
         # Why the session is being ended, once it has fallen too far behind.
         self.overflowed: str | None = None
+        # The status the Attach stream ends with (a KVDepotError's code).
+        self.end_code = ResourceExhausted.code
 
     def bound(self, max_keys: int, on_overflow) -> None:
         """Past `max_keys` keys waiting, everything queued is dropped and
@@ -65,16 +68,21 @@ class Outbox:
         if self._max_keys is None or self.queued_keys <= self._max_keys:
             self.stream.put_nowait(notification)
             return
-        self.overflowed = (
+        self.end(
             f"its Attach stream left more than {self._max_keys} keys of notifications unread "
             "(--max-queued-notification-keys raises the limit)"
         )
-        # The memory goes now, not when the stream is read (maybe never).
+        asyncio.get_running_loop().call_soon(self._on_overflow, self.overflowed)
+
+    def end(self, reason: str, code=ResourceExhausted.code) -> None:
+        """The daemon ends the session: its Attach stream ends with `code` and
+        `reason` once it reads this far; what was queued goes now, not when the
+        stream is read (maybe never)."""
+        self.overflowed, self.end_code = reason, code
         while not self.stream.empty():
             self.stream.get_nowait()
         self.stream.put_nowait(None)
         self.queued_keys = 0
-        asyncio.get_running_loop().call_soon(self._on_overflow, self.overflowed)
 
     def has_job_channel(self) -> bool:
         return self.job_channel is not None and self.job_channel.open

@@ -107,7 +107,7 @@ class KVDepotService(pb_grpc.KVDepotServicer):
             while (notification := await session.outbox.next()) is not None:
                 yield notification
             why = f"kvdepotd ended this session: {session.outbox.overflowed}"
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+            await context.abort(session.outbox.end_code, why)
         finally:
             # Reached when the client closes the stream or its connection drops
             # (exit, crash, kill -9), and when the server stops.

@@ -257,3 +257,16 @@ def test_one_users_job_connections_at_their_limit_do_not_lock_another_user_out(o
         assert result.stdout.strip() == f"uid-{NOBODY}"
     finally:
         idle.stop()
+
+
+def test_a_session_that_never_says_hello_is_ended_at_the_hello_deadline(start_daemon, client_factory):
+    daemon = start_daemon(job_hello_timeout=1)
+    unproven = RawSession(daemon.socket, name="silent", hello=False)
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in unproven.stream:
+            pass
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "did not say hello on the job socket within 1 s" in info.value.details()
+    unproven.close()
+    client = client_factory(daemon)
+    assert client.stats().clients == [] and client.stats().sessions_ended == 1
