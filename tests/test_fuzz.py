@@ -103,3 +103,11 @@ def test_fuzzed_requests_get_typed_errors_and_harm_no_other_client(start_daemon,
     foreign = [line for line in daemon.log().splitlines() if not LOG_LINE.match(line)]
     assert foreign == [], "lines the daemon did not write as log lines:\n" + "\n".join(map(repr, foreign[:20]))
 
+
+
+def test_request_bytes_that_are_no_message_are_refused_as_invalid_argument(daemon):
+    code, report, stderr = run_fuzzer(daemon, "--garbage", timeout=60)
+    assert report, stderr
+    assert report["problems"] == [], json.dumps(report["problems"], indent=1)
+    assert report["counts"] == {"raw INVALID_ARGUMENT": 10}
+    assert "Traceback" not in daemon.log()
