@@ -37,9 +37,11 @@ def footprint(pid: int) -> tuple[int, int]:
 
 
 def run_fuzzer(daemon, *args: str, timeout: float = 600) -> tuple[int, dict, str]:
+    # Hypothesis keeps its caches in the test's folder, not the checkout.
+    env = subprocess_env(HYPOTHESIS_STORAGE_DIRECTORY=str(daemon.folder / "hypothesis"))
     proc = subprocess.run(
         [sys.executable, FUZZER, daemon.socket, "--daemon-pid", str(daemon.proc.pid), *args],
-        capture_output=True, text=True, env=subprocess_env(), timeout=timeout,
+        capture_output=True, text=True, env=env, timeout=timeout,
     )
     lines = proc.stdout.strip().splitlines()
     return proc.returncode, json.loads(lines[-1]) if lines else {}, proc.stderr[-5000:]
