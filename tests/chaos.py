@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from conftest import Daemon, subprocess_env
+from kvdepot.client import KVDepotClient
 
 CLIENT = str(Path(__file__).resolve().parent / "chaos_client.py")
 # The daemon releases quarantined slots within its housekeeping interval once
@@ -161,13 +162,18 @@ def _settle(daemon: Daemon, alive: list[ChaosClient], problems: list) -> None:
             problems.append(f"client {client.proc.pid} exited {client.proc.returncode} during the run")
     alive = [c for c in alive if c.proc.poll() is None]
 
+    # Pins, quarantine and sessions are told to a session of an admin (this uid).
+    observer = KVDepotClient(daemon.socket, name="chaos-observer").connect(30)
+
     def released() -> bool:
-        stats = _stats(daemon)
+        stats = observer.stats()
         return (stats.pinned_slots == 0 and stats.quarantined_slots == 0 and len(stats.clients) == len(alive)
                 and all(c.jobs_in_flight == 0 for c in stats.clients))
 
-    if not _wait(released, SETTLE_SECONDS):
-        stats = _stats(daemon)
+    settled = _wait(released, SETTLE_SECONDS)
+    stats = observer.stats()
+    observer.close()
+    if not settled:
         problems.append(
             f"{SETTLE_SECONDS:.0f} s after the clients went idle: {stats.pinned_slots} pinned and "
             f"{stats.quarantined_slots} quarantined slots, {len(stats.clients)} sessions for {len(alive)} clients, "

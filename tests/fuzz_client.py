@@ -83,6 +83,14 @@ class State:
         # Notifications are read as they come, as a client must.
         threading.Thread(target=drain_stream, args=(stream,), daemon=True).start()
         self.streams.append(stream)
+        # The hello that gives the session this process's identity; the session
+        # keeps it when the connection closes, and this process may say hello again.
+        probe = JobSocketProbe(self.job_socket)
+        probe.send(encode(pb.JobFrame(hello=pb.JobSocketHello(session_id=started.session_id))))
+        reply = probe.answer()
+        probe.sock.close()
+        if reply is None or not reply.HasField("ready"):
+            raise RuntimeError(f"the daemon did not take the fuzzer's hello: {reply}")
         return started.session_id
 
     def set_up(self) -> None:

@@ -190,7 +190,8 @@ def valid_request(method: str, state):
         "SubmitStore": job,
         "SubmitLoad": job,
         "CompleteJob": lambda: dict(session_id=state.session_id, job_id=min(state.open_jobs, default=0), ok=True),
-        "Clear": lambda: dict(namespace_name=state.namespace_name),
+        "GetStats": lambda: dict(session_id=state.session_id),
+        "Clear": lambda: dict(namespace_name=state.namespace_name, session_id=state.session_id),
     }.get(method)
 
 
