@@ -111,15 +111,17 @@ def run_chaos(folder: Path, rounds: int, clients: int = 3, seed: int = 0, log=la
             log(f"round {round_number + 1}/{rounds}: killed {victim}")
         if not daemon.running:
             daemon.start()
-        # A last client killed under the daemon that stays, once all are
-        # working with it: its pins and quarantine are what the end state shows.
+        # The last clients killed under the daemon that stays, once all are
+        # working with it (all but one): their pins and quarantine are what the
+        # end state shows.
         while sum(not c.killed for c in started) < clients:
             started.append(ChaosClient(daemon, folder, seed * 1000 + len(started)))
         alive = [c for c in started if not c.killed]
         _wait_storing(daemon, alive, problems)
-        time.sleep(rng.uniform(0.1, 0.5))
-        rng.choice(alive).kill()
-        summary["client_kills"] += 1
+        for victim in rng.sample(alive, max(1, len(alive) - 1)):
+            time.sleep(rng.uniform(0.05, 0.3))
+            victim.kill()
+            summary["client_kills"] += 1
         _settle(daemon, [c for c in alive if not c.killed], problems)
         try:
             code = daemon.stop()

@@ -39,7 +39,7 @@ def main() -> int:
     parser.add_argument("socket")
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--status", required=True)
-    parser.add_argument("--prompts", type=int, default=12, help="how many prompts the clients share")
+    parser.add_argument("--prompts", type=int, default=100, help="how many prompts the clients share")
     args = parser.parse_args()
 
     status_path = Path(args.status)

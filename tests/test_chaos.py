@@ -16,7 +16,7 @@ SEED = int(os.environ.get("KVDEPOT_CHAOS_SEED", "3"))
 
 
 def test_kill_9_of_clients_and_daemon_loses_no_byte_and_no_slot(tmp_path):
-    summary = run_chaos(tmp_path, rounds=ROUNDS, clients=3, seed=SEED)
+    summary = run_chaos(tmp_path, rounds=ROUNDS, clients=4, seed=SEED)
     assert summary["problems"] == [], "\n".join(summary["problems"])
     # The run did what it is for: both kinds of kill, and loads checked across them.
     assert summary["daemon_kills"] >= 1 and summary["client_kills"] >= 1, summary

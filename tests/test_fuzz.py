@@ -105,7 +105,6 @@ def test_fuzzed_requests_get_typed_errors_and_harm_no_other_client(start_daemon,
     assert foreign == [], "lines the daemon did not write as log lines:\n" + "\n".join(map(repr, foreign[:20]))
 
 
-
 def test_request_bytes_that_are_no_message_are_refused_as_invalid_argument(daemon):
     code, report, stderr = run_fuzzer(daemon, "--garbage", timeout=60)
     assert report, stderr
