@@ -21,14 +21,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import kvdepot
 from kvdepot.defaults import grpc_target
-from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 from kvdepot.server import job_socket
 from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_config
 from kvdepot.server.depot import Depot
 from kvdepot.server.limits import Limits
 from kvdepot.server.logsafe import EscapingFormatter
 from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
-from kvdepot.server.service import KVDepotService
+from kvdepot.server.service import KVDepotService, add_to_server
 from kvdepot.server.tenants import TenantConfigError, Tenants, parse_admin_uids, scope_quotas
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
@@ -246,7 +245,7 @@ async def serve(config: DaemonConfig) -> int:
             raise StartupError(f"cannot serve the job socket {job_path}: {e}") from e
     # Enough for a registration's snapshot of a namespace that fills the pool, twice.
     max_queued_keys = config.max_queued_notification_keys or max(1 << 19, 2 * pool.num_slots)
-    pb_grpc.add_KVDepotServicer_to_server(KVDepotService(depot, tenants, job_path, max_queued_keys), server)
+    add_to_server(KVDepotService(depot, tenants, job_path, max_queued_keys), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:

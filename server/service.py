@@ -6,8 +6,10 @@ import functools
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 
-from kvdepot.errors import KVDepotError, PermissionDenied, Unauthenticated
+from kvdepot.errors import InvalidArgument, KVDepotError, PermissionDenied, Unauthenticated
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 from kvdepot.server.depot import Depot
@@ -17,6 +19,42 @@ from kvdepot.server.limits import shown
 log = logging.getLogger("kvdepot.service")
 
 
+SERVICE = pb.DESCRIPTOR.services_by_name["KVDepot"]
+
+
+class Undecodable:
+    """A request whose bytes are not its message. gRPC's own deserializer would
+    answer UNKNOWN and log a traceback for each: any client could flood the log."""
+
+    def __init__(self, type_name: str):
+        self.error = InvalidArgument(f"the request is not a {type_name}: its bytes do not parse")
+
+
+def _parser(message_class):
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return Undecodable(message_class.DESCRIPTOR.name)
+
+    return parse
+
+
+def add_to_server(servicer: KVDepotService, server) -> None:
+    """The generated add_KVDepotServicer_to_server, with requests that do not
+    parse refused as INVALID_ARGUMENT by the methods themselves."""
+    handlers = {}
+    for method in SERVICE.methods:
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_parser(GetMessageClass(method.input_type)),
+            response_serializer=GetMessageClass(method.output_type).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+
+
 def _unary(method):
     """Checks who calls (on TCP), turns a typed error into its gRPC status;
     anything else is a bug, logged."""
@@ -24,7 +62,10 @@ def _unary(method):
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
+            # Who calls comes first: on TCP a caller without credentials learns nothing.
             self._check_caller(request, context)
+            if isinstance(request, Undecodable):
+                raise request.error
             return method(self, request, context)
         except KVDepotError as e:
             await context.abort(e.code, str(e))
@@ -88,6 +129,8 @@ class KVDepotService(pb_grpc.KVDepotServicer):
     async def Attach(self, request, context):
         try:
             identity = self._tcp_identity(context)
+            if isinstance(request, Undecodable):
+                raise request.error
             session = self.depot.attach(request.client_name, request.protocol_version, identity)
         except KVDepotError as e:
             await context.abort(e.code, str(e))
