@@ -77,6 +77,9 @@ class BlockIndex:
         self._on_change = on_change
         self._blocks: dict[tuple[int, bytes], Block] = {}
         self._pinned: set[Block] = set()
+        # Slots of stores in flight, by scope: at most its share of the pool, so
+        # that stores a tenant never completes cannot take every free slot.
+        self._storing: dict[str, int] = {}
         # Every namespace that may hold slots (the depot's list; else found from the blocks).
         self._namespaces = namespaces or (lambda: {b.ns for b in self._blocks.values()})
 
@@ -126,6 +129,7 @@ class BlockIndex:
         already = 0
         # Runs once per block of every store, mostly evicting: names bound once.
         blocks, touch, on_change, ns_id = self._blocks, self.evictions.of(ns.scope).touch, self._on_change, ns.id
+        room = self._storing_room(ns.scope)
         for position, key in enumerate(keys):
             index_key = (ns_id, key)
             block = blocks.get(index_key)
@@ -134,6 +138,8 @@ class BlockIndex:
                 if block.ready:
                     touch(index_key)
                 continue
+            if room <= 0:
+                return StoreReservation(writes, already, len(keys) - position)
             created = block is None
             if created:
                 block = Block(ns, key)
@@ -143,6 +149,8 @@ class BlockIndex:
             if slot is None:
                 self._unpin(block)
                 return StoreReservation(writes, already, len(keys) - position)
+            room -= 1
+            self._storing[ns.scope] = self._storing.get(ns.scope, 0) + 1
             if created:
                 blocks[index_key] = block
             block.slots[rank] = slot
@@ -160,6 +168,7 @@ class BlockIndex:
         (who keeps it out of use while a writer may still be running)."""
         del block.writers[rank]
         self._unpin(block)
+        self._storing[block.ns.scope] -= 1
         if not ok:
             if not block.writers:
                 self._on_change(block, "dropped")
@@ -235,6 +244,13 @@ class BlockIndex:
             self._on_change(victim, "dropped")
             slot = self.pool.allocate()
         return slot
+
+    def _storing_room(self, scope: str) -> int:
+        """Slots `scope` may still take for stores in flight."""
+        used = self._slots_by_scope()
+        used.setdefault(scope, 0)
+        active = len([s for s, n in used.items() if n > 0 or s == scope])
+        return int(self.evictions.share(scope, active)) - self._storing.get(scope, 0)
 
     def _slots_by_scope(self) -> dict[str, int]:
         used: dict[str, int] = {}

@@ -11,7 +11,8 @@ full and a scope stores a block:
   furthest over first.
 With one scope (every engine of one user, the common case) the storing scope is
 always at its share, and eviction is the policy's plain order. A pool with free
-slots evicts nobody: shares matter only when the pool is full.
+slots evicts nobody: shares matter only when the pool is full. The index also
+holds each scope's stores in flight to its share (index.py, _storing_room).
 Within a scope, the policy (LRU or ARC) picks the block.
 """
 

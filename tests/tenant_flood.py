@@ -1,6 +1,7 @@
 """A tenant's client that stores more blocks than the pool has free, as one
-big job, and prints how many the daemon did not store. Run by the trust tests
-as a second uid."""
+big job, and prints how many the daemon did not store. With "hold" it never
+completes the store (its slots stay pinned) and waits to be killed. Run by the
+trust tests as a second uid."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from raw_client import RawSession  # noqa: E402
 
 def main() -> int:
     socket_path, blocks = sys.argv[1], int(sys.argv[2])
+    hold = sys.argv[3:] == ["hold"]
     session = RawSession(socket_path, name="flood")
     stub, sid = session.stub, session.id
     tensors, block_dim = make_kv_cache("per_layer", seed=6)
@@ -28,8 +30,11 @@ def main() -> int:
     answer = stub.SubmitStore(pb.SubmitStoreRequest(
         session_id=sid, worker_id=worker.worker_id, job_id=1, keys=prompt_keys(blocks, prompt=999),
         block_ids=list(range(blocks))))
-    stub.CompleteJob(pb.CompleteJobRequest(session_id=sid, job_id=1, ok=True))
+    if not hold:
+        stub.CompleteJob(pb.CompleteJobRequest(session_id=sid, job_id=1, ok=True))
     print(json.dumps({"stored": len(answer.slots), "not_stored": answer.not_stored}), flush=True)
+    if hold:
+        sys.stdin.readline()
     session.close()
     return 0
 

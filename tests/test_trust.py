@@ -181,24 +181,42 @@ def test_one_tenants_big_store_does_not_evict_another_below_its_share(open_folde
     job = victim.submit_store(worker, 1, keys, list(range(12)))
     assert victim.wait([job], 10)[job].ok
 
-    # 20 slots are free; the flood's other 10 blocks would have to evict. The
-    # victim holds 12 of 32, under an equal share of 16: the flood, over its
-    # share once it holds 20, may only evict its own.
+    # With two tenants, each may have half the pool in stores in flight: the flood
+    # gets 16 slots, of the 20 free, and may evict none of the victim's blocks.
     got = flood(daemon, 30)
-    assert got == {"stored": 20, "not_stored": 10}
+    assert got == {"stored": 16, "not_stored": 14}
     assert victim.lookup(engine, keys).ready_blocks == 12
     job = victim.submit_load(worker, 2, keys, list(range(20, 32)))
     assert victim.wait([job], 10)[job].ok
     for i in range(12):
         for src, dst in zip(block_of(tensors, "per_layer", i), block_of(tensors, "per_layer", 20 + i)):
             assert torch.equal(src.view(torch.int16), dst.view(torch.int16))
+    assert victim.stats().totals.evicted_blocks == 0
 
-    # The victim, under its share, takes its slots back from the flood's.
-    more = prompt_keys(4, prompt=421)
-    job = victim.submit_store(worker, 3, more, list(range(40, 44)))
+
+@needs_second_uid
+def test_stores_a_tenant_never_completes_cannot_take_every_free_slot(open_folder, start_daemon, client_factory):
+    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB")  # 32 slots
+    victim = client_factory(daemon, name="victim")
+    worker, engine, tensors = attach_worker(victim, seed=44)
+    first = prompt_keys(4, prompt=440)
+    job = victim.submit_store(worker, 1, first, list(range(4)))
     assert victim.wait([job], 10)[job].ok
-    assert victim.lookup(engine, keys + more).ready_blocks == 16
-    assert victim.stats().totals.evicted_blocks == 4
+    holder = subprocess.Popen(
+        [*as_uid(NOBODY), sys.executable, str(HERE / "tenant_flood.py"), daemon.socket, "30", "hold"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+        cwd="/",
+    )
+    try:
+        # Its store pins half the pool, not the 28 free slots.
+        assert json.loads(holder.stdout.readline()) == {"stored": 16, "not_stored": 14}
+        more = prompt_keys(12, prompt=441)
+        job = victim.submit_store(worker, 2, more, list(range(4, 16)))
+        result = victim.wait([job], 10)[job]
+        assert result.ok and victim.lookup(engine, first + more).ready_blocks == 16
+    finally:
+        holder.kill()
+        holder.wait(10)
 
 
 @needs_second_uid
