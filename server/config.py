@@ -137,6 +137,12 @@ OPTIONS = [
         "cert_names then name its clients without a token.",
     ),
     Option(
+        "pool_uids",
+        "",
+        "Uids whose clients may register shared-memory workers (CPU engines), which map the whole "
+        "pool and could read or write any tenant's blocks; empty: root and the daemon's own user.",
+    ),
+    Option(
         "admin_uids",
         "",
         "Uids whose unix-socket clients may see every tenant's stats and clear every namespace, "
@@ -265,6 +271,27 @@ OPTIONS = [
         kind=float,
     ),
     Option(
+        "max_namespaces_per_tenant",
+        128,
+        "Namespaces one tenant (or sharing group) may hold at once, so that no tenant can take "
+        "the daemon's --max-namespaces from the others. More: RESOURCE_EXHAUSTED.",
+        kind=int,
+    ),
+    Option(
+        "max_sessions_per_uid",
+        256,
+        "Sessions one user id (on TCP: one tenant) may have at once; an engine has one to three. "
+        "More: the hello (or Attach) is refused with RESOURCE_EXHAUSTED.",
+        kind=int,
+    ),
+    Option(
+        "max_unproven_sessions",
+        256,
+        "Sessions that have attached but not yet said hello, at once (each ends at "
+        "--job-hello-timeout anyway). More: Attach is refused with RESOURCE_EXHAUSTED.",
+        kind=int,
+    ),
+    Option(
         "stats_max_entries",
         256,
         "Namespaces, and clients, that one stats answer lists at most (the busiest); the rest are "
@@ -319,6 +346,9 @@ LIMITS = (
     "max_tensors_per_worker",
     "max_name_length",
     "max_namespaces",
+    "max_namespaces_per_tenant",
+    "max_sessions_per_uid",
+    "max_unproven_sessions",
     "stats_max_entries",
 )
 
@@ -349,6 +379,9 @@ class DaemonConfig:
     max_tensors_per_worker: int
     max_name_length: int
     max_namespaces: int
+    max_namespaces_per_tenant: int
+    max_sessions_per_uid: int
+    max_unproven_sessions: int
     job_deadline: float
     stats_max_entries: int
     max_queued_notification_keys: int
@@ -360,6 +393,7 @@ class DaemonConfig:
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
     admin_uids: str = ""
+    pool_uids: str = ""
     # Read from auth_token_file when the configuration is loaded; never logged.
     auth_token: str | None = field(default=None, repr=False)
     # The configuration file's [[tenant]] tables (server/tenants.py); their tokens are never logged.
@@ -434,6 +468,7 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> D
         config.auth_token = read_token(config.auth_token_file)
     try:
         parse_admin_uids(config.admin_uids)
+        parse_admin_uids(config.pool_uids, "pool_uids")
         config.tenants = parse_tenants(from_file.get("tenant", []), args.config or "the configuration")
     except TenantConfigError as e:
         raise ConfigError(str(e)) from None

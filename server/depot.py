@@ -55,9 +55,12 @@ class Depot:
         version: str,
         limits: Limits | None = None,
         quotas: dict[str, int] | None = None,
+        pool_uids: frozenset[int] = frozenset({0}),
     ):
         self.pool = pool
         self.limits = limits = limits or Limits()
+        # Who may register a worker that copies itself and so maps the whole pool.
+        self.pool_uids = pool_uids
         self.instance = instance
         self.version = version
         self.started = time.monotonic()
@@ -69,9 +72,7 @@ class Depot:
         self.changes = ChangeFeed(self.sessions)
         self.namespaces = Namespaces(self._new_id, lambda ns: log.info("namespace %r created", ns.name), limits)
         self.evictions = ScopedEviction(eviction, pool.num_slots, quotas)
-        self.index = BlockIndex(
-            pool, self.evictions, self._count_eviction, self.changes.note, lambda: self.namespaces
-        )
+        self.index = BlockIndex(pool, self.evictions, self._count_eviction, self.changes.note)
         self.quarantine = Quarantine(pool)
         # By the TensorHandle kind their workers register with.
         self.transports: dict[str, Transport] = {}
@@ -108,6 +109,9 @@ class Depot:
             )
         if self.draining:
             raise Unavailable("the daemon is shutting down")
+        # Kept and shown: bounded, and escaped wherever it is logged.
+        self.limits.check_text("client_name", client_name, printable=False)
+        self.limits.room_for_session(self.sessions.values(), identity)
         session = Session(secrets.token_hex(16), self._new_id(), client_name, identity)
         self.sessions[session.id] = session
         log.info("session %d attached: %s%s", session.number, shown(client_name), _who(session))
@@ -120,6 +124,7 @@ class Depot:
         if known is not None and (known.uid, known.pid) != (identity.uid, identity.pid):
             raise PermissionDenied(f"session {session.number} belongs to another process")
         if known is None:
+            self.limits.room_for_session(self.sessions.values(), identity)
             session.identity = identity
             log.info("session %d is %s", session.number, identity.describe())
         return session
@@ -187,6 +192,14 @@ class Depot:
         transport = self.transports.get(kind)
         if transport is None:
             raise FailedPrecondition(f"this daemon has no {kind} transport (available: {', '.join(self.transports)})")
+        who = session.identity
+        if transport.worker_copies and not (who.admin or who.uid in self.pool_uids):
+            # Its worker would reach every tenant's slots (and a store it completes
+            # unwritten would serve a slot's previous bytes).
+            raise PermissionDenied(
+                f"{who.describe()} may not register a {kind} worker: it maps the whole pool; the daemon "
+                "allows it to admins and the uids of --pool-uids (root and its own user by default)"
+            )
         worker = Worker(self._new_id(), session, ns, request.rank, request.device, layout, transport)
         transport.open_worker(worker, request)
         ns.fix_rank_layout(request.rank, layout)

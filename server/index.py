@@ -14,7 +14,7 @@ stores of the same keys, which follow at once, never evict it first.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 from kvdepot.errors import FailedPrecondition
 from kvdepot.proto import kvdepot_pb2 as pb
@@ -67,7 +67,6 @@ class BlockIndex:
         evictions: ScopedEviction,
         on_evict: Callable[[Block], None],
         on_change: Callable[[Block, str], None] = lambda block, state: None,
-        namespaces: Callable[[], Iterable[Namespace]] | None = None,
     ):
         self.pool = pool
         self.evictions = evictions
@@ -80,8 +79,8 @@ class BlockIndex:
         # Slots of stores in flight, by scope: at most its share of the pool, so
         # that stores a tenant never completes cannot take every free slot.
         self._storing: dict[str, int] = {}
-        # Every namespace that may hold slots (the depot's list; else found from the blocks).
-        self._namespaces = namespaces or (lambda: {b.ns for b in self._blocks.values()})
+        # Slots held (ready, incomplete or being stored), by scope, for the shares.
+        self._held: dict[str, int] = {}
 
     # ------------------------------------------------------------ queries
 
@@ -159,6 +158,7 @@ class BlockIndex:
             if starts_storing:
                 on_change(block, "storing")
             ns.used_slots += 1
+            self._held[ns.scope] = self._held.get(ns.scope, 0) + 1
             writes.append((position, block))
         return StoreReservation(writes, already, 0)
 
@@ -189,6 +189,7 @@ class BlockIndex:
         block.slots[rank] = None
         if slot is not None:
             block.ns.used_slots -= 1
+            self._held[block.ns.scope] -= 1
             if release_slot:
                 self.pool.release(slot)
         if not block.held_slots() and not block.writers and block.pins == 0:
@@ -253,10 +254,8 @@ class BlockIndex:
         return int(self.evictions.share(scope, active)) - self._storing.get(scope, 0)
 
     def _slots_by_scope(self) -> dict[str, int]:
-        used: dict[str, int] = {}
-        for ns in self._namespaces():
-            used[ns.scope] = used.get(ns.scope, 0) + ns.used_slots
-        return used
+        # A copy: the caller may add the storing scope to it.
+        return dict(self._held)
 
     def _evictable(self, index_key: tuple[int, bytes]) -> bool:
         return self._blocks[index_key].pins == 0
@@ -266,6 +265,7 @@ class BlockIndex:
             if slot is not None:
                 self.pool.release(slot)
                 block.ns.used_slots -= 1
+                self._held[block.ns.scope] -= 1
                 block.slots[rank] = None
         if block.ready:
             block.ns.ready_blocks -= 1

@@ -34,7 +34,6 @@ from kvdepot.errors import (
     FailedPrecondition,
     InvalidArgument,
     KVDepotError,
-    NotFound,
     PermissionDenied,
     ResourceExhausted,
 )
@@ -295,7 +294,7 @@ class JobConnection(asyncio.Protocol):
             session = self._depot.prove(request.hello.session_id, identity)
             if session.outbox.has_job_channel():
                 raise FailedPrecondition(f"session {session.number} has a job socket connection already")
-        except (FailedPrecondition, NotFound, PermissionDenied) as e:
+        except KVDepotError as e:
             self._transport.write(self._refusal(request.request_id, e))
             self._transport.close()
             return

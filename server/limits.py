@@ -48,6 +48,9 @@ class Limits:
     max_tensors_per_worker: int = 1024
     max_name_length: int = 512
     max_namespaces: int = 1024
+    max_namespaces_per_tenant: int = 128
+    max_sessions_per_uid: int = 256
+    max_unproven_sessions: int = 256
     job_deadline: float = 60.0
     stats_max_entries: int = 256
     # A session must prove who it is (its job socket's hello) this soon.
@@ -100,6 +103,26 @@ class Limits:
         if spec.tp_size > self.max_tp_size:
             raise InvalidArgument(
                 f"namespace.tp_size {spec.tp_size} is more than --max-tp-size ({self.max_tp_size})"
+            )
+
+    def room_for_session(self, sessions, identity) -> None:
+        """Before a session is made (identity None: not proven yet) or proven."""
+        if identity is None:
+            unproven = sum(1 for s in sessions if s.identity is None)
+            if unproven >= self.max_unproven_sessions:
+                raise ResourceExhausted(
+                    f"{unproven} sessions are waiting to say hello, the most the daemon holds "
+                    f"(--max-unproven-sessions {self.max_unproven_sessions}); try again"
+                )
+            return
+        mine = sum(
+            1 for s in sessions
+            if s.identity is not None and (s.identity.uid, s.identity.tenant) == (identity.uid, identity.tenant)
+        )
+        if mine >= self.max_sessions_per_uid:
+            raise ResourceExhausted(
+                f"{identity.describe()} has {mine} sessions, the most one user may "
+                f"(--max-sessions-per-uid {self.max_sessions_per_uid})"
             )
 
     # ------------------------------------------------------------ workers

@@ -215,7 +215,10 @@ async def serve(config: DaemonConfig) -> int:
         pool.close()
         guard.release()
         raise StartupError(str(e)) from e
-    depot = Depot(pool, config.eviction, instance, kvdepot.__version__, Limits.of(config), quotas)
+    depot = Depot(
+        pool, config.eviction, instance, kvdepot.__version__, Limits.of(config), quotas,
+        parse_admin_uids(config.pool_uids, "pool_uids"),
+    )
     add_transports(depot, pool, config)
     server = grpc.aio.server(
         options=[

@@ -116,6 +116,15 @@ class Namespaces:
                     f"the daemon holds {len(self._by_identity)} namespaces, the most it may "
                     f"(--max-namespaces {self._limits.max_namespaces})"
                 )
+            held = sum(1 for known in self._by_identity.values() if known.scope == scope)
+            if held >= self._limits.max_namespaces_per_tenant:
+                self.sweep()
+                held = sum(1 for known in self._by_identity.values() if known.scope == scope)
+            if held >= self._limits.max_namespaces_per_tenant:
+                raise ResourceExhausted(
+                    f"tenant {scope} holds {held} namespaces, the most one tenant may "
+                    f"(--max-namespaces-per-tenant {self._limits.max_namespaces_per_tenant})"
+                )
             ns = Namespace(
                 id=self._new_id(), name=_name(spec, scope), tp_size=spec.tp_size, scope=scope, identity=identity
             )

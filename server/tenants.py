@@ -121,13 +121,14 @@ def default_admin_uids() -> frozenset[int]:
     return frozenset({0, os.getuid()})
 
 
-def parse_admin_uids(text: str) -> frozenset[int]:
+def parse_admin_uids(text: str, option: str = "admin_uids") -> frozenset[int]:
+    """A list of uids (admin_uids, pool_uids); empty: root and the daemon's user."""
     if not text.strip():
         return default_admin_uids()
     try:
         return frozenset(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise TenantConfigError(f"admin_uids must be uids separated by commas, not {text!r}") from None
+        raise TenantConfigError(f"{option} must be uids separated by commas, not {text!r}") from None
 
 
 def parse_tenants(entries, source: str) -> list[TenantSpec]:
@@ -144,15 +145,19 @@ def parse_tenants(entries, source: str) -> list[TenantSpec]:
         if unknown:
             raise TenantConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_KEYS))}")
         name = entry.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or name.startswith("uid-"):
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or name.startswith("uid-") or name == "token":
             raise TenantConfigError(
-                f"{where}: name must be 1-64 letters, digits, '.', '_' or '-' (and not start with 'uid-')"
+                f"{where}: name must be 1-64 letters, digits, '.', '_' or '-' (and neither start with 'uid-' "
+                "nor be 'token', the names of default tenants)"
             )
         if any(s.name == name for s in specs):
             raise TenantConfigError(f"{where}: tenant {name} is defined twice")
         share = entry.get("share")
         if share is not None and (not isinstance(share, str) or not _NAME.fullmatch(share)):
             raise TenantConfigError(f"{where}: share must be 1-64 letters, digits, '.', '_' or '-'")
+        if share is not None and (share.startswith("uid-") or share == "token"):
+            # Those are the scopes of default tenants: sharing one would join them unasked.
+            raise TenantConfigError(f"{where}: share {share!r} is reserved (it names a default tenant)")
         uids, gids = _ids(entry.get("uids", []), f"{where}: uids"), _ids(entry.get("gids", []), f"{where}: gids")
         for uid in uids:
             if uid in seen_uids:
@@ -180,6 +185,13 @@ def parse_tenants(entries, source: str) -> list[TenantSpec]:
     tokens = [s.token for s in specs if s.token is not None]
     if len(tokens) != len(set(tokens)):
         raise TenantConfigError(f"{source}: two tenants have the same token")
+    tenant_names = {s.name for s in specs}
+    for spec in specs:
+        if spec.share is not None and spec.share in tenant_names and spec.share != spec.name:
+            raise TenantConfigError(
+                f"{source}: tenant {spec.name} shares {spec.share!r}, which is another tenant's name; "
+                "name a sharing group that no tenant has"
+            )
     names = [n for s in specs for n in s.cert_names]
     if len(names) != len(set(names)):
         raise TenantConfigError(f"{source}: a certificate name is given to two tenants")
@@ -223,6 +235,8 @@ def _quota_bytes(text: str, pool_bytes: int, where: str) -> int:
 
 
 def _ids(value, where: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and 0 <= v < 2**32 for v in value):
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in value
+    ):
         raise TenantConfigError(f"{where} must be a list of ids (0 to 4294967295)")
     return value

@@ -39,16 +39,20 @@ def main() -> int:
     ns = pb.NamespaceSpec(**namespace("per_layer"))
     engine = stub.RegisterEngine(pb.RegisterEngineRequest(session_id=sid, namespace=ns))
     seen = stub.Lookup(pb.LookupRequest(session_id=sid, engine_id=engine.engine_id, keys=prompt_keys(4, stored)))
-    # Poison: publish the victim's next prompt first, with whatever the slots held.
+    # Poison: publish the victim's next prompt first, with whatever the slots held
+    # (only where the daemon lets this uid register a shared-memory worker).
     tensors, block_dim = make_kv_cache("per_layer", seed=5)
-    worker = stub.RegisterWorker(pb.RegisterWorkerRequest(
+    register = pb.RegisterWorkerRequest(
         session_id=sid, namespace=ns, rank=0, device="cpu",
         tensors=[tensor_spec(tensor_layout(t, block_dim, f"l{i}")) for i, t in enumerate(tensors)],
-        handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker()) for _ in tensors]))
-    poison = prompt_keys(4, unstored)
-    stub.SubmitStore(pb.SubmitStoreRequest(session_id=sid, worker_id=worker.worker_id, job_id=1,
-                                           keys=poison, block_ids=[0, 1, 2, 3]))
-    stub.CompleteJob(pb.CompleteJobRequest(session_id=sid, job_id=1, ok=True))
+        handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker()) for _ in tensors])
+    worker_code = code_of(lambda: stub.RegisterWorker(register))
+    if worker_code == "OK":
+        worker = stub.RegisterWorker(register)
+        poison = prompt_keys(4, unstored)
+        stub.SubmitStore(pb.SubmitStoreRequest(session_id=sid, worker_id=worker.worker_id, job_id=1,
+                                               keys=poison, block_ids=[0, 1, 2, 3]))
+        stub.CompleteJob(pb.CompleteJobRequest(session_id=sid, job_id=1, ok=True))
     stats = stub.GetStats(pb.GetStatsRequest(session_id=sid))
     anonymous = stub.GetStats(pb.GetStatsRequest())
     print(json.dumps({
@@ -57,6 +61,7 @@ def main() -> int:
         "admin": session.ready.admin,
         "namespace_name": engine.namespace_name,
         "victim_blocks_seen": seen.ready_blocks,
+        "register_shared_memory_worker": worker_code,
         "stats_namespaces": [n.name for n in stats.namespaces],
         "stats_clients": [c.client_name for c in stats.clients],
         "anonymous_stats": [len(anonymous.namespaces), len(anonymous.clients), anonymous.totals.lookups],

@@ -5,7 +5,7 @@ start: test_daemon_lifecycle's bad configurations.)"""
 from __future__ import annotations
 
 import pytest
-from kvcache import attach_worker, prompt_keys
+from kvcache import attach_worker, make_kv_cache, namespace, prompt_keys
 from test_daemon_lifecycle import free_port
 
 from kvdepot import errors
@@ -69,9 +69,14 @@ def test_client_certificates_name_tenants_without_a_token(start_daemon, tmp_path
 
     client = KVDepotClient(address, tls=Tls(str(ca.path), str(engine_cert), str(engine_key))).connect(10)
     try:
-        round_trip(client, seed=51, prompt=510)
+        engine = client.register_engine(namespace("per_layer"))
+        assert client.lookup(engine, prompt_keys(2, prompt=510)).ready_blocks == 0
         [ns] = client.stats().namespaces
         assert ns.name.startswith("team-a/")
+        # Not an admin: a CPU worker, which would map the whole pool, is refused.
+        tensors, block_dim = make_kv_cache("per_layer", seed=51)
+        with pytest.raises(errors.PermissionDenied, match="maps the whole pool"):
+            client.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim)
     finally:
         client.close()
     # A certificate the CA signed but no tenant names: known to TLS, not to the daemon.

@@ -68,11 +68,14 @@ def store_and_check(client, worker, tensors, prompt: int) -> None:
     assert client.wait([job], 10)[job].ok
 
 
+# By default only root and the daemon's user may map the pool (a shared-memory
+# worker); with nobody allowed too, its poisoned store must still stay its own.
 @needs_second_uid
+@pytest.mark.parametrize("pool_uids", ["", f"0,{NOBODY}"])
 def test_another_tenant_can_neither_read_probe_poison_nor_clear_a_tenants_blocks(
-    open_folder, start_daemon, client_factory
+    open_folder, start_daemon, client_factory, pool_uids
 ):
-    daemon = start_shared(start_daemon, open_folder)
+    daemon = start_shared(start_daemon, open_folder, **({"pool_uids": pool_uids} if pool_uids else {}))
     victim = client_factory(daemon, name="victim")
     worker, engine, tensors = attach_worker(victim, seed=40)
     store_and_check(victim, worker, tensors, prompt=400)
@@ -82,6 +85,7 @@ def test_another_tenant_can_neither_read_probe_poison_nor_clear_a_tenants_blocks
     assert (got["uid"], got["tenant"], got["admin"]) == (NOBODY, f"uid-{NOBODY}", False)
     assert got["namespace_name"] != worker.namespace_name
     assert got["victim_blocks_seen"] == 0, "another tenant's lookup found the victim's blocks"
+    assert got["register_shared_memory_worker"] == ("OK" if pool_uids else "PERMISSION_DENIED")
     assert got["stats_namespaces"] == [got["namespace_name"]]
     assert got["stats_clients"] == []
     assert got["anonymous_stats"] == [0, 0, 0]
@@ -96,9 +100,9 @@ def test_another_tenant_can_neither_read_probe_poison_nor_clear_a_tenants_blocks
     for i in range(4):
         for src, dst in zip(block_of(tensors, "per_layer", i), block_of(tensors, "per_layer", 10 + i)):
             assert torch.equal(src.view(torch.int16), dst.view(torch.int16))
-    # Root is an admin: it sees both tenants.
+    # Root is an admin: it sees both tenants (the other's namespace, while it has blocks).
     names = {ns.name for ns in victim.stats().namespaces}
-    assert names == {worker.namespace_name, got["namespace_name"]}
+    assert names == {worker.namespace_name, got["namespace_name"]} if pool_uids else names >= {worker.namespace_name}
 
 
 @needs_second_uid
@@ -108,7 +112,7 @@ def test_tenants_the_configuration_puts_in_one_sharing_group_share_blocks(open_f
         '[[tenant]]\nname = "serving"\nuids = [0]\nshare = "fleet"\n\n'
         f'[[tenant]]\nname = "batch"\nuids = [{NOBODY}]\nshare = "fleet"\n'
     )
-    daemon = start_shared(start_daemon, open_folder, config=str(config))
+    daemon = start_shared(start_daemon, open_folder, config=str(config), pool_uids=f"0,{NOBODY}")
     victim = client_factory(daemon, name="serving")
     worker, engine, tensors = attach_worker(victim, seed=41)
     store_and_check(victim, worker, tensors, prompt=410)
@@ -174,7 +178,7 @@ def flood(daemon, blocks: int) -> dict:
 
 @needs_second_uid
 def test_one_tenants_big_store_does_not_evict_another_below_its_share(open_folder, start_daemon, client_factory):
-    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB")  # 32 slots
+    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB", pool_uids=f"0,{NOBODY}")  # 32 slots
     victim = client_factory(daemon, name="victim")
     worker, engine, tensors = attach_worker(victim, seed=42)
     keys = prompt_keys(12, prompt=420)
@@ -196,7 +200,7 @@ def test_one_tenants_big_store_does_not_evict_another_below_its_share(open_folde
 
 @needs_second_uid
 def test_stores_a_tenant_never_completes_cannot_take_every_free_slot(open_folder, start_daemon, client_factory):
-    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB")  # 32 slots
+    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB", pool_uids=f"0,{NOBODY}")  # 32 slots
     victim = client_factory(daemon, name="victim")
     worker, engine, tensors = attach_worker(victim, seed=44)
     first = prompt_keys(4, prompt=440)
@@ -223,7 +227,8 @@ def test_stores_a_tenant_never_completes_cannot_take_every_free_slot(open_folder
 def test_a_tenant_at_its_quota_evicts_only_its_own_blocks(open_folder, start_daemon, client_factory):
     config = open_folder / "kvdepot.toml"
     config.write_text(f'[[tenant]]\nname = "small"\nuids = [{NOBODY}]\nquota = "25%"\n')
-    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB", config=str(config))
+    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB", config=str(config),
+                          pool_uids=f"0,{NOBODY}")
     owner = client_factory(daemon, name="owner")
     worker, engine, tensors = attach_worker(owner, seed=43)
     # The flood may hold 8 of 32 slots, though 32 are free.
@@ -237,12 +242,15 @@ def test_a_tenant_at_its_quota_evicts_only_its_own_blocks(open_folder, start_dae
     [
         ('[[tenant]]\nname = "a"\nuidz = [1]\n', "unknown key(s) uidz"),
         ('[[tenant]]\nname = "a b"\n', "name must be 1-64 letters"),
-        ('[[tenant]]\nname = "uid-5"\n', "not start with 'uid-'"),
+        ('[[tenant]]\nname = "uid-5"\n', "neither start with 'uid-'"),
         ('[[tenant]]\nname = "a"\nuids = [1]\n[[tenant]]\nname = "b"\nuids = [1]\n', "uid 1 is in tenant a already"),
         ('[[tenant]]\nname = "a"\nquota = "lots"\n', "neither a percentage nor a size"),
         ('[[tenant]]\nname = "a"\nquota = "150%"\n', "at most 100%"),
         ('[[tenant]]\nname = "a"\ntoken_file = "/nonexistent"\n', "cannot read the auth token file"),
         ('tenant = 3\n', "must be an array of tables"),
+        ('[[tenant]]\nname = "a"\nshare = "uid-0"\n', "is reserved"),
+        ('[[tenant]]\nname = "a"\n[[tenant]]\nname = "b"\nshare = "a"\n', "another tenant's name"),
+        ('[[tenant]]\nname = "a"\nuids = [true]\n', "must be a list of ids"),
     ],
 )
 def test_a_bad_tenant_table_is_refused_with_a_clear_message(tmp_path, toml, message):
@@ -288,3 +296,42 @@ def test_a_session_that_never_says_hello_is_ended_at_the_hello_deadline(start_da
     unproven.close()
     client = client_factory(daemon)
     assert client.stats().clients == [] and client.stats().sessions_ended == 1
+
+
+def test_a_long_client_name_is_refused_before_the_daemon_keeps_it(start_daemon):
+    daemon = start_daemon()
+    with pytest.raises(grpc.RpcError) as info:
+        RawSession(daemon.socket, name="n" * (1 << 20), hello=False)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "client_name has 1048576 characters, more than --max-name-length" in info.value.details()
+
+
+def test_sessions_are_bounded_per_user_and_before_hello(start_daemon):
+    daemon = start_daemon(max_sessions_per_uid=3, max_unproven_sessions=2)
+    proven = [RawSession(daemon.socket) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="--max-sessions-per-uid 3"):
+        RawSession(daemon.socket)
+    waiting = [RawSession(daemon.socket, hello=False) for _ in range(2)]
+    with pytest.raises(grpc.RpcError) as info:
+        RawSession(daemon.socket, hello=False)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-unproven-sessions 2" in info.value.details()
+    for session in proven + waiting:
+        session.close()
+
+
+def test_one_tenant_cannot_take_every_namespace(start_daemon):
+    from kvdepot.proto import kvdepot_pb2 as pb
+    from kvcache import namespace
+
+    daemon = start_daemon(max_namespaces_per_tenant=3)
+    session = RawSession(daemon.socket)
+    for model in ("a", "b", "c"):
+        spec = pb.NamespaceSpec(**{**namespace("per_layer"), "model": model})
+        session.stub.RegisterEngine(pb.RegisterEngineRequest(session_id=session.id, namespace=spec))
+    spec = pb.NamespaceSpec(**{**namespace("per_layer"), "model": "d"})
+    with pytest.raises(grpc.RpcError) as info:
+        session.stub.RegisterEngine(pb.RegisterEngineRequest(session_id=session.id, namespace=spec))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"tenant uid-{os.getuid()} holds 3 namespaces" in info.value.details()
+    session.close()
