@@ -176,14 +176,22 @@ def flood(daemon, blocks: int) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+def small_pool_with_a_victim(start_daemon, open_folder, client_factory, seed: int, blocks: int, prompt: int):
+    """A 32-slot pool where nobody may store too, and root's client holding `blocks` blocks."""
+    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB", pool_uids=f"0,{NOBODY}")
+    victim = client_factory(daemon, name="victim")
+    worker, engine, tensors = attach_worker(victim, seed=seed)
+    keys = prompt_keys(blocks, prompt=prompt)
+    job = victim.submit_store(worker, 1, keys, list(range(blocks)))
+    assert victim.wait([job], 10)[job].ok
+    return daemon, victim, worker, engine, tensors, keys
+
+
 @needs_second_uid
 def test_one_tenants_big_store_does_not_evict_another_below_its_share(open_folder, start_daemon, client_factory):
-    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB", pool_uids=f"0,{NOBODY}")  # 32 slots
-    victim = client_factory(daemon, name="victim")
-    worker, engine, tensors = attach_worker(victim, seed=42)
-    keys = prompt_keys(12, prompt=420)
-    job = victim.submit_store(worker, 1, keys, list(range(12)))
-    assert victim.wait([job], 10)[job].ok
+    daemon, victim, worker, engine, tensors, keys = small_pool_with_a_victim(
+        start_daemon, open_folder, client_factory, seed=42, blocks=12, prompt=420
+    )
 
     # With two tenants, each may have half the pool in stores in flight: the flood
     # gets 16 slots, of the 20 free, and may evict none of the victim's blocks.
@@ -200,12 +208,9 @@ def test_one_tenants_big_store_does_not_evict_another_below_its_share(open_folde
 
 @needs_second_uid
 def test_stores_a_tenant_never_completes_cannot_take_every_free_slot(open_folder, start_daemon, client_factory):
-    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB", pool_uids=f"0,{NOBODY}")  # 32 slots
-    victim = client_factory(daemon, name="victim")
-    worker, engine, tensors = attach_worker(victim, seed=44)
-    first = prompt_keys(4, prompt=440)
-    job = victim.submit_store(worker, 1, first, list(range(4)))
-    assert victim.wait([job], 10)[job].ok
+    daemon, victim, worker, engine, tensors, first = small_pool_with_a_victim(
+        start_daemon, open_folder, client_factory, seed=44, blocks=4, prompt=440
+    )
     holder = subprocess.Popen(
         [*as_uid(NOBODY), sys.executable, str(HERE / "tenant_flood.py"), daemon.socket, "30", "hold"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
