@@ -118,6 +118,8 @@ class JobConnection(asyncio.Protocol):
         # The peer's uid (None: unknown), and whether the gate counts this connection.
         self._uid: int | None = None
         self._peer = "an unknown peer"
+        # Who the kernel says connected; the hello gives its session this identity.
+        self._credentials = None
         self._admitted = False
         self._hello_timer: asyncio.TimerHandle | None = None
         # The client is not reading its replies: requests wait in the buffer.
@@ -129,7 +131,7 @@ class JobConnection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self._transport = transport
-        peer = peer_of(transport.get_extra_info("socket"))
+        peer = self._credentials = peer_of(transport.get_extra_info("socket"))
         if peer is not None:
             self._uid, self._peer = peer.uid, f"pid {peer.pid}, uid {peer.uid}"
         refusal = self._gate.admit(self._uid)
@@ -287,7 +289,7 @@ class JobConnection(asyncio.Protocol):
         try:
             if kind != "hello":
                 raise FailedPrecondition("the first frame on a job socket must be hello")
-            peer = peer_of(self._transport.get_extra_info("socket"))
+            peer = self._credentials
             if peer is None:
                 raise PermissionDenied("the daemon cannot tell who this connection's peer is (no SO_PEERCRED)")
             identity = self._tenants.for_peer(peer)

@@ -29,7 +29,7 @@ from kvcache import namespace  # noqa: E402
 from kvdepot.defaults import PROTOCOL_VERSION  # noqa: E402
 from kvdepot.proto import kvdepot_pb2 as pb  # noqa: E402
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc  # noqa: E402
-from raw_client import RawJobSocket  # noqa: E402
+from raw_client import prove  # noqa: E402
 
 LENGTH = struct.Struct("<I")
 
@@ -47,10 +47,7 @@ def attach(socket_path: str, name: str = "attacker", hello: bool = True):
     stream = stub.Attach(pb.AttachRequest(client_name=name, pid=os.getpid(), protocol_version=PROTOCOL_VERSION))
     started = next(stream).started
     if hello:
-        jobs = RawJobSocket(started.job_socket)
-        if not jobs.hello(started.session_id).HasField("ready"):
-            raise RuntimeError("the daemon refused our hello")
-        jobs.close()
+        prove(started)
     return channel, stub, stream, started
 
 

@@ -27,7 +27,7 @@ from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from raw_client import RawJobSocket  # noqa: E402
+from raw_client import prove  # noqa: E402
 
 SHM = pb.TensorHandle(shared_memory=pb.SharedMemoryWorker())
 
@@ -61,10 +61,7 @@ class Hostile:
         stream = self.stub.Attach(pb.AttachRequest(client_name=name, pid=os.getpid(),
                                                    protocol_version=PROTOCOL_VERSION))
         started = next(stream).started
-        jobs = RawJobSocket(started.job_socket)
-        if not jobs.hello(started.session_id).HasField("ready"):
-            raise RuntimeError("the daemon refused our hello")
-        jobs.close()
+        prove(started)
         return stream, started
 
     def call(self, case: str, method: str, request) -> bool:

@@ -61,6 +61,23 @@ class RawJobSocket:
         self.sock.close()
 
 
+def ready(reply: pb.JobReply | None) -> pb.JobSocketReady:
+    """The hello's answer, or RuntimeError saying why the daemon refused it."""
+    if reply is None or not reply.HasField("ready"):
+        raise RuntimeError(f"the daemon refused our hello: {reply}")
+    return reply.ready
+
+
+def prove(started: pb.SessionStarted) -> pb.JobSocketReady:
+    """Says hello for the session on a job socket connection of its own, then
+    closes it: the session keeps the identity it proved."""
+    jobs = RawJobSocket(started.job_socket)
+    try:
+        return ready(jobs.hello(started.session_id))
+    finally:
+        jobs.close()
+
+
 class RawSession:
     """A session of our own: Attach, then (unless told not to) the job socket's
     hello that proves who we are. `stub` makes any call; `jobs` is the job
@@ -79,10 +96,7 @@ class RawSession:
         self.ready = None
         if hello:
             self.jobs = RawJobSocket(self.started.job_socket)
-            reply = self.jobs.hello(self.id)
-            if reply is None or not reply.HasField("ready"):
-                raise RuntimeError(f"the daemon refused our hello: {reply}")
-            self.ready = reply.ready
+            self.ready = ready(self.jobs.hello(self.id))
 
     def close(self) -> None:
         """Ends the session (the Attach stream closes)."""
