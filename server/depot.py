@@ -40,7 +40,7 @@ from kvdepot.server.quarantine import Quarantine
 from kvdepot.server.records import RECENT_JOB_IDS, Job, Session, Worker
 from kvdepot.server.registration import worker_layout
 from kvdepot.server.shares import ScopedEviction
-from kvdepot.server.stats import BusyClock, Counters, clear_scope, stats_response
+from kvdepot.server.stats import BusyClock, Counters, clear_response, stats_response
 from kvdepot.server.tenants import Identity
 from kvdepot.server.transports.base import Transport
 
@@ -416,9 +416,16 @@ class Depot:
         late = [s for s in self.sessions.values() if s.identity is None and now - s.attached_at > deadline]
         for session in late:
             reason = f"it did not say hello on the job socket within {deadline:g} s (--job-hello-timeout)"
-            log.warning("ending session %d (%s): %s", session.number, shown(session.client_name), reason)
-            session.outbox.end(reason, FailedPrecondition.code)
-            self.end_session(session)
+            self.expel(session, reason, FailedPrecondition.code)
+
+    def expel(self, session: Session, reason: str, code=ResourceExhausted.code) -> None:
+        """Ends a session the daemon gives up on, now rather than when its client
+        reads its stream (which may be never); the stream then ends with `code`
+        and `reason`."""
+        who = session.identity.describe() if session.identity else "not proven"
+        log.warning("ending session %d (%s, %s): %s", session.number, shown(session.client_name), who, reason)
+        session.outbox.end(reason, code)
+        self.end_session(session)
 
     async def drain(self, timeout: float) -> bool:
         """Refuses new jobs and waits for those in flight; False if time ran out."""
@@ -454,15 +461,7 @@ class Depot:
         return stats_response(self, identity, asking_session_id)
 
     def clear(self, identity: Identity | None, namespace_name: str) -> pb.ClearResponse:
-        targets = clear_scope(self, identity, namespace_name)
-        cleared = pinned = 0
-        for target in targets:
-            counts = self.index.clear(target)
-            cleared, pinned = cleared + counts[0], pinned + counts[1]
-        self.changes.send()
-        log.info("%s cleared %d block(s) of %s; %d pinned kept", identity.describe(), cleared,
-                 shown(namespace_name) if namespace_name else "every namespace", pinned)
-        return pb.ClearResponse(cleared_blocks=cleared, pinned_blocks=pinned)
+        return clear_response(self, identity, namespace_name)
 
 
 def _who(session: Session) -> str:

@@ -14,7 +14,6 @@ from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 from kvdepot.server.depot import Depot
 from kvdepot.server.tenants import Identity, Tenants
-from kvdepot.server.limits import shown
 
 log = logging.getLogger("kvdepot.service")
 
@@ -135,7 +134,7 @@ class KVDepotService(pb_grpc.KVDepotServicer):
         except KVDepotError as e:
             await context.abort(e.code, str(e))
         if self.max_queued_keys is not None:
-            session.outbox.bound(self.max_queued_keys, lambda reason: self._fell_behind(session, reason))
+            session.outbox.bound(self.max_queued_keys, lambda reason: self.depot.expel(session, reason))
         try:
             yield pb.Notification(
                 started=pb.SessionStarted(
@@ -155,13 +154,6 @@ class KVDepotService(pb_grpc.KVDepotServicer):
             # Reached when the client closes the stream or its connection drops
             # (exit, crash, kill -9), and when the server stops.
             self.depot.end_session(session)
-
-    def _fell_behind(self, session, reason: str) -> None:
-        # Ended now, not once the stream gets to its end: a client that reads
-        # nothing may never let it, and its jobs and pins must go.
-        who = session.identity.describe() if session.identity else "not proven"
-        log.warning("ending session %d (%s, %s): %s", session.number, shown(session.client_name), who, reason)
-        self.depot.end_session(session)
 
     @_unary
     def RegisterEngine(self, request, context):

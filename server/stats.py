@@ -3,12 +3,16 @@ GetStats answer built from them."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, fields
 
 from kvdepot.errors import PermissionDenied
 from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.limits import shown
 from kvdepot.server.tenants import Identity
+
+log = logging.getLogger("kvdepot.depot")
 
 # Characters of a client's name that stats show (the client chose it).
 CLIENT_NAME_CHARS = 256
@@ -140,7 +144,7 @@ def stats_response(depot, identity: Identity | None, asking_session_id: str = ""
     return response
 
 
-def clear_scope(depot, identity: Identity | None, namespace_name: str) -> list:
+def _clear_scope(depot, identity: Identity | None, namespace_name: str) -> list:
     """The namespaces a Clear of `namespace_name` (empty: all) by `identity` empties."""
     if identity is None:
         raise PermissionDenied("clearing needs a session: name the caller's session_id")
@@ -152,3 +156,15 @@ def clear_scope(depot, identity: Identity | None, namespace_name: str) -> list:
             f"clearing every namespace is for admins ({identity.describe()} is not): clear yours by name"
         )
     return [None]  # every namespace
+
+
+def clear_response(depot, identity: Identity | None, namespace_name: str) -> pb.ClearResponse:
+    """Clear's answer, once the namespaces `identity` may empty are emptied."""
+    cleared = pinned = 0
+    for target in _clear_scope(depot, identity, namespace_name):
+        counts = depot.index.clear(target)
+        cleared, pinned = cleared + counts[0], pinned + counts[1]
+    depot.changes.send()
+    log.info("%s cleared %d block(s) of %s; %d pinned kept", identity.describe(), cleared,
+             shown(namespace_name) if namespace_name else "every namespace", pinned)
+    return pb.ClearResponse(cleared_blocks=cleared, pinned_blocks=pinned)
