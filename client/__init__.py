@@ -10,7 +10,6 @@ _EXPORTS = {
     "JobResult": "kvdepot.client.jobs",
     "EngineHandle": "kvdepot.client.key_copy",
     "WorkerHandle": "kvdepot.client.workers",
-    "Transfer": "kvdepot.client.client",
     "block_keys": "kvdepot.keys",
     "OperatorClient": "kvdepot.client.cli",
     "Tls": "kvdepot.client.rpc",

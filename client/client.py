@@ -16,8 +16,7 @@ typed errors of kvdepot.errors.
 Threads and locks. Callers (an engine's steps, in any thread), the session's
 stream thread, the job socket's reader and gRPC's callback threads all touch
 the client's state. Each part keeps its state under one lock of its own
-(JobBook, EngineCopies, Session, SocketJobChannel, and here the count of
-copies running). A lock is held only around its own part's state: nothing
+(JobBook, EngineCopies, Session, SocketJobChannel). A lock is held only around its own part's state: nothing
 calls into another part, the daemon or a callback while holding one, so no
 thread ever holds two. The one exception is the session's registration
 lock, held across registration calls and always taken first (session.py).
@@ -26,8 +25,7 @@ lock, held across registration calls and always taken first (session.py).
 from __future__ import annotations
 
 import logging
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from kvdepot.client.jobs import JobBook, JobResult
@@ -36,13 +34,13 @@ from kvdepot.client.rpc import Tls
 from kvdepot.client.session import Connection, Session
 from kvdepot.client.workers import WorkerHandle, make_worker
 from kvdepot.defaults import default_socket_path, grpc_target
-from kvdepot.errors import KVDepotError, Unavailable
+from kvdepot.errors import AlreadyExists, KVDepotError, Unavailable
 from kvdepot.keys import KEY_VERSION
 from kvdepot.proto import kvdepot_pb2 as pb
 
 log = logging.getLogger("kvdepot.client")
 
-__all__ = ["EngineHandle", "JobResult", "KVDepotClient", "LookupResult", "Transfer", "WorkerHandle"]
+__all__ = ["EngineHandle", "JobResult", "KVDepotClient", "LookupResult", "WorkerHandle"]
 
 
 @dataclass
@@ -53,52 +51,6 @@ class LookupResult:
     not_yet: bool = False
     # False when the daemon could not be asked; the answer is then "nothing".
     available: bool = True
-
-
-@dataclass(eq=False)
-class Transfer:
-    """A submitted shared-memory job whose bytes this process still has to copy.
-
-    `run()` copies and reports completion to the daemon; the daemon keeps the
-    job's blocks pinned until then.
-    """
-
-    client: KVDepotClient
-    kind: str
-    job_id: int
-    worker: WorkerHandle | None = None
-    connection: Connection | None = None
-    block_ids: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    done: bool = False
-
-    def run(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        if not self.client._copy_started():
-            # The client is closing: its session ends, and the daemon may hand
-            # the job's slots to others.
-            self.client._jobs.finish(self.job_id, False, "the client was closed before the copy")
-            return
-        try:
-            self._copy()
-        finally:
-            self.client._copy_ended()
-
-    def _copy(self) -> None:
-        try:
-            if self.connection.pool is None:
-                raise RuntimeError("the daemon's pool is not mapped in this process")
-            if self.kind == "store":
-                self.worker.copier.to_slots(self.connection.pool, self.block_ids, self.slots)
-            else:
-                self.worker.copier.from_slots(self.connection.pool, self.slots, self.block_ids)
-        except Exception as e:  # a failed copy fails the job, never the caller
-            log.exception("%s job %d: copy failed", self.kind, self.job_id)
-            self.client._complete(self.connection, self.job_id, ok=False, error=f"copy failed: {e}")
-            return
-        self.client._complete(self.connection, self.job_id, ok=True)
 
 
 def namespace_spec(namespace: pb.NamespaceSpec | Mapping) -> pb.NamespaceSpec:
@@ -129,8 +81,6 @@ class KVDepotClient:
         self.name = name
         self._jobs = JobBook()
         self._copies = EngineCopies()
-        self._copies_running = 0
-        self._copies_changed = threading.Condition()
         metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         credentials = tls.credentials() if tls is not None else None
         self._session = Session(
@@ -167,11 +117,8 @@ class KVDepotClient:
         return self._session.reconnects
 
     def close(self, timeout: float = 30.0) -> None:
-        """Ends the session. Copies already running finish first: the daemon
-        reuses a session's slots once its stream closes."""
-        with self._copies_changed:
-            self._session.closing.set()
-            self._copies_changed.wait_for(lambda: self._copies_running == 0, timeout)
+        """Ends the session; jobs still in flight fail."""
+        self._session.closing.set()
         self._session.stop()
 
     def __enter__(self) -> KVDepotClient:
@@ -179,18 +126,6 @@ class KVDepotClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _copy_started(self) -> bool:
-        with self._copies_changed:
-            if self._session.closing.is_set():
-                return False
-            self._copies_running += 1
-            return True
-
-    def _copy_ended(self) -> None:
-        with self._copies_changed:
-            self._copies_running -= 1
-            self._copies_changed.notify_all()
 
     # ------------------------------------------------------------ registration
 
@@ -215,9 +150,9 @@ class KVDepotClient:
     ) -> WorkerHandle:
         """Declares this worker's KV-cache tensors.
 
-        CPU tensors use the shared-memory transport (this process copies); CUDA
-        tensors the CUDA transport (the daemon copies over CUDA IPC, on its own
-        streams). `block_dim` says which dimension of each tensor indexes
+        CPU tensors use the shared-memory transport (the daemon copies through
+        a staging memory this process hands it; shm_copy.py); CUDA tensors the
+        CUDA transport (the daemon copies over CUDA IPC, on its own streams). `block_dim` says which dimension of each tensor indexes
         blocks, e.g. 1 for vLLM's [2, num_blocks, block_size, heads, head_dim].
         """
         worker = make_worker(namespace_spec(namespace), rank, tensors, block_dim, device, names)
@@ -278,68 +213,42 @@ class KVDepotClient:
 
         CUDA workers: call it after launching the compute that writes the
         blocks, on the current stream; the daemon's copy waits for that compute.
-        It returns without waiting for the daemon's answer: a job the daemon
+        CPU workers: the blocks are copied into the staging memory before it
+        returns. It never waits for the daemon's answer: a job the daemon
         refuses (a bad request) ends failed, with the daemon's message.
         """
-        self.begin_store(worker, job_id, keys, block_ids).run()
+        self._submit("store", worker, job_id, keys, block_ids)
         return job_id
 
     def submit_load(self, worker: WorkerHandle, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        """Loads blocks; a failed load is reported so the engine recomputes them."""
-        self.begin_load(worker, job_id, keys, block_ids).run()
+        """Loads blocks; a failed load is reported so the engine recomputes them.
+        CPU workers: the blocks are written when the job's result is filed."""
+        self._submit("load", worker, job_id, keys, block_ids)
         return job_id
 
-    def begin_store(self, worker: WorkerHandle, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> Transfer:
-        return self._begin("store", worker, job_id, keys, block_ids)
-
-    def begin_load(self, worker: WorkerHandle, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int]) -> Transfer:
-        return self._begin("load", worker, job_id, keys, block_ids)
-
-    def _begin(self, kind: str, worker: WorkerHandle, job_id: int, keys, block_ids) -> Transfer:
+    def _submit(self, kind: str, worker: WorkerHandle, job_id: int, keys, block_ids) -> None:
         block_ids = [int(b) for b in block_ids]
-        tracked_here = self._jobs.begin(job_id)
+        copier = worker.copier
+        on_end = _staging_end(kind, copier, block_ids) if copier is not None else None
+        if not self._jobs.begin(job_id, on_end):
+            raise AlreadyExists(f"job id {job_id} is in flight already in this client; wait for its result")
         connection, worker_id = self._session.connection, worker.worker_id
-        transfer = Transfer(self, kind, job_id, worker, connection, done=True)
         if connection is None or worker_id is None:
-            if tracked_here:
-                self._jobs.finish(job_id, False, "kvdepotd is not available")
-            return transfer
+            self._jobs.finish(job_id, False, "kvdepotd is not available")
+            return
         fields = dict(session_id=connection.session_id, worker_id=worker_id, job_id=job_id, keys=keys, block_ids=block_ids)
         if kind == "store" and worker.compute_fence is not None:
             fields["cuda_event_handle"], fields["cuda_fence_seq"] = worker.compute_fence.mark()
+        elif kind == "store" and copier is not None and all(0 <= b < worker.layout.num_blocks for b in block_ids):
+            # Out-of-range ids are left to the daemon, which refuses them and says why.
+            try:
+                copier.to_staging(block_ids)
+            except Exception as e:  # a failed copy fails the job, never the caller
+                log.exception("store job %d: copy into the staging memory failed", job_id)
+                self._jobs.finish(job_id, False, f"copy into the staging memory failed: {e}")
+                return
         request = pb.SubmitStoreRequest(**fields) if kind == "store" else pb.SubmitLoadRequest(**fields)
-        if not worker.copies_itself and tracked_here:
-            # The daemon copies and reports the end: the caller (an engine step)
-            # need not wait for the submit's answer either.
-            connection.jobs.submit(kind, job_id, request)
-            return transfer
-        try:
-            response = connection.jobs.call("submit_" + kind, request)
-        except Unavailable as e:
-            if tracked_here:
-                self._jobs.finish(job_id, False, str(e))
-            return transfer
-        except KVDepotError:
-            if tracked_here:
-                self._jobs.drop(job_id)
-            raise
-        transfer.slots = list(response.slots)
-        if kind == "store":
-            transfer.block_ids = [block_ids[i] for i in response.copy_indices]
-            self._jobs.store_counts(job_id, response.already_stored, response.not_stored)
-        else:
-            transfer.block_ids = block_ids
-        # The daemon copies for CUDA workers and reports the end itself.
-        transfer.done = not worker.copies_itself
-        return transfer
-
-    def _complete(self, connection: Connection, job_id: int, ok: bool, error: str = "") -> None:
-        request = pb.CompleteJobRequest(session_id=connection.session_id, job_id=job_id, ok=ok, error=error)
-        try:
-            connection.jobs.call("complete_job", request)
-        except KVDepotError as e:
-            ok, error = False, f"the daemon did not take the job's completion: {e}"
-        self._jobs.finish(job_id, ok, error)
+        connection.jobs.submit(kind, job_id, request)
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, JobResult]:
         """Waits for the jobs to finish and hands over their results."""
@@ -367,3 +276,21 @@ class KVDepotClient:
     def _session_id(self) -> str:
         connection = self._session.connection
         return connection.session_id if connection is not None else ""
+
+
+def _staging_end(kind: str, copier, block_ids: list[int]):
+    """What a shared-memory job does when it ends: a load's blocks come out of
+    the staging rows the daemon wrote; then the rows' memory goes back."""
+
+    def ended(ok: bool, error: str) -> tuple[bool, str]:
+        try:
+            if ok and kind == "load":
+                copier.from_staging(block_ids)
+        except Exception as e:
+            log.exception("load: copy out of the staging memory failed")
+            ok, error = False, f"copy out of the staging memory failed: {e}"
+        finally:
+            copier.staging.release(block_ids)
+        return ok, error
+
+    return ended

@@ -2,7 +2,8 @@
 
 `call` sends a job request and returns the daemon's answer (or raises its
 typed error); `submit` sends one nobody waits for: its refusal, or a store's
-counts, come back through the session's JobBook. The job socket (the daemon's
+counts, come back through the session's JobBook; `hand_over` gives the daemon
+a worker's staging memory, which only the job socket can carry. The job socket (the daemon's
 `PATH.jobs`, proto: "job socket") is the fast way, where the daemon offers it;
 the gRPC calls of the same names are the other, on TCP or where the socket
 cannot be opened. JobDone arrive on the job socket once a session has one,
@@ -20,16 +21,16 @@ from typing import Callable
 import grpc
 
 from kvdepot.client.jobs import JobBook
-from kvdepot.client.job_socket import JobSocket
+from kvdepot.client.job_socket import JobSocket, JobSocketRefused, hand_over
 from kvdepot.client.rpc import typed_error, unary
-from kvdepot.errors import KVDepotError, Unavailable, status_code
+from kvdepot.errors import FailedPrecondition, KVDepotError, Unavailable, status_code
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvdepot.client")
 
 # The gRPC call that does what a job socket request does.
-_METHODS = {"submit_store": "SubmitStore", "submit_load": "SubmitLoad", "complete_job": "CompleteJob"}
+_METHODS = {"submit_store": "SubmitStore", "submit_load": "SubmitLoad"}
 # A submit's kind ("store" or "load") is the request "submit_" + kind.
 
 
@@ -49,11 +50,18 @@ class JobChannel(ABC):
 
     @abstractmethod
     def call(self, kind: str, request):
-        """The answer to a job request ("submit_store", "submit_load" or "complete_job")."""
+        """The answer to a job request ("submit_store" or "submit_load")."""
 
     @abstractmethod
     def submit(self, kind: str, job_id: int, request) -> None:
         """Sends a store or load ("store", "load") nobody waits for; its outcome goes to the JobBook."""
+
+    def hand_over(self, fd: int) -> int:
+        """Gives the daemon a worker's staging memory; returns its staging id."""
+        raise FailedPrecondition(
+            "a worker in host memory (the shared-memory transport) needs the daemon's job socket, "
+            "which a unix-socket daemon has: over TCP only GPU workers can register"
+        )
 
     def close(self) -> None:
         pass
@@ -112,8 +120,17 @@ class SocketJobChannel(JobChannel):
         self._replies: dict[int, pb.JobReply] = {}
         self._unanswered: dict[int, tuple[str, int]] = {}
         self._closed = False
+        self._path, self._session_id = path, session_id
         # Raises OSError when the daemon cannot be reached or refuses the hello.
         self.socket = JobSocket(path, session_id, self._on_reply, self._lost, timeout)
+
+    def hand_over(self, fd: int) -> int:
+        try:
+            return hand_over(self._path, self._session_id, fd, self._timeout)
+        except JobSocketRefused as e:
+            raise FailedPrecondition(str(e)) from None
+        except OSError as e:
+            raise Unavailable(f"kvdepotd is not available: {e}") from None
 
     def call(self, kind: str, request):
         request_id = next(self._request_ids)

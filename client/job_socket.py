@@ -2,10 +2,12 @@
 
 Frames go out from whichever thread submits; one reader thread hands every
 JobReply to the client. The connection closing under it is reported once.
+`hand_over` gives the daemon a worker's staging memory on a connection of its own.
 """
 
 from __future__ import annotations
 
+import array
 import logging
 import socket
 import struct
@@ -76,19 +78,7 @@ class JobSocket:
             self._thread.join(timeout)
 
     def _read_reply(self) -> pb.JobReply | None:
-        """The next reply; None when the connection ended. Raises ValueError for a bad frame."""
-        header = self._reader.read(JOB_FRAME_HEADER.size)
-        if len(header) < JOB_FRAME_HEADER.size:
-            return None
-        (length,) = JOB_FRAME_HEADER.unpack(header)
-        if length > MAX_JOB_FRAME_BYTES:
-            raise ValueError(f"the daemon sent a frame of {length} bytes")
-        data = self._reader.read(length)
-        if len(data) < length:
-            return None
-        reply = pb.JobReply()
-        reply.ParseFromString(data)
-        return reply
+        return _read_one(self._reader)
 
     def _read(self) -> None:
         reason = "the daemon closed the job socket"
@@ -105,6 +95,46 @@ class JobSocket:
             self._sock.close()
             if not self._closed:
                 self._on_lost(reason)
+
+
+def hand_over(path: str, session_id: str, fd: int, timeout: float) -> int:
+    """Hands the daemon a descriptor of the worker's staging memory; returns
+    its staging id. Raises OSError when the daemon cannot be reached, and
+    JobSocketRefused (with the daemon's reason) when it does not take it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        data = pb.JobFrame(staging=pb.StagingOffer(session_id=session_id)).SerializeToString()
+        sock.sendall(JOB_FRAME_HEADER.pack(len(data)) + data)
+        with sock.makefile("rb") as reader:
+            try:
+                answer = _read_one(reader)
+                if answer is not None and answer.HasField("staging_ready"):
+                    # The byte the daemon reads itself, with the descriptor attached.
+                    sock.sendmsg([b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+                    answer = _read_one(reader)
+            except ValueError as e:
+                raise JobSocketRefused(str(e)) from None
+    if answer is None or not answer.HasField("staging_taken"):
+        why = answer.refused.message if answer is not None and answer.HasField("refused") else "no answer"
+        raise JobSocketRefused(f"the daemon did not take the worker's staging memory: {why}")
+    return answer.staging_taken.staging_id
+
+
+def _read_one(reader) -> pb.JobReply | None:
+    """The next reply; None when the connection ended. Raises ValueError for a bad frame."""
+    header = reader.read(JOB_FRAME_HEADER.size)
+    if len(header) < JOB_FRAME_HEADER.size:
+        return None
+    (length,) = JOB_FRAME_HEADER.unpack(header)
+    if length > MAX_JOB_FRAME_BYTES:
+        raise ValueError(f"the daemon sent a frame of {length} bytes")
+    data = reader.read(length)
+    if len(data) < length:
+        return None
+    reply = pb.JobReply()
+    reply.ParseFromString(data)
+    return reply
 
 
 def _timeval(seconds: float) -> bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 
 @dataclass
@@ -29,36 +29,53 @@ class JobBook:
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._pending: set[int] = set()
+        # What runs when a job ends, before its result is filed: (ok, error)
+        # -> (ok, error). Taken out (so that it runs once) when the job ends.
+        self._on_end: dict[int, Callable[[bool, str], tuple[bool, str]]] = {}
         # Finished jobs not yet handed over, in the order they finished.
         self._results: OrderedDict[int, JobResult] = OrderedDict()
         # Job ids a wait() is blocked on: take_finished() leaves them to it.
         self._awaited: dict[int, int] = {}
+        # Jobs whose on_end runs now: still in flight, and ended only once.
+        self._ending: set[int] = set()
         # A store's counts from its submit's answer, until its result exists.
         self._store_counts: dict[int, tuple[int, int]] = {}
 
-    def begin(self, job_id: int) -> bool:
-        """Tracks a new job. False when the id is in flight already: the daemon
-        refuses the new one, and the job that has the id must not be disturbed."""
+    def begin(self, job_id: int, on_end: Callable[[bool, str], tuple[bool, str]] | None = None) -> bool:
+        """Tracks a new job. False when the id is in flight already: the job
+        that has the id must not be disturbed."""
         with self._changed:
             if job_id in self._pending:
                 return False
             self._pending.add(job_id)
             self._results.pop(job_id, None)
+            if on_end is not None:
+                self._on_end[job_id] = on_end
             return True
 
-    def drop(self, job_id: int) -> None:
-        """Forgets a job the daemon refused while its caller waited (the caller raises)."""
-        with self._changed:
-            self._pending.discard(job_id)
-
     def finish(self, job_id: int, ok: bool, error: str = "") -> None:
+        """Files a job's result, once: a later finish of the same job is ignored."""
         with self._changed:
-            if job_id not in self._pending:
+            if job_id not in self._pending or job_id in self._ending:
                 return
-            self._pending.discard(job_id)
-            already, not_stored = self._store_counts.pop(job_id, (0, 0))
-            self._results[job_id] = JobResult(job_id, ok, error, already, not_stored)
-            self._changed.notify_all()
+            on_end = self._on_end.pop(job_id, None)
+            if on_end is None:
+                self._file(job_id, ok, error)
+                return
+            self._ending.add(job_id)
+        try:
+            ok, error = on_end(ok, error)
+        except Exception as e:  # a caller's step must never see it
+            ok, error = False, f"the job's end failed in this process: {e}"
+        with self._changed:
+            self._ending.discard(job_id)
+            self._file(job_id, ok, error)
+
+    def _file(self, job_id: int, ok: bool, error: str) -> None:
+        self._pending.discard(job_id)
+        already, not_stored = self._store_counts.pop(job_id, (0, 0))
+        self._results[job_id] = JobResult(job_id, ok, error, already, not_stored)
+        self._changed.notify_all()
 
     def fail_all(self, error: str) -> None:
         with self._changed:

@@ -28,7 +28,6 @@ from kvdepot.client.job_channel import GrpcJobChannel, JobChannel, SocketJobChan
 from kvdepot.client.jobs import JobBook
 from kvdepot.client.key_copy import EngineCopies, EngineHandle
 from kvdepot.client.rpc import open_channel, unary
-from kvdepot.client.shm_copy import MappedPool
 from kvdepot.client.workers import WorkerHandle
 from kvdepot.defaults import PROTOCOL_VERSION
 from kvdepot.errors import KVDepotError, Unavailable
@@ -47,8 +46,6 @@ class Connection:
     instance: str
     pool_info: pb.PoolInfo
     jobs: JobChannel
-    # The daemon's pool, mapped once a worker of the shared-memory transport registers.
-    pool: MappedPool | None = None
 
 
 class Session:
@@ -131,10 +128,10 @@ class Session:
             response = self.call(connection, "RegisterEngine", request)
             self._copies.registered(handle, connection.session_id, response.engine_id, response.namespace_name)
             return
-        response = self.call(connection, "RegisterWorker", handle.request(connection.session_id))
-        if handle.copies_itself and connection.pool is None:
-            info = connection.pool_info
-            connection.pool = MappedPool(info.shm_path, info.slot_bytes, info.num_slots)
+        staging_id = 0
+        if handle.copier is not None:
+            staging_id = connection.jobs.hand_over(handle.copier.staging.fd)
+        response = self.call(connection, "RegisterWorker", handle.request(connection.session_id, staging_id))
         handle.worker_id = response.worker_id
         handle.namespace_name = response.namespace_name
 
@@ -226,19 +223,9 @@ class Session:
             for worker in self._workers:
                 worker.worker_id = None
             engines = list(self._engines)
-            workers = list(self._workers)
             self._changed.notify_all()
         if connection is not None:
             connection.jobs.close()
-            # A gone daemon's pool file is deleted, but its memory (the whole
-            # pool) stays in use while any process maps it: unmap it now, not
-            # at this worker's next copy, which may be long after the next
-            # daemon has allocated its own pool. A copy of this connection
-            # that has not started fails instead of mapping it again.
-            connection.pool = None
-        for worker in workers:
-            if worker.copier is not None:
-                worker.copier.forget_pool()
         self._copies.forget_all(engines)
         closing = self.closing.is_set()
         self._book.fail_all("the client was closed during the job" if closing else "kvdepotd went away during the job")

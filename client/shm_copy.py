@@ -1,11 +1,18 @@
-"""The worker's half of the shared-memory transport: it maps the daemon's pool
-and copies blocks between its KV-cache tensors and the slots the daemon chose.
+"""The worker's half of the shared-memory transport: its staging memory, and
+the copies between its KV-cache tensors and the staging rows.
 
-Each job is one gather (or scatter) per tensor, never a Python call per block.
+The daemon's pool is the daemon's alone. Each worker makes a memfd with one
+row per block of its tensors (laid out like a pool slot), hands it to the
+daemon (job_socket.hand_over), and the daemon copies between these rows and
+its pool. A store fills the rows before it is submitted; a load reads them
+once the daemon says it is done. Each copy here is one gather (or scatter)
+per tensor, never a Python call per block.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import mmap
 import os
 from typing import Sequence
@@ -15,18 +22,59 @@ import torch
 from kvdepot.layout import WorkerLayout
 from kvdepot.client.tensors import block_view
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_PAGE = mmap.PAGESIZE
 
-class MappedPool:
-    """The daemon's pool file mapped into this process, as [num_slots, slot_bytes]."""
 
-    def __init__(self, path: str, slot_bytes: int, num_slots: int):
-        self.path = path
-        fd = os.open(path, os.O_RDWR)
+class StagingMemory:
+    """A worker's staging rows, [num_blocks, block_bytes], in a sealed memfd.
+
+    Sealed against shrinking, so that the daemon, which maps it too, can never
+    fault on it. Only the rows of jobs in flight hold memory: each job's rows
+    are given back (a hole punched) once it ends.
+    """
+
+    def __init__(self, num_blocks: int, row_bytes: int):
+        self.row_bytes = row_bytes
+        size = max(1, num_blocks * row_bytes)
+        self.fd = os.memfd_create("kvdepot-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            self._mmap = mmap.mmap(fd, slot_bytes * num_slots, mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        self.slots = torch.frombuffer(self._mmap, dtype=torch.uint8).view(num_slots, slot_bytes)
+            os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self._mmap = mmap.mmap(self.fd, size, mmap.MAP_SHARED)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.rows = torch.frombuffer(self._mmap, dtype=torch.uint8)[: num_blocks * row_bytes].view(num_blocks, row_bytes)
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Gives back the memory of the pages inside the rows (they read as
+        zeros until written again). A page shared with a row outside them is
+        kept whole: that row may belong to a job in flight."""
+        for start, count in _runs(sorted(set(block_ids))):
+            first = -(-start * self.row_bytes // _PAGE) * _PAGE
+            end = (start + count) * self.row_bytes // _PAGE * _PAGE
+            if end > first:
+                _LIBC.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, first, end - first)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _runs(block_ids: Sequence[int]):
+    """(first, count) of each run of consecutive ids."""
+    start = previous = None
+    for b in block_ids:
+        if previous is not None and b == previous + 1:
+            previous = b
+            continue
+        if start is not None:
+            yield start, previous - start + 1
+        start = previous = b
+    if start is not None:
+        yield start, previous - start + 1
 
 
 # Copy in the widest element that divides every offset and size: indexing a
@@ -56,51 +104,28 @@ def _typed_block_view(tensor: torch.Tensor, tl, unit: int, dtype: torch.dtype) -
 
 
 class BlockCopier:
-    """Copies one worker's blocks in and out of pool slots."""
+    """Copies one worker's blocks in and out of its staging rows."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], layout: WorkerLayout):
         self.layout = layout
-        self._tensors = list(tensors)
-        self._plan_pool: MappedPool | None = None
-        self._plan_views: list = []
-
-    def _plan(self, pool: MappedPool) -> list:
-        """Per tensor: (block view, pool view, offset, width), in a common element type."""
-        # Compared by identity, never by id(): a new daemon's pool mapped after
-        # a reconnect can reuse the old object's id, and its views would still
-        # point into the old (deleted) pool file.
-        if self._plan_pool is not pool:
-            plan = []
-            slot_bytes = pool.slots.shape[1]
-            for tensor, tl, offset in zip(self._tensors, self.layout.tensors, self.layout.slot_offsets):
-                unit, dtype = _copy_unit(tensor, tl, offset, slot_bytes)
-                plan.append((_typed_block_view(tensor, tl, unit, dtype), pool.slots.view(dtype), offset // unit, tl.block_bytes // unit))
-            self._plan_pool, self._plan_views = pool, plan
-        return self._plan_views
-
-    def forget_pool(self) -> None:
-        """Drops the views into the pool last copied with, so that a gone
-        daemon's pool is unmapped once nothing else holds it."""
-        self._plan_pool, self._plan_views = None, []
+        self.staging = StagingMemory(layout.num_blocks, layout.block_bytes)
+        self._views = []
+        for tensor, tl, offset in zip(tensors, layout.tensors, layout.slot_offsets):
+            unit, dtype = _copy_unit(tensor, tl, offset, layout.block_bytes)
+            rows = self.staging.rows.view(dtype)
+            self._views.append((_typed_block_view(tensor, tl, unit, dtype), rows, offset // unit, tl.block_bytes // unit))
 
     # Copies run in inference mode whichever mode the caller is in: vLLM runs
     # its steps in inference mode, so views made there are inference tensors,
     # which an in-place copy outside it refuses (a flush at shutdown, say).
     @torch.inference_mode()
-    def to_slots(self, pool: MappedPool, block_ids: Sequence[int], slots: Sequence[int]) -> None:
-        if not block_ids:
-            return
+    def to_staging(self, block_ids: Sequence[int]) -> None:
         blocks = torch.as_tensor(block_ids, dtype=torch.long)
-        slot_index = torch.as_tensor(slots, dtype=torch.long)
-        for view, pool_view, offset, width in self._plan(pool):
-            pool_view[slot_index, offset : offset + width] = view[blocks].reshape(len(block_ids), width)
+        for view, rows, offset, width in self._views:
+            rows[blocks, offset : offset + width] = view[blocks].reshape(len(block_ids), width)
 
     @torch.inference_mode()
-    def from_slots(self, pool: MappedPool, slots: Sequence[int], block_ids: Sequence[int]) -> None:
-        if not block_ids:
-            return
+    def from_staging(self, block_ids: Sequence[int]) -> None:
         blocks = torch.as_tensor(block_ids, dtype=torch.long)
-        slot_index = torch.as_tensor(slots, dtype=torch.long)
-        for view, pool_view, offset, width in self._plan(pool):
-            data = pool_view[slot_index, offset : offset + width]
-            view[blocks] = data.view(len(block_ids), *view.shape[1:])
+        for view, rows, offset, width in self._views:
+            view[blocks] = rows[blocks, offset : offset + width].view(len(block_ids), *view.shape[1:])

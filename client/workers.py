@@ -21,7 +21,7 @@ class WorkerHandle:
     layout: WorkerLayout
     # What the daemon needs to reach the tensors: TensorHandle messages.
     handles: list
-    # Shared-memory transport: this process copies.
+    # Shared-memory transport: copies between the tensors and the staging rows.
     copier: BlockCopier | None = None
     # CUDA transport: orders stores after the compute that wrote the blocks.
     compute_fence: object = None
@@ -32,11 +32,7 @@ class WorkerHandle:
     def registered(self) -> bool:
         return self.worker_id is not None
 
-    @property
-    def copies_itself(self) -> bool:
-        return self.copier is not None
-
-    def request(self, session_id: str) -> pb.RegisterWorkerRequest:
+    def request(self, session_id: str, staging_id: int = 0) -> pb.RegisterWorkerRequest:
         request = pb.RegisterWorkerRequest(
             session_id=session_id,
             namespace=self.namespace,
@@ -44,6 +40,7 @@ class WorkerHandle:
             device=self.device,
             tensors=[tensor_spec(t) for t in self.layout.tensors],
             handles=self.handles,
+            staging_id=staging_id,
         )
         if self.compute_fence is not None:
             request.cuda_fence.CopyFrom(self.compute_fence.handle)

@@ -133,9 +133,9 @@ class WorkerSide:
                 continue
             daemon_id = job.job_id * MAX_GROUPS + transfer.group_idx
             worker = self.workers[transfer.group_idx]
-            begin = self.client.begin_store if job.is_store else self.client.begin_load
+            submit = self.client.submit_store if job.is_store else self.client.submit_load
             try:
-                handle = begin(worker, daemon_id, transfer.keys, transfer.block_ids)
+                submit(worker, daemon_id, transfer.keys, transfer.block_ids)
             except KVDepotError as e:
                 log.warning("kvdepot refused %s job %d: %s", "store" if job.is_store else "load", job.job_id, e)
                 state.failed = True
@@ -146,8 +146,6 @@ class WorkerSide:
                 continue
             self._daemon_jobs[daemon_id] = job.job_id
             state.pending.add(daemon_id)
-            if not handle.done:
-                _run(handle)
         if not state.pending:
             self._job_done(state)
 
@@ -235,9 +233,3 @@ class WorkerSide:
             self._submit(job)
         self.client.close(timeout=30)
 
-
-def _run(transfer) -> None:
-    try:
-        transfer.run()
-    except Exception:
-        log.exception("kvdepot copy failed")

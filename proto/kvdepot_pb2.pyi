@@ -56,16 +56,14 @@ class SessionStarted(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., daemon_version: _Optional[str] = ..., job_socket: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("shm_path", "slot_bytes", "num_slots", "pinned")
-    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("slot_bytes", "num_slots", "pinned")
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
-    shm_path: str
     slot_bytes: int
     num_slots: int
     pinned: bool
-    def __init__(self, shm_path: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    def __init__(self, slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class JobDone(_message.Message):
     __slots__ = ("job_id", "ok", "error")
@@ -158,7 +156,7 @@ class SharedMemoryWorker(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("session_id", "namespace", "rank", "device", "tensors", "handles", "cuda_fence")
+    __slots__ = ("session_id", "namespace", "rank", "device", "tensors", "handles", "cuda_fence", "staging_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +164,7 @@ class RegisterWorkerRequest(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     CUDA_FENCE_FIELD_NUMBER: _ClassVar[int]
+    STAGING_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace: NamespaceSpec
     rank: int
@@ -173,7 +172,8 @@ class RegisterWorkerRequest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     handles: _containers.RepeatedCompositeFieldContainer[TensorHandle]
     cuda_fence: CudaIpcHandle
-    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., handles: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ..., cuda_fence: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    staging_id: int
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., handles: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ..., cuda_fence: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., staging_id: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "namespace_name", "block_bytes", "slot_offsets")
@@ -254,16 +254,12 @@ class SubmitStoreRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., job_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., cuda_event_handle: _Optional[bytes] = ..., cuda_fence_seq: _Optional[int] = ...) -> None: ...
 
 class SubmitStoreResponse(_message.Message):
-    __slots__ = ("copy_indices", "slots", "already_stored", "not_stored")
-    COPY_INDICES_FIELD_NUMBER: _ClassVar[int]
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("already_stored", "not_stored")
     ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
     NOT_STORED_FIELD_NUMBER: _ClassVar[int]
-    copy_indices: _containers.RepeatedScalarFieldContainer[int]
-    slots: _containers.RepeatedScalarFieldContainer[int]
     already_stored: int
     not_stored: int
-    def __init__(self, copy_indices: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., already_stored: _Optional[int] = ..., not_stored: _Optional[int] = ...) -> None: ...
+    def __init__(self, already_stored: _Optional[int] = ..., not_stored: _Optional[int] = ...) -> None: ...
 
 class SubmitLoadRequest(_message.Message):
     __slots__ = ("session_id", "worker_id", "job_id", "keys", "block_ids")
@@ -280,40 +276,22 @@ class SubmitLoadRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., worker_id: _Optional[int] = ..., job_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SubmitLoadResponse(_message.Message):
-    __slots__ = ("slots",)
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
-    slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class CompleteJobRequest(_message.Message):
-    __slots__ = ("session_id", "job_id", "ok", "error")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    JOB_ID_FIELD_NUMBER: _ClassVar[int]
-    OK_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    job_id: int
-    ok: bool
-    error: str
-    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
-
-class CompleteJobResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class JobFrame(_message.Message):
-    __slots__ = ("request_id", "hello", "submit_store", "submit_load", "complete_job")
+    __slots__ = ("request_id", "hello", "submit_store", "submit_load", "staging")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     SUBMIT_STORE_FIELD_NUMBER: _ClassVar[int]
     SUBMIT_LOAD_FIELD_NUMBER: _ClassVar[int]
-    COMPLETE_JOB_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     hello: JobSocketHello
     submit_store: SubmitStoreRequest
     submit_load: SubmitLoadRequest
-    complete_job: CompleteJobRequest
-    def __init__(self, request_id: _Optional[int] = ..., hello: _Optional[_Union[JobSocketHello, _Mapping]] = ..., submit_store: _Optional[_Union[SubmitStoreRequest, _Mapping]] = ..., submit_load: _Optional[_Union[SubmitLoadRequest, _Mapping]] = ..., complete_job: _Optional[_Union[CompleteJobRequest, _Mapping]] = ...) -> None: ...
+    staging: StagingOffer
+    def __init__(self, request_id: _Optional[int] = ..., hello: _Optional[_Union[JobSocketHello, _Mapping]] = ..., submit_store: _Optional[_Union[SubmitStoreRequest, _Mapping]] = ..., submit_load: _Optional[_Union[SubmitLoadRequest, _Mapping]] = ..., staging: _Optional[_Union[StagingOffer, _Mapping]] = ...) -> None: ...
 
 class JobSocketHello(_message.Message):
     __slots__ = ("session_id",)
@@ -322,22 +300,40 @@ class JobSocketHello(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class JobReply(_message.Message):
-    __slots__ = ("request_id", "store_submitted", "load_submitted", "job_completed", "refused", "job_done", "ready")
+    __slots__ = ("request_id", "store_submitted", "load_submitted", "refused", "job_done", "ready", "staging_ready", "staging_taken")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_SUBMITTED_FIELD_NUMBER: _ClassVar[int]
     LOAD_SUBMITTED_FIELD_NUMBER: _ClassVar[int]
-    JOB_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     JOB_DONE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    STAGING_READY_FIELD_NUMBER: _ClassVar[int]
+    STAGING_TAKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     store_submitted: SubmitStoreResponse
     load_submitted: SubmitLoadResponse
-    job_completed: CompleteJobResponse
     refused: JobRefused
     job_done: JobDone
     ready: JobSocketReady
-    def __init__(self, request_id: _Optional[int] = ..., store_submitted: _Optional[_Union[SubmitStoreResponse, _Mapping]] = ..., load_submitted: _Optional[_Union[SubmitLoadResponse, _Mapping]] = ..., job_completed: _Optional[_Union[CompleteJobResponse, _Mapping]] = ..., refused: _Optional[_Union[JobRefused, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., ready: _Optional[_Union[JobSocketReady, _Mapping]] = ...) -> None: ...
+    staging_ready: StagingReady
+    staging_taken: StagingTaken
+    def __init__(self, request_id: _Optional[int] = ..., store_submitted: _Optional[_Union[SubmitStoreResponse, _Mapping]] = ..., load_submitted: _Optional[_Union[SubmitLoadResponse, _Mapping]] = ..., refused: _Optional[_Union[JobRefused, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., ready: _Optional[_Union[JobSocketReady, _Mapping]] = ..., staging_ready: _Optional[_Union[StagingReady, _Mapping]] = ..., staging_taken: _Optional[_Union[StagingTaken, _Mapping]] = ...) -> None: ...
+
+class StagingOffer(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class StagingReady(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StagingTaken(_message.Message):
+    __slots__ = ("staging_id",)
+    STAGING_ID_FIELD_NUMBER: _ClassVar[int]
+    staging_id: int
+    def __init__(self, staging_id: _Optional[int] = ...) -> None: ...
 
 class JobSocketReady(_message.Message):
     __slots__ = ("tenant", "admin")
@@ -420,7 +416,7 @@ class ClientStats(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., jobs_in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., session_number: _Optional[int] = ..., tenant: _Optional[str] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "quarantined_slots", "open_ipc_mappings", "gpus", "namespaces_omitted", "clients_omitted")
+    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "open_ipc_mappings", "gpus", "namespaces_omitted", "clients_omitted")
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -433,7 +429,6 @@ class GetStatsResponse(_message.Message):
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_ENDED_FIELD_NUMBER: _ClassVar[int]
-    QUARANTINED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     OPEN_IPC_MAPPINGS_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_OMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -450,12 +445,11 @@ class GetStatsResponse(_message.Message):
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     clients: _containers.RepeatedCompositeFieldContainer[ClientStats]
     sessions_ended: int
-    quarantined_slots: int
     open_ipc_mappings: int
     gpus: _containers.RepeatedCompositeFieldContainer[GpuStats]
     namespaces_omitted: int
     clients_omitted: int
-    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ..., quarantined_slots: _Optional[int] = ..., open_ipc_mappings: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., namespaces_omitted: _Optional[int] = ..., clients_omitted: _Optional[int] = ...) -> None: ...
+    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ..., open_ipc_mappings: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., namespaces_omitted: _Optional[int] = ..., clients_omitted: _Optional[int] = ...) -> None: ...
 
 class GpuStats(_message.Message):
     __slots__ = ("index", "uuid", "daemon_memory_bytes")

@@ -70,11 +70,6 @@ class KVDepotStub:
                 request_serializer=kvdepot_dot_proto_dot_kvdepot__pb2.SubmitLoadRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_proto_dot_kvdepot__pb2.SubmitLoadResponse.FromString,
                 _registered_method=True)
-        self.CompleteJob = channel.unary_unary(
-                '/kvdepot.v1.KVDepot/CompleteJob',
-                request_serializer=kvdepot_dot_proto_dot_kvdepot__pb2.CompleteJobRequest.SerializeToString,
-                response_deserializer=kvdepot_dot_proto_dot_kvdepot__pb2.CompleteJobResponse.FromString,
-                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kvdepot.v1.KVDepot/GetStats',
                 request_serializer=kvdepot_dot_proto_dot_kvdepot__pb2.GetStatsRequest.SerializeToString,
@@ -141,14 +136,6 @@ class KVDepotServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def CompleteJob(self, request, context):
-        """Shared-memory transport only: the worker reports that it has finished (or
-        failed) the copies of a job. Other transports complete jobs in the daemon.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def GetStats(self, request, context):
         """Cache statistics for operators (kvdepot stats).
         """
@@ -200,11 +187,6 @@ def add_KVDepotServicer_to_server(servicer, server):
                     servicer.SubmitLoad,
                     request_deserializer=kvdepot_dot_proto_dot_kvdepot__pb2.SubmitLoadRequest.FromString,
                     response_serializer=kvdepot_dot_proto_dot_kvdepot__pb2.SubmitLoadResponse.SerializeToString,
-            ),
-            'CompleteJob': grpc.unary_unary_rpc_method_handler(
-                    servicer.CompleteJob,
-                    request_deserializer=kvdepot_dot_proto_dot_kvdepot__pb2.CompleteJobRequest.FromString,
-                    response_serializer=kvdepot_dot_proto_dot_kvdepot__pb2.CompleteJobResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -407,33 +389,6 @@ class KVDepot:
             '/kvdepot.v1.KVDepot/SubmitLoad',
             kvdepot_dot_proto_dot_kvdepot__pb2.SubmitLoadRequest.SerializeToString,
             kvdepot_dot_proto_dot_kvdepot__pb2.SubmitLoadResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CompleteJob(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvdepot.v1.KVDepot/CompleteJob',
-            kvdepot_dot_proto_dot_kvdepot__pb2.CompleteJobRequest.SerializeToString,
-            kvdepot_dot_proto_dot_kvdepot__pb2.CompleteJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

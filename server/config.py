@@ -137,12 +137,6 @@ OPTIONS = [
         "cert_names then name its clients without a token.",
     ),
     Option(
-        "pool_uids",
-        "",
-        "Uids whose clients may register shared-memory workers (CPU engines), which map the whole "
-        "pool and could read or write any tenant's blocks; empty: root and the daemon's own user.",
-    ),
-    Option(
         "admin_uids",
         "",
         "Uids whose unix-socket clients may see every tenant's stats and clear every namespace, "
@@ -263,12 +257,11 @@ OPTIONS = [
         kind=int,
     ),
     Option(
-        "job_deadline",
-        60.0,
-        "Seconds a client that copies itself (shared-memory transport) has to complete a job. Later, "
-        "the job fails (JobDone ok=false) and a store's slots stay out of use until that client's "
-        "process exits (at most a minute), instead of staying pinned.",
-        kind=float,
+        "max_shm_worker_bytes",
+        "256GiB",
+        "The largest memory a shared-memory worker (a CPU engine) may hand the daemon to copy "
+        "through: its KV cache's size. The daemon maps it. Larger: INVALID_ARGUMENT.",
+        size=True,
     ),
     Option(
         "max_namespaces_per_tenant",
@@ -382,7 +375,7 @@ class DaemonConfig:
     max_namespaces_per_tenant: int
     max_sessions_per_uid: int
     max_unproven_sessions: int
-    job_deadline: float
+    max_shm_worker_bytes: int
     stats_max_entries: int
     max_queued_notification_keys: int
     max_job_connections: int
@@ -393,7 +386,6 @@ class DaemonConfig:
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
     admin_uids: str = ""
-    pool_uids: str = ""
     # Read from auth_token_file when the configuration is loaded; never logged.
     auth_token: str | None = field(default=None, repr=False)
     # The configuration file's [[tenant]] tables (server/tenants.py); their tokens are never logged.
@@ -468,7 +460,6 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> D
         config.auth_token = read_token(config.auth_token_file)
     try:
         parse_admin_uids(config.admin_uids)
-        parse_admin_uids(config.pool_uids, "pool_uids")
         config.tenants = parse_tenants(from_file.get("tenant", []), args.config or "the configuration")
     except TenantConfigError as e:
         raise ConfigError(str(e)) from None
@@ -519,8 +510,8 @@ def _check(config: DaemonConfig) -> None:
     for name in LIMITS:
         if getattr(config, name) < 1:
             raise ConfigError(f"{name} must be at least 1, not {getattr(config, name)}")
-    if not 0 < config.job_deadline < float("inf"):
-        raise ConfigError(f"job_deadline must be a positive number of seconds, not {config.job_deadline}")
+    if config.max_shm_worker_bytes < 1:
+        raise ConfigError("max_shm_worker_bytes must be at least 1 byte")
     _check_limits(config)
     if config.copy_mode == "dma" and config.pin != "off" and config.staging_bytes < config.slot_size:
         raise ConfigError(

@@ -8,15 +8,17 @@ needs no locks.
 
 A job's life: `submit_store` / `submit_load` check the request, let the
 worker's transport check it too (`prepare_job`), reserve the blocks in the
-index (pinning them), and `start` the transport. The transport, or the worker
-with CompleteJob where it copies itself, ends it with `finish_job`, which
-commits or rolls back the blocks, unpins them, counts, and tells the client.
+index (pinning them), and `start` the transport. The transport ends it with
+`finish_job`, which commits or rolls back the blocks, unpins them, counts,
+and tells the client. Only the daemon writes the pool: no job's end waits on
+a client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 
@@ -32,17 +34,17 @@ from kvdepot.errors import (
 )
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.index import Block, BlockIndex
-from kvdepot.server.limits import Limits, expired_jobs, saturating_add, shown
+from kvdepot.server.limits import Limits, saturating_add, shown
 from kvdepot.server.namespaces import Namespace, Namespaces
 from kvdepot.server.outbox import ChangeFeed
 from kvdepot.server.pool import HostPool
-from kvdepot.server.quarantine import Quarantine
 from kvdepot.server.records import RECENT_JOB_IDS, Job, Session, Worker
 from kvdepot.server.registration import worker_layout
 from kvdepot.server.shares import ScopedEviction
 from kvdepot.server.stats import BusyClock, Counters, clear_response, stats_response
 from kvdepot.server.tenants import Identity
 from kvdepot.server.transports.base import Transport
+from kvdepot.server.transports.shared_memory import Staging
 
 log = logging.getLogger("kvdepot.depot")
 
@@ -55,12 +57,9 @@ class Depot:
         version: str,
         limits: Limits | None = None,
         quotas: dict[str, int] | None = None,
-        pool_uids: frozenset[int] = frozenset({0}),
     ):
         self.pool = pool
         self.limits = limits = limits or Limits()
-        # Who may register a worker that copies itself and so maps the whole pool.
-        self.pool_uids = pool_uids
         self.instance = instance
         self.version = version
         self.started = time.monotonic()
@@ -73,7 +72,6 @@ class Depot:
         self.namespaces = Namespaces(self._new_id, lambda ns: log.info("namespace %r created", ns.name), limits)
         self.evictions = ScopedEviction(eviction, pool.num_slots, quotas)
         self.index = BlockIndex(pool, self.evictions, self._count_eviction, self.changes.note)
-        self.quarantine = Quarantine(pool)
         # By the TensorHandle kind their workers register with.
         self.transports: dict[str, Transport] = {}
         self.draining = False
@@ -93,7 +91,6 @@ class Depot:
 
     def pool_info(self) -> pb.PoolInfo:
         return pb.PoolInfo(
-            shm_path=self.pool.path,
             slot_bytes=self.pool.slot_bytes,
             num_slots=self.pool.num_slots,
             pinned=self.pool.pinned,
@@ -135,6 +132,9 @@ class Depot:
             return
         session.ended = True
         session.outbox.close()
+        for staging in session.staging.values():
+            staging.close()
+        session.staging.clear()
         jobs = list(session.jobs.values())
         for job in jobs:
             job.worker.transport.abandon(job)
@@ -192,17 +192,13 @@ class Depot:
         transport = self.transports.get(kind)
         if transport is None:
             raise FailedPrecondition(f"this daemon has no {kind} transport (available: {', '.join(self.transports)})")
-        who = session.identity
-        if transport.worker_copies and not (who.admin or who.uid in self.pool_uids):
-            # Its worker would reach every tenant's slots (and a store it completes
-            # unwritten would serve a slot's previous bytes).
-            raise PermissionDenied(
-                f"{who.describe()} may not register a {kind} worker: it maps the whole pool; the daemon "
-                "allows it to admins and the uids of --pool-uids (root and its own user by default)"
-            )
         worker = Worker(self._new_id(), session, ns, request.rank, request.device, layout, transport)
         transport.open_worker(worker, request)
-        ns.fix_rank_layout(request.rank, layout)
+        try:
+            ns.fix_rank_layout(request.rank, layout)
+        except BaseException:
+            transport.close_worker(worker)
+            raise
         session.workers[worker.id] = worker
         self.namespaces.acquire(ns)
         log.info(
@@ -217,6 +213,26 @@ class Depot:
             transport.name,
         )
         return worker
+
+    def take_staging(self, session_id: str, identity: Identity, fd: int) -> int:
+        """Keeps a worker's staging memory (a descriptor from the job socket,
+        closed here whatever happens) for the session's next RegisterWorker."""
+        try:
+            session = self.session(session_id)
+            if (identity.uid, identity.tenant) != (session.identity.uid, session.identity.tenant):
+                raise PermissionDenied(f"session {session.number} belongs to another user")
+            if len(session.staging) >= self.limits.max_workers_per_session:
+                raise ResourceExhausted(
+                    f"session {session.number} holds {len(session.staging)} staging memories no worker has "
+                    f"taken, the most it may (--max-workers-per-session {self.limits.max_workers_per_session})"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        staging = Staging(fd, self.limits.max_shm_worker_bytes)
+        staging_id = self._new_id()
+        session.staging[staging_id] = staging
+        return staging_id
 
     # ------------------------------------------------------------ lookup
 
@@ -291,7 +307,6 @@ class Depot:
         return session, worker, keys, list(request.block_ids), state
 
     def _begin(self, job: Job) -> None:
-        job.deadline = time.monotonic() + self.limits.job_deadline
         job.session.jobs[job.id] = job
         (self.store_clock if job.kind == "store" else self.load_clock).start()
         self._jobs_in_flight += 1
@@ -326,8 +341,6 @@ class Depot:
                 reservation.not_stored,
             )
         return pb.SubmitStoreResponse(
-            copy_indices=[position for position, _ in writes],
-            slots=job.slots,
             already_stored=reservation.already_stored,
             not_stored=reservation.not_stored,
         )
@@ -340,23 +353,10 @@ class Depot:
         slots = [block.slots[worker.rank] for block in blocks]
         job = Job(request.job_id, "load", session, worker, blocks, block_ids, slots, transport_state=state)
         self._begin(job)
-        return pb.SubmitLoadResponse(slots=slots)
+        return pb.SubmitLoadResponse()
 
-    def complete_job(self, request: pb.CompleteJobRequest) -> None:
-        session = self.session(request.session_id)
-        job = session.jobs.get(request.job_id)
-        if job is None:
-            raise NotFound(f"no job {request.job_id} in flight in this session")
-        if not job.worker.transport.worker_copies:
-            raise FailedPrecondition(
-                f"job {job.id} is copied by the daemon ({job.worker.transport.name}); "
-                "only jobs whose worker copies are completed by the client"
-            )
-        # The client learns the outcome from this call's answer: no JobDone.
-        self.finish_job(job, request.ok, request.error, notify=False)
-
-    def finish_job(self, job: Job, ok: bool, error: str = "", notify: bool = True, expired: bool = False) -> None:
-        """Commits or rolls back a job whose copies have ended (or `expired`), and tells its client."""
+    def finish_job(self, job: Job, ok: bool, error: str = "") -> None:
+        """Commits or rolls back a job whose copies have ended, and tells its client."""
         session, worker = job.session, job.worker
         if session.jobs.pop(job.id, None) is None:
             return
@@ -366,16 +366,8 @@ class Depot:
         session.recent_job_id_set.add(job.id)
         n, nbytes = len(job.blocks), len(job.blocks) * worker.layout.block_bytes
         if job.kind == "store":
-            # A client that copies itself and went away (or missed the deadline) may
-            # still be writing: its failed shards' slots wait in quarantine, not in the pool.
-            writer_may_live = (session.ended or expired) and worker.transport.worker_copies
-            held = []
             for block in job.blocks:
-                slot = self.index.finish_store(block, worker.rank, ok, release_slot=not writer_may_live)
-                if slot is not None:
-                    held.append(slot)
-            if held:
-                self.quarantine.hold(session.identity.pid, held)
+                self.index.finish_store(block, worker.rank, ok)
             if ok:
                 self._count(session, worker.ns, stored_blocks=n, stored_bytes=nbytes)
             self.store_clock.stop()
@@ -391,7 +383,7 @@ class Depot:
         self._jobs_in_flight -= 1
         if self._jobs_in_flight == 0:
             self._idle.set()
-        if notify and not session.ended:
+        if not session.ended:
             session.outbox.job_done(job.id, ok, error)
         self.changes.send()
 
@@ -400,15 +392,8 @@ class Depot:
     async def housekeeping(self, interval: float = 0.25) -> None:
         while True:
             await asyncio.sleep(interval)
-            now = time.monotonic()
-            for job, error in expired_jobs(self.sessions.values(), now, self.limits.job_deadline):
-                self.finish_job(job, False, error, expired=True)
-            self._end_unproven(now)
+            self._end_unproven(time.monotonic())
             self.namespaces.sweep()
-            if self.quarantine:
-                released = self.quarantine.release()
-                if released:
-                    log.info("released %d quarantined slot(s): their writer is gone", released)
 
     def _end_unproven(self, now: float) -> None:
         """Sessions that never proved who they are hold nothing useful: they go."""

@@ -162,17 +162,17 @@ class BlockIndex:
             writes.append((position, block))
         return StoreReservation(writes, already, 0)
 
-    def finish_store(self, block: Block, rank: int, ok: bool, release_slot: bool = True) -> int | None:
-        """Ends one shard's store. A failed shard is dropped from the block; its
-        slot goes back to the pool, or, with release_slot=False, to the caller
-        (who keeps it out of use while a writer may still be running)."""
+    def finish_store(self, block: Block, rank: int, ok: bool) -> None:
+        """Ends one shard's store. A failed shard is dropped from the block, and
+        its slot goes back to the pool."""
         del block.writers[rank]
         self._unpin(block)
         self._storing[block.ns.scope] -= 1
         if not ok:
             if not block.writers:
                 self._on_change(block, "dropped")
-            return self._drop_shard(block, rank, release_slot)
+            self._drop_shard(block, rank)
+            return
         if not block.committed:
             self.evictions.of(block.ns.scope).insert(block.index_key)
         block.committed.add(rank)
@@ -182,20 +182,17 @@ class BlockIndex:
             self._on_change(block, "ready")
         elif not block.writers:
             self._on_change(block, "dropped")  # waits for other ranks, no store in flight
-        return None
 
-    def _drop_shard(self, block: Block, rank: int, release_slot: bool) -> int | None:
+    def _drop_shard(self, block: Block, rank: int) -> None:
         slot = block.slots[rank]
         block.slots[rank] = None
         if slot is not None:
             block.ns.used_slots -= 1
             self._held[block.ns.scope] -= 1
-            if release_slot:
-                self.pool.release(slot)
+            self.pool.release(slot)
         if not block.held_slots() and not block.writers and block.pins == 0:
             del self._blocks[block.index_key]
             self.evictions.of(block.ns.scope).remove(block.index_key)
-        return None if release_slot else slot
 
     # ------------------------------------------------------------ loads
 

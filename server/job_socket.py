@@ -14,15 +14,23 @@ kernel, SO_PEERCRED), a deadline and a small frame size until a connection
 says hello, and the replies it leaves unread (past a high-water mark the
 daemon stops reading its requests until it reads; past a cap it is closed).
 What any client can make happen again and again is logged once in a while.
+
+A connection of its own, whose first frame is a staging offer instead of a
+hello, hands the daemon a worker's staging memory as a file descriptor
+(SCM_RIGHTS), which asyncio's streams cannot carry: the daemon stops the
+connection's stream, says `staging_ready`, and reads the one byte that carries
+the descriptor itself (`_take_descriptor`).
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import dataclasses
 import logging
 import os
 import resource
+import socket
 import stat
 from dataclasses import dataclass
 
@@ -124,6 +132,10 @@ class JobConnection(asyncio.Protocol):
         self._hello_timer: asyncio.TimerHandle | None = None
         # The client is not reading its replies: requests wait in the buffer.
         self._paused = False
+        # A staging offer waiting for its descriptor: (request id, session id,
+        # identity), and the socket the descriptor is read from.
+        self._offer: tuple | None = None
+        self._offer_socket: socket.socket | None = None
 
     @property
     def open(self) -> bool:
@@ -155,6 +167,7 @@ class JobConnection(asyncio.Protocol):
         if self._hello_timer is not None:
             self._hello_timer.cancel()
             self._hello_timer = None
+        self._stop_offer()
         self._transport = None
 
     def data_received(self, data: bytes) -> None:
@@ -176,7 +189,7 @@ class JobConnection(asyncio.Protocol):
         """Handles the whole frames in the buffer, until writing is paused."""
         buffer = self._buffer
         start = 0
-        while self.open and not self._paused and len(buffer) - start >= JOB_FRAME_HEADER.size:
+        while self.open and not self._paused and self._offer is None and len(buffer) - start >= JOB_FRAME_HEADER.size:
             (length,) = JOB_FRAME_HEADER.unpack_from(buffer, start)
             limit = MAX_JOB_FRAME_BYTES if self.session is not None else MAX_HELLO_FRAME_BYTES
             if length > limit:
@@ -229,10 +242,11 @@ class JobConnection(asyncio.Protocol):
     def _no_hello(self, timeout: float) -> None:
         self._hello_timer = None
         if self.session is None and self.open:
+            what = "no staging descriptor" if self._offer is not None else "no hello"
             self._gate.events.warning(
-                "no hello", "closing the job socket connection of %s: no hello within %g s", self._peer, timeout
+                "no hello", "closing the job socket connection of %s: %s within %g s", self._peer, what, timeout
             )
-            error = FailedPrecondition(f"no hello within {timeout:g} s (--job-hello-timeout)")
+            error = FailedPrecondition(f"{what} within {timeout:g} s (--job-hello-timeout)")
             self._transport.write(self._refusal(0, error))
             self._transport.close()
 
@@ -267,12 +281,8 @@ class JobConnection(asyncio.Protocol):
             elif kind == "submit_load":
                 self._check_session(request.submit_load.session_id)
                 reply.load_submitted.CopyFrom(self._depot.submit_load(request.submit_load))
-            elif kind == "complete_job":
-                self._check_session(request.complete_job.session_id)
-                self._depot.complete_job(request.complete_job)
-                reply.job_completed.SetInParent()
-            elif kind == "hello":
-                raise FailedPrecondition("this job socket connection has said hello already")
+            elif kind in ("hello", "staging"):
+                raise FailedPrecondition(f"{kind} must be the first frame of a job socket connection")
             else:
                 raise InvalidArgument("an empty JobFrame: set one of its requests")
         except KVDepotError as e:
@@ -287,12 +297,16 @@ class JobConnection(asyncio.Protocol):
         """The hello: the connection joins its session, and the session takes
         the identity the kernel gives for the connection's peer."""
         try:
-            if kind != "hello":
-                raise FailedPrecondition("the first frame on a job socket must be hello")
+            if kind not in ("hello", "staging"):
+                raise FailedPrecondition("the first frame on a job socket must be hello (or a staging offer)")
             peer = self._credentials
             if peer is None:
                 raise PermissionDenied("the daemon cannot tell who this connection's peer is (no SO_PEERCRED)")
             identity = self._tenants.for_peer(peer)
+            if kind == "staging":
+                self._depot.session(request.staging.session_id)  # known, and proven
+                self._await_descriptor(request.request_id, request.staging.session_id, identity)
+                return
             session = self._depot.prove(request.hello.session_id, identity)
             if session.outbox.has_job_channel():
                 raise FailedPrecondition(f"session {session.number} has a job socket connection already")
@@ -308,11 +322,76 @@ class JobConnection(asyncio.Protocol):
         ready = pb.JobSocketReady(tenant=session.identity.tenant, admin=session.identity.admin)
         self._transport.write(frame(pb.JobReply(request_id=request.request_id, ready=ready)))
 
+    # ------------------------------------------------------------ staging
+
+    def _await_descriptor(self, request_id: int, session_id: str, identity) -> None:
+        # Nothing more is read through the stream: the next byte carries the
+        # descriptor, and the client sends it only once it reads staging_ready.
+        self._transport.pause_reading()
+        self._offer = (request_id, session_id, identity)
+        sock = self._transport.get_extra_info("socket")
+        self._offer_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(sock.fileno()))
+        self._offer_socket.setblocking(False)
+        asyncio.get_running_loop().add_reader(self._offer_socket.fileno(), self._take_descriptor)
+        self._transport.write(frame(pb.JobReply(request_id=request_id, staging_ready=pb.StagingReady())))
+
+    def _take_descriptor(self) -> None:
+        request_id, session_id, identity = self._offer
+        try:
+            data, ancillary, flags, _ = self._offer_socket.recvmsg(
+                1, socket.CMSG_SPACE(4 * _MAX_DESCRIPTORS), socket.MSG_CMSG_CLOEXEC
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._stop_offer()
+            self._drop("broken", f"a staging offer whose connection failed ({e})")
+            return
+        self._stop_offer()
+        descriptors = _descriptors(ancillary)
+        try:
+            if not data:
+                raise FailedPrecondition("the connection ended before the staging descriptor came")
+            if len(descriptors) != 1 or flags & socket.MSG_CTRUNC:
+                raise InvalidArgument("a staging offer's byte must carry exactly one descriptor")
+            staging_id = self._depot.take_staging(session_id, identity, descriptors.pop())
+            reply = frame(pb.JobReply(request_id=request_id, staging_taken=pb.StagingTaken(staging_id=staging_id)))
+        except KVDepotError as e:
+            reply = self._refusal(request_id, e)
+        except Exception as e:
+            self._gate.events.warning("failed staging", "taking a staging memory failed", exc_info=True)
+            reply = self._refusal(request_id, RuntimeError(f"taking the staging memory failed: {e}"))
+        finally:
+            for fd in descriptors:
+                os.close(fd)
+        if self.open:
+            self._transport.write(reply)
+            self._transport.close()
+
+    def _stop_offer(self) -> None:
+        if self._offer_socket is not None:
+            asyncio.get_running_loop().remove_reader(self._offer_socket.fileno())
+            self._offer_socket.close()
+            self._offer_socket = None
+
     def _check_session(self, session_id: str) -> None:
         if session_id != self.session.id:
             raise InvalidArgument(
                 f"this job socket connection belongs to session {self.session.number}, not to the one named"
             )
+
+
+# Read with room for this many descriptors, so that a client that sends more
+# is refused (and every one of them closed) rather than truncated unseen.
+_MAX_DESCRIPTORS = 4
+
+
+def _descriptors(ancillary) -> list[int]:
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return list(fds)
 
 
 def fit_fd_limit(limits: JobSocketLimits) -> JobSocketLimits:

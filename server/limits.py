@@ -51,7 +51,9 @@ class Limits:
     max_namespaces_per_tenant: int = 128
     max_sessions_per_uid: int = 256
     max_unproven_sessions: int = 256
-    job_deadline: float = 60.0
+    # The largest staging memory a shared-memory worker may hand over (its KV
+    # cache's size): the daemon maps it, so it is bounded like any mapping.
+    max_shm_worker_bytes: int = 256 << 30
     stats_max_entries: int = 256
     # A session must prove who it is (its job socket's hello) this soon.
     job_hello_timeout: float = 10.0
@@ -156,25 +158,6 @@ class Limits:
                 f"ReportLookups counts {request.hit_blocks} hit and {request.miss_blocks} missed blocks for "
                 f"{request.lookups} lookups; a lookup covers at most {MAX_BLOCKS_PER_LOOKUP} blocks"
             )
-
-
-def expired_jobs(sessions, now: float, deadline: float):
-    """(job, why it failed) for each job its worker copies (the shared-memory
-    transport) and did not complete in time: until it does, the job pins its
-    blocks, which no other client can then store into or evict."""
-    for session in sessions:
-        # Jobs are kept in the order they began, so their deadlines ascend.
-        late = []
-        for job in session.jobs.values():
-            if job.deadline > now:
-                break
-            if job.worker.transport.worker_copies:
-                late.append(job)
-        for job in late:
-            why = f"{job.kind} job {job.id} was not completed within --job-deadline ({deadline:g} s)"
-            if job.kind == "store":
-                why += ": its slots stay out of use while this process lives"
-            yield job, why
 
 
 def saturating_add(value: int, delta: int) -> int:

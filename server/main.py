@@ -215,10 +215,7 @@ async def serve(config: DaemonConfig) -> int:
         pool.close()
         guard.release()
         raise StartupError(str(e)) from e
-    depot = Depot(
-        pool, config.eviction, instance, kvdepot.__version__, Limits.of(config), quotas,
-        parse_admin_uids(config.pool_uids, "pool_uids"),
-    )
+    depot = Depot(pool, config.eviction, instance, kvdepot.__version__, Limits.of(config), quotas)
     add_transports(depot, pool, config)
     server = grpc.aio.server(
         options=[
@@ -331,7 +328,7 @@ def _tcp_credentials(config: DaemonConfig, target: str, tenants: Tenants) -> grp
 
 
 def add_transports(depot: Depot, pool: HostPool, config: DaemonConfig) -> None:
-    depot.add_transport(SharedMemoryTransport(depot.finish_job))
+    depot.add_transport(SharedMemoryTransport(depot.finish_job, pool))
     if pool.pinned:
         # Only a pinned pool can be copied to by the GPU; torch is loaded already.
         from kvdepot.server.transports.cuda import CudaTransport

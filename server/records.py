@@ -46,8 +46,6 @@ class Job:
     slots: list[int]
     # The transport's own state for the job (its prepare_job's answer).
     transport_state: object = None
-    # time.monotonic() past which a job the worker copies fails (job_deadline).
-    deadline: float = 0.0
 
 
 @dataclass(eq=False)
@@ -68,5 +66,8 @@ class Session:
     recent_job_ids: deque = field(default_factory=lambda: deque(maxlen=RECENT_JOB_IDS))
     recent_job_id_set: set = field(default_factory=set)
     counters: Counters = field(default_factory=Counters)
+    # Staging memories handed over on the job socket that no worker took yet
+    # (transports/shared_memory.py), by their ids.
+    staging: dict = field(default_factory=dict)
     # The client is gone; jobs still in flight are abandoned.
     ended: bool = False

@@ -188,11 +188,6 @@ class KVDepotService(pb_grpc.KVDepotServicer):
         return self.depot.submit_load(request)
 
     @_unary
-    def CompleteJob(self, request, context):
-        self.depot.complete_job(request)
-        return pb.CompleteJobResponse()
-
-    @_unary
     def GetStats(self, request, context):
         # The asking session (the CLI's own) is left out of the clients it lists.
         return self.depot.stats(self._operator(request.session_id, context), request.session_id)

@@ -102,7 +102,6 @@ def stats_response(depot, identity: Identity | None, asking_session_id: str = ""
     if identity.admin:
         transports = depot.transports.values()
         response.pinned_slots = depot.index.pinned_slots
-        response.quarantined_slots = depot.quarantine.slots
         response.open_ipc_mappings = sum(t.open_mappings for t in transports)
         response.gpus.extend(gpu for t in transports for gpu in t.gpu_stats())
         response.totals.CopyFrom(depot.totals.to_proto(depot.store_clock.seconds, depot.load_clock.seconds))

@@ -122,7 +122,7 @@ def default_admin_uids() -> frozenset[int]:
 
 
 def parse_admin_uids(text: str, option: str = "admin_uids") -> frozenset[int]:
-    """A list of uids (admin_uids, pool_uids); empty: root and the daemon's user."""
+    """A list of uids (admin_uids); empty: root and the daemon's user."""
     if not text.strip():
         return default_admin_uids()
     try:

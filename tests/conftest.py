@@ -126,6 +126,30 @@ def daemon(start_daemon) -> Daemon:
 
 
 @pytest.fixture
+def start_held_daemon(start_daemon, tmp_path):
+    """Starts daemons whose shared-memory copies a test can hold
+    (tests/daemon_with_held_copies.py): `daemon.hold(job_id)` keeps that job
+    in flight (every job without an id) until `daemon.release(job_id)`.
+    Everything is released before the daemons are stopped."""
+    gates: list[Path] = []
+
+    def start(env: dict | None = None, **options) -> Daemon:
+        gate = tmp_path / f"copy-gate-{len(gates)}"
+        gate.mkdir()
+        gates.append(gate)
+        env = {**(env or {}), "KVDEPOT_TEST_COPY_GATE": str(gate)}
+        daemon = start_daemon(env=env, launcher=str(Path(__file__).with_name("daemon_with_held_copies.py")), **options)
+        daemon.hold = lambda job_id=None: (gate / f"hold-{job_id or 'all'}").touch()
+        daemon.release = lambda job_id=None: (gate / f"hold-{job_id or 'all'}").unlink(missing_ok=True)
+        return daemon
+
+    yield start
+    for gate in gates:
+        for hold in gate.glob("hold-*"):
+            hold.unlink()
+
+
+@pytest.fixture
 def client_factory():
     from kvdepot.client import KVDepotClient
 

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fuzz_messages import job_script, request_strategy, valid_namespace, valid_worker  # noqa: E402
+from fuzz_messages import NUM_BLOCKS, job_script, request_strategy, valid_namespace, valid_worker  # noqa: E402
 from kvdepot.defaults import JOB_FRAME_HEADER, KEY_BYTES, PROTOCOL_VERSION  # noqa: E402
 from kvdepot.proto import kvdepot_pb2 as pb  # noqa: E402
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc  # noqa: E402
@@ -72,7 +72,6 @@ class State:
         self.namespace_name = ""
         self.known_keys = [rng.randbytes(KEY_BYTES) for _ in range(16)]
         # Jobs the daemon took and that the fuzzer has not completed.
-        self.open_jobs: set[int] = set()
         self.streams = []
 
     def attach(self, name: str) -> str:
@@ -97,7 +96,13 @@ class State:
         self.session_id = self.attach("fuzzer")
         self.other_session_id = self.attach("fuzzer-other")
         ns = valid_namespace()
+        from kvdepot.client.job_socket import hand_over
+        from kvdepot.client.shm_copy import StagingMemory
+
         request = pb.RegisterWorkerRequest(**valid_worker(self.session_id))
+        # Kept: the worker's rows, which the daemon copies through.
+        self.staging = StagingMemory(NUM_BLOCKS, 2 * 2048)
+        request.staging_id = hand_over(self.job_socket, self.session_id, self.staging.fd, CALL_TIMEOUT)
         worker = self.stub.RegisterWorker(request, timeout=CALL_TIMEOUT)
         self.worker_id, self.namespace_name = worker.worker_id, worker.namespace_name
         self.engine_id = self.stub.RegisterEngine(
@@ -107,18 +112,6 @@ class State:
         keys = self.known_keys[:8]
         self.stub.SubmitStore(pb.SubmitStoreRequest(session_id=self.session_id, worker_id=self.worker_id, job_id=1,
                                                     keys=keys, block_ids=list(range(8))), timeout=CALL_TIMEOUT)
-        done = pb.CompleteJobRequest(session_id=self.session_id, job_id=1, ok=True)
-        self.stub.CompleteJob(done, timeout=CALL_TIMEOUT)
-
-    def finish_open_jobs(self) -> None:
-        """Completes the jobs the daemon took, so that the fuzzer's pins do not fill the pool."""
-        for job_id in sorted(self.open_jobs):
-            try:
-                self.stub.CompleteJob(pb.CompleteJobRequest(session_id=self.session_id, job_id=job_id,
-                                                            ok=self.rng.random() < 0.5), timeout=CALL_TIMEOUT)
-            except grpc.RpcError:
-                pass
-        self.open_jobs.clear()
 
     def close(self) -> None:
         for stream in self.streams:
@@ -228,9 +221,6 @@ def run_job_script(state: State, script, counts: Counter) -> None:
                     raise Problem("job socket", f"answered request {reply.request_id} instead", request)
                 outcome = check_refusal(reply, request)
                 counts["jobs " + outcome] += 1
-                if outcome in ("store_submitted", "load_submitted"):
-                    # Left in flight: finish_open_jobs completes it through gRPC.
-                    state.open_jobs.add(getattr(frame, frame.WhichOneof("kind")).job_id)
                 if not ready and outcome != "ready":
                     # Refused before its hello: the daemon closes the connection.
                     if probe.answer() is not None:
@@ -292,8 +282,6 @@ def call(state: State, method, request, counts: Counter) -> None:
             raise Problem(method.name, f"{code.name}: {e.details()}", text) from None
         return
     counts[f"{method.name} OK"] += 1
-    if method.name in ("SubmitStore", "SubmitLoad"):
-        state.open_jobs.add(request.job_id)
 
 
 def raw_call(state: State, channel, method, payload: bytes, counts: Counter) -> None:
@@ -372,11 +360,8 @@ def main() -> int:
             if not alive(args.daemon_pid):
                 raise SystemExit(report(counts, problems + [{"where": "daemon", "what": "the daemon died"}]))
         counts["examples"] += 1
-        if counts["examples"] % 25 == 0:
-            state.finish_open_jobs()
 
     fuzz()
-    state.finish_open_jobs()
     if not alive(args.daemon_pid):
         problems.append({"where": "daemon", "what": "the daemon died"})
     state.close()

@@ -189,7 +189,6 @@ def valid_request(method: str, state):
         "ReportLookups": lambda: dict(session_id=state.session_id, engine_id=state.engine_id, lookups=1),
         "SubmitStore": job,
         "SubmitLoad": job,
-        "CompleteJob": lambda: dict(session_id=state.session_id, job_id=min(state.open_jobs, default=0), ok=True),
         "GetStats": lambda: dict(session_id=state.session_id),
         "Clear": lambda: dict(namespace_name=state.namespace_name, session_id=state.session_id),
     }.get(method)

@@ -122,14 +122,28 @@ def registrations(h: Hostile) -> None:
     stream.cancel()
 
 
+def staged(started, request: pb.RegisterWorkerRequest, blocks: int, block_bytes: int) -> pb.RegisterWorkerRequest:
+    """The request, with a staging memory of `blocks` rows handed over for it."""
+    from kvdepot.client.job_socket import hand_over
+    from kvdepot.client.shm_copy import StagingMemory
+
+    staging = StagingMemory(blocks, block_bytes)
+    request.staging_id = hand_over(started.job_socket, started.session_id, staging.fd, 10)
+    staging.close()  # the daemon has its own descriptor; this client never copies
+    return request
+
+
 def flood(h: Hostile, what: str, count: int) -> None:
     """Registers engines, workers, namespaces (an engine in each of its own)
-    or stores never completed, until one is refused or `count` are in."""
+    or submits stores (the test holds their copies), until one is refused or
+    `count` are in."""
     # The session lasts while its stream is referenced.
     _stream, started = h.attach()
     sid = started.session_id
     small = [tensor([count, 64], [64, 1], 0, storage_bytes=count * 64, page_bytes=64)]
-    worker_id = h.stub.RegisterWorker(worker(sid, small, spec(model="flood"))).worker_id if what == "jobs" else 0
+    worker_id = 0
+    if what == "jobs":
+        worker_id = h.stub.RegisterWorker(staged(started, worker(sid, small, spec(model="flood")), count, 64)).worker_id
     done = 0
     for i in range(count):
         if what == "engines":
@@ -137,7 +151,7 @@ def flood(h: Hostile, what: str, count: int) -> None:
         elif what == "namespaces":
             request = pb.RegisterEngineRequest(session_id=sid, namespace=spec(model=f"flood-{i}"))
         elif what == "workers":
-            request = worker(sid, small)
+            request = staged(started, worker(sid, small), count, 64)
         else:
             request = pb.SubmitStoreRequest(session_id=sid, worker_id=worker_id, job_id=i + 1,
                                             keys=[(i + 1).to_bytes(32, "little")], block_ids=[i])
@@ -151,26 +165,21 @@ def flood(h: Hostile, what: str, count: int) -> None:
 
 
 def stall(h: Hostile, blocks: int, kind: str) -> None:
-    """Stores a pool's worth of blocks and never completes the job; or (load)
-    stores them, then loads them and never completes the load."""
+    """Stores a pool's worth of blocks, or stores them and loads them back, and
+    then does nothing: it reads no reply, and completes nothing."""
     stream, started = h.attach()
     sid = started.session_id
-    response = h.stub.RegisterWorker(worker(sid, [tensor([blocks, 64], [64, 1], 0, storage_bytes=blocks * 64,
-                                                         page_bytes=64)], spec(model="stall")))
+    request = staged(started, worker(sid, [tensor([blocks, 64], [64, 1], 0, storage_bytes=blocks * 64, page_bytes=64)],
+                                     spec(model="stall")), blocks, 64)
+    response = h.stub.RegisterWorker(request)
     keys = [i.to_bytes(32, "little") for i in range(1, blocks + 1)]
-    store = h.stub.SubmitStore(pb.SubmitStoreRequest(session_id=sid, worker_id=response.worker_id, job_id=1,
-                                                     keys=keys, block_ids=list(range(blocks))))
+    h.stub.SubmitStore(pb.SubmitStoreRequest(session_id=sid, worker_id=response.worker_id, job_id=1,
+                                             keys=keys, block_ids=list(range(blocks))))
     if kind == "load":
-        h.stub.CompleteJob(pb.CompleteJobRequest(session_id=sid, job_id=1, ok=True))
-        load = h.stub.SubmitLoad(pb.SubmitLoadRequest(session_id=sid, worker_id=response.worker_id, job_id=2,
-                                                      keys=keys, block_ids=list(range(blocks))))
-        emit(case="stall", slots=len(load.slots))
-    else:
-        emit(case="stall", slots=len(store.slots))
-    for note in stream:
-        if note.HasField("job_done"):
-            emit(case="job_done", job_id=note.job_done.job_id, ok=note.job_done.ok, error=note.job_done.error)
-            break
+        next(n for n in stream if n.HasField("job_done"))
+        h.stub.SubmitLoad(pb.SubmitLoadRequest(session_id=sid, worker_id=response.worker_id, job_id=2,
+                                               keys=keys, block_ids=list(range(blocks))))
+    emit(case="stall", blocks=blocks)
     sys.stdin.readline()
 
 
@@ -199,7 +208,7 @@ def namespaces(h: Hostile, count: int) -> None:
         sid = started.session_id
         ns = spec(model=f"ns-{i}-" + "n" * 400)
         h.stub.RegisterEngine(pb.RegisterEngineRequest(session_id=sid, namespace=ns))
-        h.stub.RegisterWorker(worker(sid, [tensor([2, 4], [4, 1], 1, storage_bytes=8)], ns))
+        h.stub.RegisterWorker(staged(started, worker(sid, [tensor([2, 4], [4, 1], 1, storage_bytes=8)], ns), 4, 2))
         stream.cancel()
     emit(case="namespaces", done=count)
 

@@ -98,6 +98,24 @@ class RawSession:
             self.jobs = RawJobSocket(self.started.job_socket)
             self.ready = ready(self.jobs.hello(self.id))
 
+    def register_cpu_worker(self, ns: dict, tensors, block_dim, rank: int = 0):
+        """Registers a shared-memory worker as the client library does, its
+        staging memory handed over first: (RegisterWorkerResponse, StagingMemory)."""
+        from kvdepot.client.job_socket import hand_over
+        from kvdepot.client.shm_copy import StagingMemory
+        from kvdepot.client.tensors import tensor_layout, tensor_spec
+        from kvdepot.layout import WorkerLayout
+
+        layouts = [tensor_layout(t, block_dim, f"l{i}") for i, t in enumerate(tensors)]
+        layout = WorkerLayout.of(layouts)
+        staging = StagingMemory(layout.num_blocks, layout.block_bytes)
+        staging_id = hand_over(self.started.job_socket, self.id, staging.fd, 10)
+        response = self.stub.RegisterWorker(pb.RegisterWorkerRequest(
+            session_id=self.id, namespace=pb.NamespaceSpec(**ns), rank=rank, device="cpu",
+            tensors=[tensor_spec(t) for t in layouts], staging_id=staging_id,
+            handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker()) for _ in tensors]))
+        return response, staging
+
     def close(self) -> None:
         """Ends the session (the Attach stream closes)."""
         self.stream.cancel()

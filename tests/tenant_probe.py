@@ -19,7 +19,6 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvcache import make_kv_cache, namespace, prompt_keys  # noqa: E402
-from kvdepot.client.tensors import tensor_layout, tensor_spec  # noqa: E402
 from kvdepot.proto import kvdepot_pb2 as pb  # noqa: E402
 from raw_client import RawSession  # noqa: E402
 
@@ -39,20 +38,18 @@ def main() -> int:
     ns = pb.NamespaceSpec(**namespace("per_layer"))
     engine = stub.RegisterEngine(pb.RegisterEngineRequest(session_id=sid, namespace=ns))
     seen = stub.Lookup(pb.LookupRequest(session_id=sid, engine_id=engine.engine_id, keys=prompt_keys(4, stored)))
-    # Poison: publish the victim's next prompt first, with whatever the slots held
-    # (only where the daemon lets this uid register a shared-memory worker).
+    # Poison: publish the victim's next prompt first, from a CPU worker of its own.
     tensors, block_dim = make_kv_cache("per_layer", seed=5)
-    register = pb.RegisterWorkerRequest(
-        session_id=sid, namespace=ns, rank=0, device="cpu",
-        tensors=[tensor_spec(tensor_layout(t, block_dim, f"l{i}")) for i, t in enumerate(tensors)],
-        handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker()) for _ in tensors])
-    worker_code = code_of(lambda: stub.RegisterWorker(register))
+    try:
+        worker, _staging = session.register_cpu_worker(namespace("per_layer"), tensors, block_dim)
+        worker_code = "OK"
+    except grpc.RpcError as e:
+        worker_code = e.code().name
     if worker_code == "OK":
-        worker = stub.RegisterWorker(register)
         poison = prompt_keys(4, unstored)
         stub.SubmitStore(pb.SubmitStoreRequest(session_id=sid, worker_id=worker.worker_id, job_id=1,
                                                keys=poison, block_ids=[0, 1, 2, 3]))
-        stub.CompleteJob(pb.CompleteJobRequest(session_id=sid, job_id=1, ok=True))
+        assert session.jobs.reply().job_done.ok
     stats = stub.GetStats(pb.GetStatsRequest(session_id=sid))
     anonymous = stub.GetStats(pb.GetStatsRequest())
     print(json.dumps({

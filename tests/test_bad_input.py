@@ -47,30 +47,36 @@ def assert_still_intact(client, engine, worker, tensors, keys, job_id=900):
             assert torch.equal(src.view(torch.int16), dst.view(torch.int16))
 
 
+def refusal(client, worker, kind: str, job_id: int, keys, block_ids) -> str:
+    """The daemon's refusal of a job, as the job's result tells it (a submit
+    never waits for the daemon's answer)."""
+    submit = client.submit_store if kind == "store" else client.submit_load
+    submit(worker, job_id, keys, block_ids)
+    result = client.wait([job_id], 10)[job_id]
+    assert not result.ok
+    return result.error
+
+
 def test_bad_job_requests_get_clear_errors(setup):
     client, engine, worker, tensors, keys = setup
     new = prompt_keys(2, prompt=41)
-    with pytest.raises(errors.InvalidArgument, match=f"block id {NUM_BLOCKS} at position 1 is outside"):
-        client.submit_store(worker, 2, new, [0, NUM_BLOCKS])
-    with pytest.raises(errors.InvalidArgument, match="key 1 has 31 bytes; keys are 32-byte"):
-        client.submit_store(worker, 3, [new[0], new[1][:31]], [0, 1])
-    with pytest.raises(errors.InvalidArgument, match="2 keys but 1 block ids"):
-        client.submit_load(worker, 4, keys[:2], [0])
-    with pytest.raises(errors.InvalidArgument, match="at least one block"):
-        client.submit_store(worker, 5, [], [])
-    with pytest.raises(errors.InvalidArgument, match="each block id once"):
-        client.submit_load(worker, 6, keys[:2], [7, 7])
-    with pytest.raises(errors.FailedPrecondition, match="key 1 of 2 .* is not stored"):
-        client.submit_load(worker, 7, [keys[0], new[0]], [70, 71])
-    with pytest.raises(errors.ResourceExhausted, match="whole pool holds 256"):
-        many = prompt_keys(257, prompt=42)
-        client.submit_store(worker, 8, many, [i % NUM_BLOCKS for i in range(257)])
-
-    in_flight = client.begin_store(worker, 9, new, [0, 1])
-    with pytest.raises(errors.AlreadyExists, match="job id 9 is already used"):
-        client.submit_store(worker, 9, new, [2, 3])
-    in_flight.run()
-    assert client.wait([9], 10)[9].ok
+    assert f"block id {NUM_BLOCKS} at position 1 is outside" in refusal(client, worker, "store", 2, new, [0, NUM_BLOCKS])
+    assert "key 1 has 31 bytes; keys are 32-byte" in refusal(client, worker, "store", 3, [new[0], new[1][:31]], [0, 1])
+    assert "2 keys but 1 block ids" in refusal(client, worker, "load", 4, keys[:2], [0])
+    assert "at least one block" in refusal(client, worker, "store", 5, [], [])
+    assert "each block id once" in refusal(client, worker, "load", 6, keys[:2], [7, 7])
+    assert "is not stored" in refusal(client, worker, "load", 7, [keys[0], new[0]], [70, 71])
+    many = prompt_keys(257, prompt=42)
+    assert "whole pool holds 256" in refusal(client, worker, "store", 8, many, [i % NUM_BLOCKS for i in range(257)])
+    assert "job id 1 is already used" in refusal(client, worker, "store", 1, new, [2, 3])
+    # The statuses, as a call gets them.
+    session_id = client._connection.session_id
+    expect(grpc.StatusCode.INVALID_ARGUMENT, raw_call, client, "SubmitStore",
+           pb.SubmitStoreRequest(session_id=session_id, worker_id=worker.worker_id, job_id=20, keys=new,
+                                 block_ids=[0, NUM_BLOCKS]), match="is outside")
+    expect(grpc.StatusCode.FAILED_PRECONDITION, raw_call, client, "SubmitLoad",
+           pb.SubmitLoadRequest(session_id=session_id, worker_id=worker.worker_id, job_id=21, keys=new,
+                                block_ids=[0, 1]), match="is not stored")
     # None of the refused jobs changed anything, and the daemon has none in flight.
     stats = client.stats()
     assert stats.pinned_slots == 0 and stats.totals.failed_jobs == 0
@@ -87,8 +93,6 @@ def test_unknown_session_engine_and_worker(setup):
     expect(grpc.StatusCode.NOT_FOUND, raw_call, client, "SubmitStore",
            pb.SubmitStoreRequest(session_id=session_id, worker_id=12345, job_id=50, keys=keys[:1], block_ids=[0]),
            match="unknown worker 12345")
-    expect(grpc.StatusCode.NOT_FOUND, raw_call, client, "CompleteJob",
-           pb.CompleteJobRequest(session_id=session_id, job_id=777, ok=True), match="no job 777")
     expect(grpc.StatusCode.INVALID_ARGUMENT, raw_call, client, "RegisterEngine",
            pb.RegisterEngineRequest(session_id=session_id, namespace=pb.NamespaceSpec(model="m", block_size=16)),
            match="tp_size must be at least 1")

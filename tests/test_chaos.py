@@ -1,6 +1,6 @@
 """Clients and the daemon killed with SIGKILL at random points (tests/chaos.py):
 no corrupt byte is ever loaded, every surviving client reconnects by itself,
-and nothing stays pinned or quarantined. bench/chaos.py runs many more rounds.
+and nothing stays pinned. bench/chaos.py runs many more rounds.
 
 KVDEPOT_CHAOS_ROUNDS and KVDEPOT_CHAOS_SEED run it longer, or from elsewhere.
 """

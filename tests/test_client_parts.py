@@ -57,17 +57,34 @@ def test_a_stores_counts_reach_its_result_whichever_comes_first():
     assert book.take_finished() == []
 
 
-def test_fail_all_ends_every_job_in_flight_and_drop_forgets_one():
+def test_fail_all_ends_every_job_in_flight_once():
     book = JobBook()
-    for job_id in (1, 2, 3):
+    for job_id in (1, 2):
         book.begin(job_id)
-    book.drop(3)
     book.fail_all("kvdepotd went away")
     results = book.take_finished()
     assert sorted((r.job_id, r.ok, r.error) for r in results) == [(1, False, "kvdepotd went away"),
                                                                    (2, False, "kvdepotd went away")]
-    book.finish(3, True)  # dropped: not tracked any more
+    book.finish(2, True)  # ended already: a late JobDone changes nothing
     assert book.take_finished() == []
+
+
+def test_a_jobs_end_hook_runs_once_and_decides_its_result():
+    book = JobBook()
+    calls = []
+
+    def on_end(ok, error):
+        calls.append(ok)
+        return False, "the copy out of the staging memory failed"
+
+    book.begin(7, on_end)
+    book.finish(7, True)
+    book.finish(7, True)
+    book.fail_all("kvdepotd went away")
+    assert calls == [True]
+    assert [(r.job_id, r.ok, r.error) for r in book.take_finished()] == [
+        (7, False, "the copy out of the staging memory failed")
+    ]
 
 
 def changed(engine_id: int, ready=(), storing=(), dropped=()) -> pb.BlocksChanged:

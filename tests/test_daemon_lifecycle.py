@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import socket
 import subprocess
@@ -41,11 +43,13 @@ def test_a_stale_socket_file_does_not_stop_a_new_daemon(start_daemon, tmp_path):
     assert "removing the stale socket" in daemon.log()
 
 
-def test_sigterm_drains_jobs_in_flight_then_exits_0(daemon, client_factory):
+def test_sigterm_drains_jobs_in_flight_then_exits_0(start_held_daemon, client_factory):
+    daemon = start_held_daemon()
+    daemon.hold()
     client = client_factory(daemon)
     tensors, block_dim = make_kv_cache("per_layer", seed=11)
     worker = client.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim)
-    transfer = client.begin_store(worker, 1, prompt_keys(4, prompt=50), [0, 1, 2, 3])
+    client.submit_store(worker, 1, prompt_keys(4, prompt=50), [0, 1, 2, 3])
     daemon.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: "draining 1 job(s)" in daemon.log(), what="the daemon draining")
     time.sleep(0.5)
@@ -54,19 +58,21 @@ def test_sigterm_drains_jobs_in_flight_then_exits_0(daemon, client_factory):
     refused = client.submit_store(worker, 2, prompt_keys(2, prompt=51), [5, 6])
     result = client.wait([refused], 10)[refused]
     assert not result.ok and "shutting down" in result.error
-    transfer.run()
+    daemon.release()
     assert client.wait([1], 10)[1].ok
     assert daemon.proc.wait(20) == 0
     assert not (daemon.folder / "kvdepot.sock").exists()
     assert list(daemon.folder.glob("*.pool")) == []
 
 
-def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_daemon, client_factory):
-    daemon = start_daemon(drain_timeout=1)
+def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_held_daemon, client_factory):
+    daemon = start_held_daemon(drain_timeout=1)
+    daemon.hold()
     client = client_factory(daemon)
     tensors, block_dim = make_kv_cache("per_layer", seed=12)
     worker = client.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim)
-    client.begin_store(worker, 1, prompt_keys(2, prompt=52), [0, 1])
+    client.submit_store(worker, 1, prompt_keys(2, prompt=52), [0, 1])
+    wait_until(lambda: client.stats().pinned_slots == 2, what="the store in flight")
     assert daemon.stop(timeout=20) == 0
     assert "still in flight after 1 s" in daemon.log()
 
@@ -190,7 +196,8 @@ def test_defaults_alone_give_a_working_daemon_that_tells_systemd_it_is_ready(tmp
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert notify.recv(1024).startswith(b"STOPPING=1")
-        assert not sock.exists() and not __import__("os").path.exists(pool["shm_path"])
+        pool_file = re.search(r"allocated in [0-9.]+ s at (\S+\.pool)", proc.stderr.read()).group(1)
+        assert not sock.exists() and not os.path.exists(pool_file)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -203,13 +210,15 @@ def test_a_client_of_the_previous_protocol_is_refused_with_a_reason(daemon):
     from kvdepot.proto import kvdepot_pb2 as pb
     from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 
-    # Version 2 clients took their identity from their own word; version 1 sent no key_version.
-    with grpc.insecure_channel("unix:" + daemon.socket) as channel:
-        stream = pb_grpc.KVDepotStub(channel).Attach(pb.AttachRequest(client_name="old", protocol_version=1))
-        with pytest.raises(grpc.RpcError) as info:
-            next(stream)
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "speaks protocol version 3, the client 1" in info.value.details()
+    # Version 3 clients mapped the whole pool; version 2 took their identity
+    # from their own word; version 1 sent no key_version.
+    for old in (1, 3):
+        with grpc.insecure_channel("unix:" + daemon.socket) as channel:
+            stream = pb_grpc.KVDepotStub(channel).Attach(pb.AttachRequest(client_name="old", protocol_version=old))
+            with pytest.raises(grpc.RpcError) as info:
+                next(stream)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"speaks protocol version 4, the client {old}" in info.value.details()
 
 
 def test_the_cli_reports_a_bad_token_file_without_a_traceback(tmp_path):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 
 import pytest
 import torch
@@ -23,7 +22,6 @@ from kvdepot.server.depot import Depot
 from kvdepot.server.pool import HostPool
 from kvdepot.server.tenants import Identity
 from kvdepot.server.transports.base import Transport
-from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
 SLOT = 4096
 
@@ -43,7 +41,6 @@ class InProcessTransport(Transport):
 
     name = "in-process (tests)"
     handle_kind = "shared_memory"
-    worker_copies = False
 
     def __init__(self, finish, pool: HostPool):
         self._finish = finish
@@ -191,7 +188,7 @@ def test_pinned_blocks_are_never_evicted(depot):
     new = keys(16, prompt=4)
     response = store(depot, session, w, 3, new, list(range(16, 32)))
     # Only 14 slots can be taken from unpinned blocks.
-    assert len(response.slots) == 14 and response.not_stored == 2
+    assert response.already_stored == 0 and response.not_stored == 2
     transport.release()
     assert depot.lookup(session.id, engine_id, old[:2]).ready_blocks == 2
     assert depot.lookup(session.id, engine_id, old[2:3]).ready_blocks == 0
@@ -248,58 +245,20 @@ def test_a_session_that_ends_mid_job_releases_everything_and_others_go_on(depot)
         store(depot, gone, w, 3, stored, [0, 1, 2, 3])
 
 
-def test_slots_a_live_writer_may_still_touch_stay_out_of_use_until_it_exits(tmp_path):
-    pool = HostPool(size=16 * SLOT, slot_bytes=SLOT, directory=str(tmp_path), name="q", pin="off")
-    depot = Depot(pool, "lru", "i", "v")
-    depot.add_transport(SharedMemoryTransport(depot.finish_job))
-    writer = subprocess.Popen(["sleep", "60"])
-    try:
-        session = depot.attach("writer", PROTOCOL_VERSION, identity(writer.pid))
-        w, _ = worker(depot, InProcessTransport(depot.finish_job, pool), session, "mem0")
-        response = store(depot, session, w, 1, keys(4, prompt=8), [0, 1, 2, 3])
-        depot.end_session(session)
-        assert depot.quarantine.slots == 4 and pool.used_slots == 4
-        assert depot.quarantine.release() == 0  # the writer lives
-        writer.kill()
-        writer.wait()
-        assert depot.quarantine.release() == 4
-        assert pool.used_slots == 0
-        assert set(response.slots) <= {pool.allocate() for _ in range(16)}
-    finally:
-        writer.kill()
-        pool.close()
-
-
-def test_a_client_that_completes_its_own_jobs_and_one_that_may_not(tmp_path):
-    pool = HostPool(size=16 * SLOT, slot_bytes=SLOT, directory=str(tmp_path), name="c", pin="off")
-    depot = Depot(pool, "lru", "i", "v")
-    depot.add_transport(SharedMemoryTransport(depot.finish_job))
-    session = depot.attach("c", PROTOCOL_VERSION, identity(os.getpid()))
-    w, _ = worker(depot, InProcessTransport(depot.finish_job, pool), session, "mem0")
+def test_a_job_id_is_refused_while_in_flight_and_after_it_finished(depot):
+    depot, transport = depot
+    session, w = attached_worker(depot, transport)
     engine_id, _ = depot.register_engine(session.id, namespace())
     ks = keys(2, prompt=9)
+    transport.hold = True
     store(depot, session, w, 1, ks, [0, 1])
     with pytest.raises(errors.AlreadyExists):
         store(depot, session, w, 1, ks, [0, 1])
-    depot.complete_job(pb.CompleteJobRequest(session_id=session.id, job_id=1, ok=True))
+    transport.release()
     assert depot.lookup(session.id, engine_id, ks).ready_blocks == 2
-    # The outcome was the call's answer: no JobDone. A finished id stays taken.
-    assert not [n for n in notifications(session) if n.HasField("job_done")]
+    assert [n.job_done.job_id for n in notifications(session) if n.HasField("job_done")] == [1]
     with pytest.raises(errors.AlreadyExists):
         store(depot, session, w, 1, ks, [0, 1])
-    with pytest.raises(errors.NotFound, match="no job 1 in flight"):
-        depot.complete_job(pb.CompleteJobRequest(session_id=session.id, job_id=1, ok=True))
-    pool.close()
-
-
-def test_jobs_copied_by_the_daemon_cannot_be_completed_by_the_client(depot):
-    depot, transport = depot
-    session, w = attached_worker(depot, transport)
-    transport.hold = True
-    store(depot, session, w, 1, keys(2, prompt=10), [0, 1])
-    with pytest.raises(errors.FailedPrecondition, match="copied by the daemon"):
-        depot.complete_job(pb.CompleteJobRequest(session_id=session.id, job_id=1, ok=True))
-    transport.release()
 
 
 def test_draining_refuses_new_jobs_and_waits_for_those_in_flight(depot):

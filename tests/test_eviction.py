@@ -12,9 +12,10 @@ POOL_SLOTS = 8
 
 
 @pytest.fixture(params=["lru", "arc"])
-def small_daemon(request, start_daemon):
-    # 8 slots of 16 KiB: eight blocks of the test cache.
-    return start_daemon(pool_size=f"{POOL_SLOTS * 16}KiB", eviction=request.param)
+def small_daemon(request, start_held_daemon):
+    # 8 slots of 16 KiB: eight blocks of the test cache. Tests hold jobs in
+    # flight with small_daemon.hold(job_id).
+    return start_held_daemon(pool_size=f"{POOL_SLOTS * 16}KiB", eviction=request.param)
 
 
 @pytest.fixture
@@ -54,36 +55,41 @@ def test_oldest_unpinned_blocks_are_evicted_first(worker_setup):
     assert client.stats().totals.evicted_blocks == 4
 
 
-def test_a_block_pinned_by_an_inflight_load_is_never_evicted(worker_setup):
+def test_a_block_pinned_by_an_inflight_load_is_never_evicted(worker_setup, small_daemon):
     client, engine, worker, tensors = worker_setup
     keys = prompt_keys(12, prompt=2)
     jobs = Jobs()
     store_one_by_one(client, worker, keys[:8], 0, jobs)
     # A load of the oldest block is submitted but its copy has not run yet.
-    load = client.begin_load(worker, jobs(), [keys[0]], [100])
+    load = jobs()
+    small_daemon.hold(load)
+    client.submit_load(worker, load, [keys[0]], [100])
+    wait_until(lambda: client.stats().pinned_slots == 1, what="the load in flight")
     store_one_by_one(client, worker, keys[8:], 8, jobs)
     alive = present(client, engine, keys)
     assert alive[0], "the block pinned by the load was evicted"
     assert alive == [True, False, False, False, False, True, True, True, True, True, True, True]
-    load.run()
-    assert client.wait([load.job_id], 10)[load.job_id].ok
+    small_daemon.release(load)
+    assert client.wait([load], 10)[load].ok
     for src, dst in zip(block_of(tensors, "per_layer", 0), block_of(tensors, "per_layer", 100)):
         assert torch.equal(src.view(torch.int16), dst.view(torch.int16))
 
 
-def test_stores_that_find_every_slot_pinned_store_what_fits(worker_setup):
+def test_stores_that_find_every_slot_pinned_store_what_fits(worker_setup, small_daemon):
     client, engine, worker, _ = worker_setup
     keys = prompt_keys(10, prompt=3)
     jobs = Jobs()
     store_one_by_one(client, worker, keys[:8], 0, jobs)
-    pin_all = client.begin_load(worker, jobs(), keys[:8], list(range(20, 28)))
+    pin_all = jobs()
+    small_daemon.hold(pin_all)
+    client.submit_load(worker, pin_all, keys[:8], list(range(20, 28)))
     store = client.submit_store(worker, jobs(), [keys[0], *keys[8:]], [0, 8, 9])
     result = client.wait([store], 10)[store]
     # The caller learns what was left out: one key stored already, two without room.
     assert result.ok and result.already_stored == 1 and result.not_stored == 2
     assert present(client, engine, keys) == [True] * 8 + [False, False]
-    pin_all.run()
-    assert client.wait([pin_all.job_id], 10)[pin_all.job_id].ok
+    small_daemon.release(pin_all)
+    assert client.wait([pin_all], 10)[pin_all].ok
 
 
 def test_arc_keeps_a_block_used_twice_through_a_scan(small_daemon, worker_setup):
@@ -126,10 +132,12 @@ def test_engines_of_the_namespace_keep_a_copy_of_its_blocks(worker_setup, small_
 
     # A store in flight shows as "not yet"; the copy agrees with the daemon.
     more = prompt_keys(2, prompt=6)
-    transfer = client.begin_store(worker, jobs(), more, [0, 1])
+    storing = jobs()
+    small_daemon.hold(storing)
+    client.submit_store(worker, storing, more, [0, 1])
     wait_until(lambda: watcher.cached_lookup(watching, more).not_yet, what="storing")
     assert client.lookup(engine, more).not_yet
-    transfer.run()
+    small_daemon.release(storing)
     wait_until(lambda: watcher.cached_lookup(watching, more).ready_blocks == 2, what="ready")
 
     # The pool holds 8: the 2 new blocks evicted 2 more. Then everything is cleared.

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import wait_until
-from kvcache import attach_worker, block_of, prompt_keys
+from kvcache import attach_worker, block_of, namespace, prompt_keys
 from kvdepot import errors
 from kvdepot.proto import kvdepot_pb2 as pb
 from raw_client import LENGTH, RawJobSocket, RawSession
@@ -83,7 +83,7 @@ def test_protocol_rules_are_enforced(daemon, client_factory):
     raw.send(pb.JobFrame(request_id=5))
     assert "empty JobFrame" in raw.reply().refused.message
     raw.send(pb.JobFrame(request_id=6, hello=pb.JobSocketHello(session_id=session_id)))
-    assert "said hello already" in raw.reply().refused.message
+    assert "hello must be the first frame" in raw.reply().refused.message
     # Bytes that are no JobFrame, and a frame over the limit, close the connection.
     raw.sock.sendall(LENGTH.pack(3) + b"\xff\xff\xff")
     assert raw.closed_by_daemon()
@@ -135,7 +135,9 @@ def test_a_job_socket_the_daemon_closes_costs_a_reconnect_and_nothing_else(daemo
     assert "closing a job socket connection that sent a frame that is not a JobFrame" in daemon.log()
 
 
-def test_without_a_job_socket_jobs_go_through_grpc_calls(start_daemon, tmp_path):
+def test_without_a_job_socket_a_cpu_worker_is_refused_with_the_reason(start_daemon, tmp_path):
+    """Over TCP there is no job socket, and a CPU worker's staging memory can
+    only travel on one: GPU workers run their jobs through the gRPC calls."""
     from kvdepot.client import KVDepotClient
 
     token_file = tmp_path / "token"
@@ -145,10 +147,10 @@ def test_without_a_job_socket_jobs_go_through_grpc_calls(start_daemon, tmp_path)
     client = KVDepotClient(address, auth_token="s3cret").connect(10)
     try:
         assert client._connection.jobs.kind == "grpc"
-        worker, engine, tensors = attach_worker(client, seed=35)
-        round_trip(client, worker, tensors, 1, prompt=350)
-        with pytest.raises(errors.FailedPrecondition, match="is not stored"):
-            client.submit_load(worker, 5, prompt_keys(1, prompt=351), [9])
+        with pytest.raises(errors.FailedPrecondition, match="needs the daemon's job socket"):
+            attach_worker(client, seed=35)
+        engine = client.register_engine(namespace("per_layer"))
+        assert client.lookup(engine, prompt_keys(1, prompt=351)).available
     finally:
         client.close()
     assert daemon.running

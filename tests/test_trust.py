@@ -68,14 +68,12 @@ def store_and_check(client, worker, tensors, prompt: int) -> None:
     assert client.wait([job], 10)[job].ok
 
 
-# By default only root and the daemon's user may map the pool (a shared-memory
-# worker); with nobody allowed too, its poisoned store must still stay its own.
+# The other uid registers a CPU worker of its own: its poisoned store must stay its own.
 @needs_second_uid
-@pytest.mark.parametrize("pool_uids", ["", f"0,{NOBODY}"])
 def test_another_tenant_can_neither_read_probe_poison_nor_clear_a_tenants_blocks(
-    open_folder, start_daemon, client_factory, pool_uids
+    open_folder, start_daemon, client_factory
 ):
-    daemon = start_shared(start_daemon, open_folder, **({"pool_uids": pool_uids} if pool_uids else {}))
+    daemon = start_shared(start_daemon, open_folder)
     victim = client_factory(daemon, name="victim")
     worker, engine, tensors = attach_worker(victim, seed=40)
     store_and_check(victim, worker, tensors, prompt=400)
@@ -85,7 +83,7 @@ def test_another_tenant_can_neither_read_probe_poison_nor_clear_a_tenants_blocks
     assert (got["uid"], got["tenant"], got["admin"]) == (NOBODY, f"uid-{NOBODY}", False)
     assert got["namespace_name"] != worker.namespace_name
     assert got["victim_blocks_seen"] == 0, "another tenant's lookup found the victim's blocks"
-    assert got["register_shared_memory_worker"] == ("OK" if pool_uids else "PERMISSION_DENIED")
+    assert got["register_shared_memory_worker"] == "OK"
     assert got["stats_namespaces"] == [got["namespace_name"]]
     assert got["stats_clients"] == []
     assert got["anonymous_stats"] == [0, 0, 0]
@@ -102,7 +100,7 @@ def test_another_tenant_can_neither_read_probe_poison_nor_clear_a_tenants_blocks
             assert torch.equal(src.view(torch.int16), dst.view(torch.int16))
     # Root is an admin: it sees both tenants (the other's namespace, while it has blocks).
     names = {ns.name for ns in victim.stats().namespaces}
-    assert names == {worker.namespace_name, got["namespace_name"]} if pool_uids else names >= {worker.namespace_name}
+    assert names == {worker.namespace_name, got["namespace_name"]}
 
 
 @needs_second_uid
@@ -112,7 +110,7 @@ def test_tenants_the_configuration_puts_in_one_sharing_group_share_blocks(open_f
         '[[tenant]]\nname = "serving"\nuids = [0]\nshare = "fleet"\n\n'
         f'[[tenant]]\nname = "batch"\nuids = [{NOBODY}]\nshare = "fleet"\n'
     )
-    daemon = start_shared(start_daemon, open_folder, config=str(config), pool_uids=f"0,{NOBODY}")
+    daemon = start_shared(start_daemon, open_folder, config=str(config))
     victim = client_factory(daemon, name="serving")
     worker, engine, tensors = attach_worker(victim, seed=41)
     store_and_check(victim, worker, tensors, prompt=410)
@@ -160,8 +158,7 @@ def test_a_session_acts_only_after_its_hello_and_only_for_the_process_that_said_
 @needs_second_uid
 def test_the_pool_file_is_the_daemons_alone(open_folder, start_daemon, client_factory):
     daemon = start_shared(start_daemon, open_folder)
-    client = client_factory(daemon)
-    path = client._connection.pool_info.shm_path
+    [path] = daemon.folder.glob("*.pool")
     assert os.stat(path).st_mode & 0o777 == 0o600
     result = subprocess.run([*as_uid(NOBODY), "cat", path], capture_output=True, timeout=30)
     assert result.returncode != 0 and b"Permission denied" in result.stderr
@@ -177,8 +174,8 @@ def flood(daemon, blocks: int) -> dict:
 
 
 def small_pool_with_a_victim(start_daemon, open_folder, client_factory, seed: int, blocks: int, prompt: int):
-    """A 32-slot pool where nobody may store too, and root's client holding `blocks` blocks."""
-    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB", pool_uids=f"0,{NOBODY}")
+    """A 32-slot pool, and root's client holding `blocks` blocks."""
+    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB")
     victim = client_factory(daemon, name="victim")
     worker, engine, tensors = attach_worker(victim, seed=seed)
     keys = prompt_keys(blocks, prompt=prompt)
@@ -207,10 +204,11 @@ def test_one_tenants_big_store_does_not_evict_another_below_its_share(open_folde
 
 
 @needs_second_uid
-def test_stores_a_tenant_never_completes_cannot_take_every_free_slot(open_folder, start_daemon, client_factory):
+def test_one_tenants_stores_in_flight_cannot_take_every_free_slot(open_folder, start_held_daemon, client_factory):
     daemon, victim, worker, engine, tensors, first = small_pool_with_a_victim(
-        start_daemon, open_folder, client_factory, seed=44, blocks=4, prompt=440
+        start_held_daemon, open_folder, client_factory, seed=44, blocks=4, prompt=440
     )
+    daemon.hold(1)  # the other tenant's store stays in flight
     holder = subprocess.Popen(
         [*as_uid(NOBODY), sys.executable, str(HERE / "tenant_flood.py"), daemon.socket, "30", "hold"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
@@ -232,8 +230,7 @@ def test_stores_a_tenant_never_completes_cannot_take_every_free_slot(open_folder
 def test_a_tenant_at_its_quota_evicts_only_its_own_blocks(open_folder, start_daemon, client_factory):
     config = open_folder / "kvdepot.toml"
     config.write_text(f'[[tenant]]\nname = "small"\nuids = [{NOBODY}]\nquota = "25%"\n')
-    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB", config=str(config),
-                          pool_uids=f"0,{NOBODY}")
+    daemon = start_shared(start_daemon, open_folder, pool_size="512KiB", config=str(config))
     owner = client_factory(daemon, name="owner")
     worker, engine, tensors = attach_worker(owner, seed=43)
     # The flood may hold 8 of 32 slots, though 32 are free.

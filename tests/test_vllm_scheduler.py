@@ -26,17 +26,26 @@ def daemon(start_daemon):
 
 
 @pytest.fixture
-def engines(daemon):
+def make_engines():
+    """engines_of(daemon) -> make(extra=None, **options): engines on that daemon, closed at the end."""
     made = []
 
-    def make(extra=None, **options):
-        engine = make_engine(daemon, extra, **options)
-        made.append(engine)
-        return engine
+    def engines_of(daemon):
+        def make(extra=None, **options):
+            engine = make_engine(daemon, extra, **options)
+            made.append(engine)
+            return engine
 
-    yield make
+        return make
+
+    yield engines_of
     for engine in made:
         engine.close()
+
+
+@pytest.fixture
+def engines(daemon, make_engines):
+    return make_engines(daemon)
 
 
 def totals(daemon):
@@ -141,7 +150,9 @@ def test_lookup_counts_reach_the_daemon_stats(engines, daemon):
     assert stats.miss_blocks == 4  # a: 4 blocks
 
 
-def test_blocks_another_engine_is_storing_are_waited_for_not_recomputed(engines, daemon):
+def test_blocks_another_engine_is_storing_are_waited_for_not_recomputed(start_held_daemon, make_engines):
+    daemon = start_held_daemon(**DAEMON_OPTIONS)
+    engines = make_engines(daemon)
     writer, reader = engines(), engines()
     tokens = prompt(13, 80)
     writer.add("w", tokens, max_tokens=1)
@@ -150,7 +161,8 @@ def test_blocks_another_engine_is_storing_are_waited_for_not_recomputed(engines,
     (job,) = side._unsubmitted
     (group,) = job.groups
     # Submit it by hand and hold the copy: the daemon sees a store in flight.
-    transfer = side.client.begin_store(side.workers[0], 990_001, group.keys, group.block_ids)
+    daemon.hold(990_001)
+    side.client.submit_store(side.workers[0], 990_001, group.keys, group.block_ids)
     # The daemon tells every engine of the namespace (BlocksChanged).
     wait_until(lambda: reader.side.client.cached_lookup(reader.side.engines[0], group.keys).not_yet, what="storing")
 
@@ -159,7 +171,7 @@ def test_blocks_another_engine_is_storing_are_waited_for_not_recomputed(engines,
         assert "r" not in reader.step(compute=False).scheduled
         time.sleep(0.01)
     assert reader.side.counters["deferred"] >= 5
-    transfer.run()
+    daemon.release(990_001)
     assert reader.computed_when_scheduled("r") == 4 * BLOCK
     assert reader.worker.check_request_tokens("r", 0, 4 * BLOCK) == []
     assert totals(daemon).loaded_blocks == 4

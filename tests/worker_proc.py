@@ -3,8 +3,8 @@
   store: make a random KV cache, store blocks, save the cache to --out
   load:  make a different KV cache, save it to --before, look up and load
          blocks into other block ids, save the result to --out
-  hang-store / hang-load: submit a job, say so on stdout, and never finish it
-         (the test kills the process)
+  hang-store / hang-load: submit a job, say so on stdout, and never wait for
+         it (the test holds its copy in the daemon, and kills the process)
 Prints one JSON line with what happened.
 """
 
@@ -54,11 +54,11 @@ def main() -> int:
     report: dict = {"pid": __import__("os").getpid()}
 
     if args.command in ("hang-store", "hang-load"):
-        begin = client.begin_store if args.command == "hang-store" else client.begin_load
+        submit = client.submit_store if args.command == "hang-store" else client.submit_load
         if args.spin:
             torch.cuda._sleep(200_000_000_000)  # the data is written only after a long time
-        transfer = begin(worker, 1, keys, block_ids)
-        report["slots"] = len(transfer.slots)
+        submit(worker, 1, keys, block_ids)
+        report["submitted"] = len(keys)
         print(json.dumps(report), flush=True)
         while True:
             time.sleep(60)

@@ -9,14 +9,13 @@ is the same code whichever moves the bytes. A transport's primitives:
   anything, and return the transport's own state for the job (opaque to the
   depot, kept in `Job.transport_state`).
 - `start`: begin the job's copies. The transport reports the end with the
-  `finish` callback it was made with (`Depot.finish_job`), except where the
-  worker copies (`worker_copies`): the worker then reports with CompleteJob.
+  `finish` callback it was made with (`Depot.finish_job`).
 - `abandon`: the job's session ended while the job was in flight; finish or
   cancel its copies, then report the end.
 
-`worker_copies` also tells the depot who could still be writing a store's
-slots after its session ended: the client's process, for a transport whose
-worker copies, so those slots are held back until that process has exited.
+Only the daemon writes the pool, whatever the transport: a store's slots are
+never written by a client, so a client that goes away mid-job leaves nothing
+to wait for but the daemon's own copies.
 """
 
 from __future__ import annotations
@@ -38,8 +37,6 @@ class Transport(ABC):
     name: str = ""
     # Which TensorHandle (the `transport` oneof) a worker registers with.
     handle_kind: str = ""
-    # The client's process copies the bytes and reports with CompleteJob.
-    worker_copies: bool = False
 
     @abstractmethod
     def open_worker(self, worker: Worker, request: pb.RegisterWorkerRequest) -> None:

@@ -93,7 +93,6 @@ class _JobState:
 class CudaTransport(Transport):
     name = "cuda_ipc"
     handle_kind = "cuda_ipc"
-    worker_copies = False
     # Stores wait for the compute that wrote their blocks. Only a test turns
     # this off, to show that the ordering test can fail without it.
     wait_for_compute = True

@@ -1,0 +1,29 @@
+"""kvdepotd whose shared-memory copies can be held, so that a test can keep
+jobs in flight (to drain, to pin blocks, to kill a client mid-job) for as
+long as it needs: copies in the daemon otherwise take microseconds. A job's
+copy waits while the file `hold-all` or `hold-JOBID` exists in the folder
+$KVDEPOT_TEST_COPY_GATE (conftest.py's start_held_daemon makes and removes
+them). No setting of the real daemon reaches this."""
+
+import os
+import sys
+import time
+
+from kvdepot.server import main
+from kvdepot.server.transports import shared_memory
+from kvdepot.server.transports.shared_memory import SharedMemoryTransport
+
+GATE = os.environ["KVDEPOT_TEST_COPY_GATE"]
+_copy = SharedMemoryTransport._copy
+
+
+def _held_copy(self, job, staging):
+    while os.path.exists(os.path.join(GATE, "hold-all")) or os.path.exists(os.path.join(GATE, f"hold-{job.id}")):
+        time.sleep(0.01)
+    _copy(self, job, staging)
+
+
+SharedMemoryTransport._copy = _held_copy
+# A held copy keeps its thread: enough threads that the others still run.
+shared_memory.COPY_THREADS = 64
+sys.exit(main.main())
