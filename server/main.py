@@ -18,6 +18,7 @@ import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 import kvdepot
 from kvdepot.defaults import grpc_target
@@ -251,6 +252,10 @@ async def serve(config: DaemonConfig) -> int:
     add_to_server(KVDepotService(depot, tenants, job_path, max_queued_keys), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # So that grpcurl and similar tools list and call the service without the
+    # .proto. It tells only the schema, which is public; every call made with
+    # it is checked as any other.
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         bound = server.add_secure_port(target, credentials) if credentials else server.add_insecure_port(target)
     except RuntimeError as e:
