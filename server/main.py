@@ -80,6 +80,13 @@ def notify_systemd(state: str) -> None:
             log.warning("could not notify systemd: %s", e)
 
 
+def startup_progress(message: str) -> None:
+    """A start-up step (allocating and pinning the pool take long), in the log
+    and in `systemctl status` (STATUS=)."""
+    logging.getLogger("kvdepot.pool").info("%s", message)
+    notify_systemd(f"STATUS={message}")
+
+
 class AddressGuard:
     """Owns a listening address: refuses a second daemon, clears what a crash left.
 
@@ -195,6 +202,7 @@ async def serve(config: DaemonConfig) -> int:
             pin=config.pin,
             threads=config.pin_threads,
             pin_chunk_bytes=config.pin_chunk_bytes,
+            progress=startup_progress,
         )
     except (PoolError, StartupError) as e:
         if guard:
@@ -275,7 +283,9 @@ async def serve(config: DaemonConfig) -> int:
     for name in ("", SERVICE_NAME):
         await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.SERVING)
     log.info("kvdepotd %s ready on %s (instance %s)", kvdepot.__version__, target, instance)
-    notify_systemd("READY=1\nSTATUS=serving")
+    # Only now: systemd starts units ordered after this one on READY=1, and
+    # they expect calls to be answered.
+    notify_systemd(f"READY=1\nSTATUS=serving on {target}")
 
     housekeeping = asyncio.create_task(depot.housekeeping())
     stop = asyncio.Event()
@@ -285,7 +295,7 @@ async def serve(config: DaemonConfig) -> int:
     await stop.wait()
 
     log.info("shutting down: draining %d job(s) in flight", depot.jobs_in_flight)
-    notify_systemd("STOPPING=1")
+    notify_systemd(f"STOPPING=1\nSTATUS=stopping: draining {depot.jobs_in_flight} job(s)")
     for name in ("", SERVICE_NAME):
         await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.NOT_SERVING)
     drained = await depot.drain(config.drain_timeout)
