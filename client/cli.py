@@ -151,6 +151,16 @@ def format_stats(stats: pb.GetStatsResponse) -> str:
     return "\n".join(lines)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvdepot", description="Operate a running kvdepotd.")
     parser.add_argument(
@@ -175,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     stats = commands.add_parser("stats", help="cache statistics: hits, bytes, occupancy, per namespace and client")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    stats.add_argument(
+        "--watch", nargs="?", const=2.0, type=_seconds, metavar="SECONDS",
+        help="refresh every SECONDS (default 2) with rates, like top, until Ctrl-C",
+    )
     commands.add_parser("health", help="exit 0 if the daemon is serving, 1 otherwise")
     clear = commands.add_parser("clear", help="drop the cached blocks of a namespace, or of all")
     target = clear.add_mutually_exclusive_group(required=True)
@@ -184,7 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "stats" and args.watch is not None and args.json:
+        parser.error("--watch shows a table; for JSON, run `kvdepot stats --json` at each interval")
     token = None
     if args.auth_token_file:
         try:
@@ -195,11 +212,22 @@ def main(argv: list[str] | None = None) -> int:
     tls = None
     if args.tls_ca_file or args.tls_cert_file:
         tls = Tls(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+
+    def connect() -> OperatorClient:
+        return OperatorClient(args.socket or default_socket_path(), token, args.timeout, tls)
+
     try:
-        client = OperatorClient(args.socket or default_socket_path(), token, args.timeout, tls)
+        client = connect()
     except KVDepotError as e:
         print(f"kvdepot: {e}", file=sys.stderr)
         return 2
+    if args.command == "stats" and args.watch is not None:
+        from kvdepot.client.watch import run as watch
+
+        try:
+            return watch(connect, client.target, args.watch, client)
+        except KeyboardInterrupt:  # Ctrl-C before the view's own handling began
+            return 0
     try:
         if args.command == "stats":
             stats = client.stats()

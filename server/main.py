@@ -18,6 +18,7 @@ import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 import kvdepot
 from kvdepot.defaults import grpc_target
@@ -77,6 +78,13 @@ def notify_systemd(state: str) -> None:
             sock.sendto(state.encode(), address)
         except OSError as e:
             log.warning("could not notify systemd: %s", e)
+
+
+def startup_progress(message: str) -> None:
+    """A start-up step (allocating and pinning the pool take long), in the log
+    and in `systemctl status` (STATUS=)."""
+    logging.getLogger("kvdepot.pool").info("%s", message)
+    notify_systemd(f"STATUS={message}")
 
 
 class AddressGuard:
@@ -194,6 +202,7 @@ async def serve(config: DaemonConfig) -> int:
             pin=config.pin,
             threads=config.pin_threads,
             pin_chunk_bytes=config.pin_chunk_bytes,
+            progress=startup_progress,
         )
     except (PoolError, StartupError) as e:
         if guard:
@@ -248,6 +257,10 @@ async def serve(config: DaemonConfig) -> int:
     add_to_server(KVDepotService(depot, tenants, job_path, max_queued_keys), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # So that grpcurl and similar tools list and call the service without the
+    # .proto. It tells only the schema, which is public; every call made with
+    # it is checked as any other.
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         bound = server.add_secure_port(target, credentials) if credentials else server.add_insecure_port(target)
     except RuntimeError as e:
@@ -267,7 +280,9 @@ async def serve(config: DaemonConfig) -> int:
     for name in ("", SERVICE_NAME):
         await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.SERVING)
     log.info("kvdepotd %s ready on %s (instance %s)", kvdepot.__version__, target, instance)
-    notify_systemd("READY=1\nSTATUS=serving")
+    # Only now: systemd starts units ordered after this one on READY=1, and
+    # they expect calls to be answered.
+    notify_systemd(f"READY=1\nSTATUS=serving on {target}")
 
     housekeeping = asyncio.create_task(depot.housekeeping())
     stop = asyncio.Event()
@@ -277,7 +292,7 @@ async def serve(config: DaemonConfig) -> int:
     await stop.wait()
 
     log.info("shutting down: draining %d job(s) in flight", depot.jobs_in_flight)
-    notify_systemd("STOPPING=1")
+    notify_systemd(f"STOPPING=1\nSTATUS=stopping: draining {depot.jobs_in_flight} job(s)")
     for name in ("", SERVICE_NAME):
         await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.NOT_SERVING)
     drained = await depot.drain(config.drain_timeout)

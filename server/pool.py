@@ -166,15 +166,21 @@ class HostPool:
         total = self._file_size
         chunks = [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
         done = 0
+        # MiB for small pools, which would read "0.0 of 0.0 GiB".
+        unit, scale = ("GiB", 2**30) if total >= 2**30 else ("MiB", 2**20)
+
+        def report() -> None:
+            self._progress(f"{what}: {done / scale:.1f} of {total / scale:.1f} {unit} ({100 * done / total:.0f}%)")
+
+        # At once, so that an operator waiting on a large pool sees what it does.
+        report()
         last_report = start
         with concurrent.futures.ThreadPoolExecutor(threads) as executor:
             for length in executor.map(lambda c: (work(*c), c[1])[1], chunks):
                 done += length
                 now = time.monotonic()
                 if now - last_report >= 1.0 or done == total:
-                    self._progress(
-                        f"{what}: {done / 2**30:.1f} of {total / 2**30:.1f} GiB ({100 * done / total:.0f}%)"
-                    )
+                    report()
                     last_report = now
         return time.monotonic() - start
 

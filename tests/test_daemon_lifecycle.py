@@ -181,7 +181,8 @@ def test_defaults_alone_give_a_working_daemon_that_tells_systemd_it_is_ready(tmp
     proc = subprocess.Popen([sys.executable, "-m", "kvdepot.server"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        assert notify.recv(1024).startswith(b"READY=1")
+        while not (message := notify.recv(1024)).startswith(b"READY=1"):
+            assert message.startswith(b"STATUS=")  # start-up progress comes first
         sock = tmp_path / "kvdepot" / "kvdepot.sock"
         assert sock.is_socket()
         health = subprocess.run([sys.executable, "-m", "kvdepot.client.cli", "health"], env=env,
