@@ -46,7 +46,9 @@ class Job:
     slots: list[int]
     # The transport's own state for the job (its prepare_job's answer).
     transport_state: object = None
-    # time.monotonic() past which a job the worker copies fails (job_deadline).
+    # time.monotonic() when the depot took the job, and past which a job the
+    # worker copies fails (job_deadline).
+    submitted: float = 0.0
     deadline: float = 0.0
 
 
