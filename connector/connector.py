@@ -18,6 +18,7 @@ from kvdepot.connector import vllm_compat
 from kvdepot.connector.config import ConnectorConfig
 from kvdepot.connector.keys import offloaded_groups
 from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata
+from kvdepot.connector.metrics import KVDepotConnectorStats, KVDepotPromMetrics
 from kvdepot.connector.vllm_compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -109,6 +110,20 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None
+
+    # ------------------------------------------------------------ metrics (connector/metrics.py)
+
+    def get_kv_connector_stats(self) -> KVDepotConnectorStats | None:
+        # The scheduler side counts everything: a worker would count each job once per rank.
+        return self._scheduler.stats.take() if self._scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVDepotConnectorStats:
+        return KVDepotConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVDepotPromMetrics:
+        return KVDepotPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------ worker side
 

@@ -142,7 +142,10 @@ class Lookup:
         """vLLM scheduled the request with this many tokens from kvdepot: its lookup counts now."""
         looked_up, st.looked_up = st.looked_up, None
         hit = num_external_tokens // self.block_size
-        self.counters["lookups"] += 1
+        counters = self.counters
+        counters["lookups"] += 1
+        counters["hit_blocks"] += hit
+        counters["miss_blocks"] += looked_up - hit
         with self._report_lock:
             report = self._report
             report["lookups"] += 1

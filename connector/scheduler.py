@@ -34,6 +34,7 @@ from kvdepot.connector.keys import GroupInfo, RequestKeys
 from kvdepot.connector.kv_events import KVEvents
 from kvdepot.connector.lookup import Lookup
 from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata, TransferJob
+from kvdepot.connector.metrics import StatsReport
 from kvdepot.connector.state import JobState, RequestState
 from kvdepot.connector.store_plan import StorePlan
 
@@ -59,7 +60,9 @@ class SchedulerSide:
             for i, g in enumerate(groups)
         ]
         self.events.watch(self.client, self.engines[0])
-        self.counters = {"lookups": 0, "hit_tokens": 0, "deferred": 0, "loads": 0, "stores": 0, "flushed": 0}
+        self.counters = {"lookups": 0, "hit_tokens": 0, "hit_blocks": 0, "miss_blocks": 0, "deferred": 0, "loads": 0,
+                         "stores": 0, "flushed": 0, "load_failures": 0, "store_failures": 0}
+        self.stats = StatsReport(self.counters)
         self.lookup = Lookup(config, groups, self.client, self.engines, self._state, self.counters)
         # Answered by the parts themselves: vLLM calls these per request or per
         # step, and a call through this class would cost one more each time.
@@ -205,6 +208,8 @@ class SchedulerSide:
     def _job_finished(self, state: JobState) -> None:
         job = state.job
         del self._jobs[job.job_id]
+        if state.failed:
+            self.counters["store_failures" if job.is_store else "load_failures"] += 1
         if state.fenced_blocks:
             self.store.unfence(state)
         if state.loading_keys:

@@ -98,6 +98,9 @@ KVConnectorWorkerMetadata = need(_BASE, "KVConnectorWorkerMetadata", "what the w
 KVConnectorRole = need(_BASE, "KVConnectorRole", "which side a connector instance is")
 KVConnectorTransferResults = need(_BASE, "KVConnectorTransferResults", "finished and failed transfers")
 SupportsHMA = need(_BASE, "SupportsHMA", "hybrid models, one namespace per KV-cache group")
+_METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
+KVConnectorStats = need(_METRICS, "KVConnectorStats", "the connector's counters in vLLM's stats")
+KVConnectorPromMetrics = need(_METRICS, "KVConnectorPromMetrics", "the connector's counters in vLLM's /metrics")
 
 
 # ------------------------------------------------------------ requests

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 
 from kvdepot import defaults
 from kvdepot.defaults import default_socket_path
+from kvdepot.server.metrics import parse_listen
 from kvdepot.server.tenants import TenantConfigError, parse_admin_uids, parse_tenants
 
 if sys.version_info >= (3, 11):
@@ -142,6 +143,12 @@ OPTIONS = [
         "Uids whose unix-socket clients may see every tenant's stats and clear every namespace, "
         "separated by commas; empty: root and the daemon's own user. Tenants are set in the "
         "configuration file ([[tenant]] tables, see the README's security section).",
+    ),
+    Option(
+        "metrics_listen",
+        "127.0.0.1:9400",
+        "HOST:PORT where the daemon serves Prometheus metrics (/metrics over HTTP), or none. "
+        "They name every tenant's namespaces: expose them off localhost only behind protection.",
     ),
     Option(
         "drain_timeout",
@@ -356,6 +363,7 @@ class DaemonConfig:
     pin: str
     pin_threads: int
     auth_token_file: str | None
+    metrics_listen: str
     drain_timeout: float
     log_level: str
     log_format: str
@@ -500,6 +508,10 @@ def _check(config: DaemonConfig) -> None:
         raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
     if config.tls_client_ca_file and not config.tls_cert_file:
         raise ConfigError("tls_client_ca_file needs TLS: give tls_cert_file and tls_key_file too")
+    try:
+        parse_listen(config.metrics_listen)
+    except ValueError as e:
+        raise ConfigError(f"metrics_listen: {e}") from None
     if config.drain_timeout < 0:
         raise ConfigError("drain_timeout must not be negative")
     chunk = config.copy_chunk_bytes

@@ -35,6 +35,7 @@ from kvdepot.errors import (
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.index import Block, BlockIndex
 from kvdepot.server.limits import Limits, saturating_add, shown
+from kvdepot.server.metrics import JobMetrics
 from kvdepot.server.namespaces import Namespace, Namespaces
 from kvdepot.server.outbox import ChangeFeed
 from kvdepot.server.pool import HostPool
@@ -66,6 +67,7 @@ class Depot:
         self.totals = Counters()
         self.store_clock = BusyClock()
         self.load_clock = BusyClock()
+        self.job_metrics = JobMetrics()
         self.sessions: dict[str, Session] = {}
         self.sessions_ended = 0
         self.changes = ChangeFeed(self.sessions)
@@ -307,6 +309,7 @@ class Depot:
         return session, worker, keys, list(request.block_ids), state
 
     def _begin(self, job: Job) -> None:
+        job.submitted = time.monotonic()
         job.session.jobs[job.id] = job
         (self.store_clock if job.kind == "store" else self.load_clock).start()
         self._jobs_in_flight += 1
@@ -377,6 +380,7 @@ class Depot:
             if ok:
                 self._count(session, worker.ns, loaded_blocks=n, loaded_bytes=nbytes)
             self.load_clock.stop()
+        self.job_metrics.finished(job, ok)
         if not ok:
             self._count(session, worker.ns, failed_jobs=1)
             log.warning("%s job %d of session %d failed: %s", job.kind, job.id, session.number, error)

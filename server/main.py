@@ -27,6 +27,7 @@ from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_conf
 from kvdepot.server.depot import Depot
 from kvdepot.server.limits import Limits
 from kvdepot.server.logsafe import EscapingFormatter
+from kvdepot.server.metrics import MetricsListenError, MetricsServer
 from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
 from kvdepot.server.service import KVDepotService, add_to_server
 from kvdepot.server.tenants import TenantConfigError, Tenants, parse_admin_uids, scope_quotas
@@ -185,6 +186,7 @@ async def serve(config: DaemonConfig) -> int:
         guard = AddressGuard(target, unix_path + ".lock", unix_path)
         guard.acquire()
     instance = secrets.token_hex(6)
+    metrics = None
     try:
         pool_dir = choose_pool_dir(
             config.pool_dir, os.path.dirname(unix_path) if unix_path else None, config.pool_size
@@ -193,6 +195,8 @@ async def serve(config: DaemonConfig) -> int:
             guard = AddressGuard(target, os.path.join(pool_dir, pool_prefix + "tcp.lock"), None)
             guard.acquire()
         remove_stale_pools(pool_dir, pool_prefix)
+        # Before the pool, which may take tens of seconds to pin: a taken port fails at once.
+        metrics = MetricsServer(config.metrics_listen)
         started = time.monotonic()
         pool = HostPool(
             size=config.pool_size,
@@ -204,9 +208,13 @@ async def serve(config: DaemonConfig) -> int:
             pin_chunk_bytes=config.pin_chunk_bytes,
             progress=startup_progress,
         )
-    except (PoolError, StartupError) as e:
+    except (PoolError, StartupError, MetricsListenError) as e:
         if guard:
             guard.release()
+        if metrics:
+            metrics.close()
+        if isinstance(e, MetricsListenError):
+            raise
         raise StartupError(str(e)) from e
     log.info(
         "pool ready in %.2f s: %d slots of %d bytes (%.2f GiB) at %s, %s",
@@ -226,6 +234,7 @@ async def serve(config: DaemonConfig) -> int:
         raise StartupError(str(e)) from e
     depot = Depot(pool, config.eviction, instance, kvdepot.__version__, Limits.of(config), quotas)
     add_transports(depot, pool, config)
+    metrics.attach(depot, asyncio.get_running_loop())
     server = grpc.aio.server(
         options=[
             # Without this a second daemon could bind the same TCP port.
@@ -304,6 +313,7 @@ async def serve(config: DaemonConfig) -> int:
     if job_server is not None:
         _close_job_socket(job_server, job_path)
     housekeeping.cancel()
+    metrics.close()
     depot.shutdown()  # copies still on the GPU end before the pool is unpinned
     pool.close()
     guard.release()
@@ -400,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         runner = asyncio.run
     try:
         return runner(serve(config))
+    except MetricsListenError as e:
+        log.error("%s", e)
+        return 2
     except StartupError as e:
         log.error("%s", e)
         return 1

@@ -46,6 +46,8 @@ class Job:
     slots: list[int]
     # The transport's own state for the job (its prepare_job's answer).
     transport_state: object = None
+    # time.monotonic() when the depot took the job.
+    submitted: float = 0.0
 
 
 @dataclass(eq=False)

@@ -34,6 +34,9 @@ def subprocess_env(**extra: str) -> dict:
     # The checkout under test, installed or not.
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
+    # Test daemons serve no metrics unless a test asks: many run at once, and
+    # the default port would let only one of them start.
+    env["KVDEPOT_METRICS_LISTEN"] = "none"
     env.update(extra)
     return env
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, subprocess_env
+from prometheus_client.parser import text_string_to_metric_families
 from vllm_generate import kvdepot_kv_transfer_config, make_prompts, openai_server_argv, vllm_env
 
 import vllm_harness as h
@@ -84,6 +85,39 @@ def test_second_round_after_reset_loads_from_kvdepot(model, prompts, baseline, s
     stats = totals(daemon)
     assert stats.loaded_blocks >= 4 * 6 - 2 * 3  # the shared 2 blocks may come from the GPU cache
     assert stats.hit_blocks > 0
+
+
+def test_vllms_own_metrics_show_the_connectors_counters(model, prompts, start_daemon, tmp_path):
+    daemon = start_daemon(**DAEMON_OPTIONS)
+    metrics = tmp_path / "metrics.txt"
+    result = generate(model, prompts, tmp_path / "run", "--repeat-after-reset", "--metrics-out", str(metrics),
+                      *with_kvdepot(daemon))
+    assert result["rounds"][1]["num_cached_tokens"] == [192] * 4
+    samples = {
+        sample.name.removeprefix("vllm:"): sample.value
+        for family in text_string_to_metric_families(metrics.read_text())
+        for sample in family.samples
+        if sample.labels.get("engine") == "0"
+    }
+    counted = {name.removeprefix("kvdepot_"): v for name, v in samples.items() if name.startswith("kvdepot_")}
+    block = 32
+    # Each request is looked up once a round, past what vLLM's own prefix
+    # cache holds, and each hit is loaded: what vLLM counted as tokens from
+    # the connector is the connector's hit blocks. Requests 2 to 4 waited for
+    # request 1's load of their shared 2 blocks (then found them on the GPU).
+    assert counted["lookups_total"] == 8
+    assert counted["lookup_hit_blocks_total"] * block == samples["external_prefix_cache_hits_total"] > 0
+    queried = 8 * 6 - samples["prefix_cache_hits_total"] / block
+    assert counted["lookup_hit_blocks_total"] + counted["lookup_miss_blocks_total"] == queried
+    assert counted["load_jobs_total"] == 4 and counted["load_failures_total"] == 0
+    assert counted["store_jobs_total"] >= 1 and counted["store_failures_total"] == 0
+    assert counted["deferrals_total"] >= 3
+    # The daemon counted the same lookups, from the connector's reports, and loaded every hit.
+    stats = totals(daemon)
+    assert (stats.lookups, stats.hit_blocks, stats.miss_blocks) == (
+        counted["lookups_total"], counted["lookup_hit_blocks_total"], counted["lookup_miss_blocks_total"]
+    )
+    assert stats.loaded_blocks == counted["lookup_hit_blocks_total"]
 
 
 def test_a_new_engine_process_gets_the_blocks_of_one_that_exited(model, prompts, baseline, start_daemon, tmp_path):
@@ -213,6 +247,14 @@ def test_openai_server_serves_completions_through_the_connector(model, start_dae
         while totals(daemon).stored_blocks < 4 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert totals(daemon).stored_blocks >= 4
+        # The connector's counters in the server's own /metrics, sent over from
+        # the engine-core process: the first request missed its 4 blocks; the
+        # second found them in vLLM's prefix cache, past which nothing was left to look up.
+        deadline = time.monotonic() + 30
+        while (counted := connector_metrics(port)).get("store_jobs_total", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert counted["lookups_total"] == 1 and counted["lookup_miss_blocks_total"] == 4
+        assert counted["lookup_hit_blocks_total"] == 0 and counted["store_jobs_total"] >= 1
     finally:
         server.terminate()
         try:
@@ -220,6 +262,17 @@ def test_openai_server_serves_completions_through_the_connector(model, start_dae
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+def connector_metrics(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        sample.name.removeprefix("vllm:kvdepot_"): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("vllm:kvdepot_")
+    }
 
 
 def test_two_models_under_one_relative_path_share_nothing_and_one_model_under_two_paths_shares(

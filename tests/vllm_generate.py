@@ -6,7 +6,7 @@ Run as a subprocess, one vLLM process at a time:
         [--kv-transfer-config JSON] [--repeat-after-reset] [--max-tokens N] \
         [--block-size 32] [--one-at-a-time] [--compile] \
         [--kill-pid-file PATH --kill-after-requests N] \
-        [--pause-dir DIR --pause-after-requests N]
+        [--pause-dir DIR --pause-after-requests N] [--metrics-out METRICS.txt]
 
 PROMPTS.json is a list of prompts, each a list of token ids (or {"prompts": [...]}).
 Token ids keep the test free of tokenizer behaviour; `make_prompts()` builds a set.
@@ -32,6 +32,8 @@ its own `llm.generate()` call, so "after request N" is a clean point between req
   * --kill-pid-file PATH: after request N, read a pid from PATH and SIGKILL it, then go on.
   * --pause-dir DIR: after request N, create DIR/paused-N and wait until DIR/resume-N
     exists (the test kills/restarts the daemon in between), then go on.
+--metrics-out METRICS.txt turns vLLM's stats on and writes, at the end, its Prometheus
+registry in the text format: what the OpenAI server's /metrics would show.
 
 The round-2 reset calls `llm.reset_prefix_cache()` with its defaults, which in vLLM 0.32 are
 `reset_running_requests=False, reset_connector=False`: only vLLM's own (CPU/GPU) prefix
@@ -177,6 +179,7 @@ def parse_args(argv=None):
     p.add_argument("--pause-dir", default=None)
     p.add_argument("--pause-after-requests", type=int, default=None)
     p.add_argument("--pause-timeout", type=float, default=120.0)
+    p.add_argument("--metrics-out", default=None, help="write vLLM's Prometheus metrics here at the end")
     a = p.parse_args(argv)
     if (a.kill_pid_file is None) != (a.kill_after_requests is None):
         p.error("--kill-pid-file and --kill-after-requests go together")
@@ -219,6 +222,7 @@ def main(argv=None) -> int:
         enforce_eager=not a.compile,
         distributed_executor_backend="uni",
         tensor_parallel_size=1,
+        disable_log_stats=a.metrics_out is None,
         **kwargs,
     )
     startup_s = time.monotonic() - t0
@@ -280,6 +284,10 @@ def main(argv=None) -> int:
             print("vllm_generate: reset_prefix_cache() returned False", file=sys.stderr)
         result["rounds"].append(run_round())
 
+    if a.metrics_out:
+        from prometheus_client import REGISTRY, generate_latest
+
+        Path(a.metrics_out).write_bytes(generate_latest(REGISTRY))
     result["total_s"] = round(time.monotonic() - t0, 2)
     result["peak_rss_mb"] = round(peak_rss_mb(), 1)
     tmp = a.out + ".tmp"

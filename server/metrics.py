@@ -1,0 +1,345 @@
+"""Prometheus metrics: the daemon's counters and gauges at /metrics over HTTP.
+
+prometheus_client serves them from a thread of its own (one per scrape), while
+the depot's state lives on the event loop's thread and is changed there
+without locks (depot.py). Reading it from a scrape thread could meet a dict
+in the middle of a change ("changed size during iteration") or counters of
+one namespace from before a job and of the pool from after it. So a scrape
+asks the loop for a snapshot (`call_soon_threadsafe`, then waits on a future
+for at most SNAPSHOT_TIMEOUT_S): the loop copies plain numbers in one go,
+O(namespaces + transports), and the scrape thread turns them into metric
+families. The hot path pays nothing for it: a job's end adds to a few ints of
+`JobMetrics`, on the loop, like every other counter.
+
+Label sets stay bounded: per namespace (at most --max-namespaces live), per
+job kind, failure reason and GPU; never per key, session or client pid. A
+namespace's series end when the namespace is freed; the daemon-wide totals
+keep counting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import concurrent.futures
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+from prometheus_client import start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
+
+log = logging.getLogger("kvdepot.metrics")
+
+# How long a scrape waits for the event loop: longer means the loop is stuck,
+# and the scrape answers without the depot's metrics rather than hang.
+SNAPSHOT_TIMEOUT_S = 5.0
+
+# Submit to completion: a CUDA job of a few blocks takes about a millisecond,
+# a large one or a shared-memory job on a busy CPU much longer.
+DURATION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+KINDS = ("store", "load")
+# Why a job failed, as few kinds as an operator acts on differently.
+FAILURE_REASONS = (
+    "client_gone",  # its session ended while the job ran (exit, crash, broken stream)
+    "transport",  # the daemon's own copy failed, or could not start
+)
+
+
+class MetricsListenError(RuntimeError):
+    """The metrics address cannot be served; the message says why and what to do."""
+
+
+def parse_listen(text: str) -> tuple[str, int] | None:
+    """'HOST:PORT' or '[V6]:PORT' -> (host, port); 'none' -> None. ValueError otherwise."""
+    if text.strip().lower() == "none":
+        return None
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:9400) or none")
+    return host, int(port)
+
+
+@dataclass
+class JobMetrics:
+    """Durations of finished jobs and failures by reason, kept on the loop's thread."""
+
+    # Per kind: count per bucket (not cumulative; the last is +Inf), and the sum.
+    buckets: dict[str, list[int]] = field(
+        default_factory=lambda: {k: [0] * (len(DURATION_BUCKETS) + 1) for k in KINDS}
+    )
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    failures: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def finished(self, job, ok: bool) -> None:
+        """`job` ended (Depot.finish_job)."""
+        if ok:
+            elapsed = time.monotonic() - job.submitted
+            self.buckets[job.kind][bisect.bisect_left(DURATION_BUCKETS, elapsed)] += 1
+            self.seconds[job.kind] += elapsed
+            return
+        reason = "client_gone" if job.session.ended else "transport"
+        self.failures[job.kind, reason] = self.failures.get((job.kind, reason), 0) + 1
+
+    def copy(self) -> JobMetrics:
+        return JobMetrics({k: list(v) for k, v in self.buckets.items()}, dict(self.seconds), dict(self.failures))
+
+
+@dataclass
+class NamespaceView:
+    name: str
+    scope: str
+    counters: dict
+    ready_blocks: int
+    used_slots: int
+
+
+@dataclass
+class Snapshot:
+    """Plain numbers copied from the depot on the event loop's thread."""
+
+    version: str
+    instance: str
+    eviction: str
+    totals: dict
+    namespaces: list[NamespaceView]
+    slot_bytes: int
+    num_slots: int
+    used_slots: int
+    pinned_slots: int
+    sessions: int
+    sessions_ended: int
+    jobs_in_flight: int
+    open_ipc_mappings: int
+    gpus: list[tuple[int, str, int]]
+    jobs: JobMetrics
+
+
+def take_snapshot(depot) -> Snapshot:
+    """Runs on the event loop's thread."""
+    transports = depot.transports.values()
+    return Snapshot(
+        version=depot.version,
+        instance=depot.instance,
+        eviction=depot.evictions.name,
+        totals=asdict(depot.totals),
+        namespaces=[
+            NamespaceView(ns.name, ns.scope, asdict(ns.counters), ns.ready_blocks, ns.used_slots)
+            for ns in depot.namespaces
+        ],
+        slot_bytes=depot.pool.slot_bytes,
+        num_slots=depot.pool.num_slots,
+        used_slots=depot.pool.used_slots,
+        pinned_slots=depot.index.pinned_slots,
+        sessions=len(depot.sessions),
+        sessions_ended=depot.sessions_ended,
+        jobs_in_flight=depot.jobs_in_flight,
+        open_ipc_mappings=sum(t.open_mappings for t in transports),
+        # NVML is asked here, on the loop: a call of about a millisecond per
+        # GPU, once per scrape, where the transports' device lists are stable.
+        gpus=[(g.index, g.uuid, g.daemon_memory_bytes) for t in transports for g in t.gpu_stats()],
+        jobs=depot.job_metrics.copy(),
+    )
+
+
+# Counters kept per namespace and for the whole daemon (stats.Counters):
+# field -> (metric name without kvdepot_ / kvdepot_namespace_, help).
+COUNTERS = {
+    "lookups": ("lookups_total", "Lookups answered or reported by engines."),
+    "stored_blocks": ("stored_blocks_total", "Blocks (one TP rank's shard each) stored by jobs that succeeded."),
+    "stored_bytes": ("stored_bytes_total", "Bytes stored by jobs that succeeded."),
+    "loaded_blocks": ("loaded_blocks_total", "Blocks (one TP rank's shard each) loaded by jobs that succeeded."),
+    "loaded_bytes": ("loaded_bytes_total", "Bytes loaded by jobs that succeeded."),
+    "evicted_blocks": ("evicted_blocks_total", "Blocks evicted to make room."),
+}
+LOOKUP_BLOCKS_HELP = "Blocks looked up, by result: hit (ready) or miss; their sum is the blocks queried."
+
+
+class DepotCollector(Collector):
+    """Builds the metric families from a snapshot of the depot, at each scrape."""
+
+    def __init__(self) -> None:
+        self._depot = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._failed_snapshots = 0
+
+    def attach(self, depot, loop: asyncio.AbstractEventLoop) -> None:
+        """From now on scrapes show `depot`, whose state lives on `loop`."""
+        self._depot, self._loop = depot, loop
+
+    def _snapshot(self) -> Snapshot | None:
+        depot, loop = self._depot, self._loop
+        if depot is None:
+            return None  # still starting (pinning the pool): process metrics only
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def take() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(take_snapshot(depot))
+                except BaseException as e:  # the scrape thread logs it
+                    future.set_exception(e)
+
+        try:
+            loop.call_soon_threadsafe(take)
+            return future.result(SNAPSHOT_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            log.warning("a metrics scrape got no answer from the event loop within %.0f s", SNAPSHOT_TIMEOUT_S)
+        except RuntimeError:
+            return None  # the loop has closed: the daemon is exiting
+        except Exception:
+            log.exception("taking the metrics snapshot failed")
+        self._failed_snapshots += 1
+        return None
+
+    def collect(self):
+        snap = self._snapshot()
+        failed = CounterMetricFamily(
+            "kvdepot_metrics_snapshot_failures_total",
+            "Scrapes that got no snapshot of the daemon's state (the event loop did not answer in time).",
+        )
+        failed.add_metric([], self._failed_snapshots)
+        yield failed
+        if snap is not None:
+            yield from _families(snap)
+
+
+def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help, value=value)
+
+
+def _families(s: Snapshot):
+    info = InfoMetricFamily("kvdepot", "The daemon: version, instance (changes at each start), eviction policy.")
+    info.add_metric([], {"version": s.version, "instance": s.instance, "eviction_policy": s.eviction})
+    yield info
+
+    yield from _counters("kvdepot_", "", [([], s.totals)])
+    scoped = [([ns.name, ns.scope], ns.counters) for ns in s.namespaces]
+    yield from _counters("kvdepot_namespace_", " Per namespace, while it lives.", scoped, ["namespace", "scope"])
+
+    failed = CounterMetricFamily(
+        "kvdepot_failed_jobs_total", "Jobs that failed, by kind and reason.", labels=["kind", "reason"]
+    )
+    for kind in KINDS:
+        for reason in FAILURE_REASONS:
+            failed.add_metric([kind, reason], s.jobs.failures.get((kind, reason), 0))
+    yield failed
+    ns_failed = CounterMetricFamily(
+        "kvdepot_namespace_failed_jobs_total", "Jobs that failed, per namespace.", labels=["namespace", "scope"]
+    )
+    for ns in s.namespaces:
+        ns_failed.add_metric([ns.name, ns.scope], ns.counters["failed_jobs"])
+    yield ns_failed
+
+    durations = HistogramMetricFamily(
+        "kvdepot_job_duration_seconds",
+        "Seconds from a job's submission to its completion, of jobs that succeeded, by kind.",
+        labels=["kind"],
+    )
+    for kind in KINDS:
+        counts, total = s.jobs.buckets[kind], 0
+        cumulative = []
+        for bound, count in zip([*map(str, DURATION_BUCKETS), "+Inf"], counts):
+            total += count
+            cumulative.append((bound, total))
+        durations.add_metric([kind], cumulative, s.jobs.seconds[kind])
+    yield durations
+
+    yield _gauge("kvdepot_pool_capacity_bytes", "Bytes of the pool (whole slots).", s.num_slots * s.slot_bytes)
+    yield _gauge("kvdepot_pool_used_bytes", "Bytes of the pool's slots in use.", s.used_slots * s.slot_bytes)
+    yield _gauge("kvdepot_pool_slots", "Slots of the pool.", s.num_slots)
+    yield _gauge("kvdepot_pinned_slots", "Slots held by jobs in flight (never evicted).", s.pinned_slots)
+    yield _gauge("kvdepot_sessions", "Client sessions attached now.", s.sessions)
+    ended = CounterMetricFamily("kvdepot_sessions_ended_total", "Client sessions that ended.")
+    ended.add_metric([], s.sessions_ended)
+    yield ended
+    yield _gauge("kvdepot_jobs_in_flight", "Stores and loads in flight.", s.jobs_in_flight)
+    yield _gauge("kvdepot_namespaces", "Namespaces the daemon holds now.", len(s.namespaces))
+    yield _gauge(
+        "kvdepot_open_ipc_mappings", "Workers' GPU allocations the daemon has opened (CUDA IPC).", s.open_ipc_mappings
+    )
+    gpu = GaugeMetricFamily(
+        "kvdepot_gpu_daemon_memory_bytes",
+        "GPU memory this daemon process holds, per GPU (NVML); absent where NVML cannot tell.",
+        labels=["gpu", "uuid"],
+    )
+    for index, uuid, nbytes in s.gpus:
+        if nbytes:
+            gpu.add_metric([str(index), uuid], nbytes)
+    yield gpu
+
+    ready = GaugeMetricFamily(
+        "kvdepot_namespace_ready_blocks", "Blocks of the namespace that lookups and loads see.",
+        labels=["namespace", "scope"],
+    )
+    used = GaugeMetricFamily(
+        "kvdepot_namespace_used_bytes", "Bytes of the pool's slots the namespace holds.", labels=["namespace", "scope"]
+    )
+    for ns in s.namespaces:
+        ready.add_metric([ns.name, ns.scope], ns.ready_blocks)
+        used.add_metric([ns.name, ns.scope], ns.used_slots * s.slot_bytes)
+    yield ready
+    yield used
+
+
+def _counters(prefix: str, scope_help: str, rows: list[tuple[list[str], dict]], labels: tuple = ()):
+    labels = list(labels)
+    for field_name, (name, help) in COUNTERS.items():
+        family = CounterMetricFamily(prefix + name, help + scope_help, labels=labels)
+        for values, counters in rows:
+            family.add_metric(values, counters[field_name])
+        yield family
+    blocks = CounterMetricFamily(prefix + "lookup_blocks_total", LOOKUP_BLOCKS_HELP + scope_help,
+                                 labels=[*labels, "result"])
+    for values, counters in rows:
+        blocks.add_metric([*values, "hit"], counters["hit_blocks"])
+        blocks.add_metric([*values, "miss"], counters["miss_blocks"])
+    yield blocks
+
+
+class MetricsServer:
+    """The HTTP listener of /metrics. It binds at start (so that a taken port
+    stops the daemon before it pins its pool) and shows the depot once attached."""
+
+    def __init__(self, listen: str):
+        address = parse_listen(listen)
+        self.collector = DepotCollector()
+        self.registry = CollectorRegistry()
+        self.registry.register(self.collector)
+        ProcessCollector(registry=self.registry)  # CPU, memory, open files, start time
+        self._server = None
+        self.address = ""
+        if address is None:
+            return
+        host, port = address
+        try:
+            self._server, _ = start_http_server(port, host, registry=self.registry)
+        except OSError as e:
+            raise MetricsListenError(
+                f"cannot serve metrics on {listen}: {e.strerror or e}; give --metrics-listen a free "
+                "HOST:PORT, or none to serve no metrics"
+            ) from None
+        bound_port = self._server.server_address[1]
+        shown_host = f"[{host}]" if ":" in host else host
+        self.address = f"http://{shown_host}:{bound_port}/metrics"
+
+    def attach(self, depot, loop: asyncio.AbstractEventLoop) -> None:
+        self.collector.attach(depot, loop)
+        if self.address:
+            log.info("serving Prometheus metrics at %s", self.address)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
