@@ -132,8 +132,7 @@ class WatchView:
             f"kvdepotd {stats.daemon_version} (instance {stats.daemon_instance}), up {stats.uptime_seconds:.0f} s, "
             f"{stats.eviction_policy}",
             f"pool      {byte_size(pool.num_slots * pool.slot_bytes)}, occupancy {100 * stats.occupancy:.1f}% "
-            f"({stats.used_slots} of {pool.num_slots} slots, {stats.pinned_slots} pinned by jobs, "
-            f"{stats.quarantined_slots} quarantined)",
+            f"({stats.used_slots} of {pool.num_slots} slots, {stats.pinned_slots} pinned by jobs)",
         ]
         if rates is None:
             lines.append("rates     (from the next refresh on)")

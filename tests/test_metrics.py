@@ -96,15 +96,13 @@ def test_metrics_count_exactly_what_happened(start_held_daemon, client_factory):
     other_worker = leaver.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim)
     daemon.hold(1000)
     leaver.submit_store(other_worker, 1000, prompt_keys(2, prompt=31), [0, 1])  # evicts 2 more
-    m = wait_until(lambda: (s := scrape(url)) if value(s, "kvdepot_pinned_slots") == 2 else None,
-                   what="the leaver's store in flight")
+    m = wait_until(lambda: scrape_when(url, "kvdepot_pinned_slots", 2), what="the leaver's store in flight")
     assert value(m, "kvdepot_pinned_slots") == 2 and value(m, "kvdepot_jobs_in_flight") == 1
     assert value(m, "kvdepot_sessions") == 2
     leaver.close()
     wait_until(lambda: sessions_ended(url, 1), what="the leaver's session to end")
     daemon.release(1000)
-    m = wait_until(lambda: (s := scrape(url)) if value(s, "kvdepot_jobs_in_flight") == 0 else None,
-                   what="the leaver's store to end")
+    m = wait_until(lambda: scrape_when(url, "kvdepot_jobs_in_flight", 0), what="the leaver's store to end")
     assert value(m, "kvdepot_failed_jobs_total", kind="store", reason="client_gone") == 1
     assert sum(v for (name, _), v in m.items() if name == "kvdepot_failed_jobs_total") == 1
     assert value(m, "kvdepot_namespace_failed_jobs_total", **ns) == 1
@@ -115,6 +113,12 @@ def test_metrics_count_exactly_what_happened(start_held_daemon, client_factory):
     assert value(m, "kvdepot_namespace_ready_blocks", **ns) == 6
     assert value(m, "kvdepot_namespace_used_bytes", **ns) == 6 * BLOCK_BYTES
     assert value(m, "kvdepot_pool_used_bytes") == 6 * BLOCK_BYTES
+
+
+def scrape_when(url: str, name: str, wanted: float) -> dict | None:
+    """A scrape in which `name` is `wanted`, or None."""
+    samples = scrape(url)
+    return samples if value(samples, name) == wanted else None
 
 
 def sessions_ended(url: str, count: int) -> dict | None:
