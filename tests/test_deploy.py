@@ -190,7 +190,7 @@ def test_daemon_accepts_what_the_manifests_pass(kustomization, tmp_path):
             args = cli_parser().parse_args(command[1:])
             assert (args.command, args.socket) == ("health", config.listen)
             assert args.timeout < container[probe]["timeoutSeconds"]
-        # Metrics: the port the daemon serves is the one named and annotated.
+        # Metrics: the port the daemon serves is the container port named "metrics".
         host, _, port = toml["metrics_listen"].rpartition(":")
         assert host and int(port) == 9400
         assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in container["ports"]
