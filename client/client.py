@@ -117,7 +117,9 @@ class KVDepotClient:
         return self._session.reconnects
 
     def close(self, timeout: float = 30.0) -> None:
-        """Ends the session; jobs still in flight fail."""
+        """Ends the session once its jobs in flight have ended, or after
+        `timeout` seconds: the daemon fails the jobs of a session that ends."""
+        self._jobs.wait_idle(timeout)
         self._session.closing.set()
         self._session.stop()
 

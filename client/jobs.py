@@ -77,6 +77,11 @@ class JobBook:
         self._results[job_id] = JobResult(job_id, ok, error, already, not_stored)
         self._changed.notify_all()
 
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Waits until no job is in flight; False if some still are after `timeout`."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._pending, timeout)
+
     def fail_all(self, error: str) -> None:
         with self._changed:
             pending = list(self._pending)

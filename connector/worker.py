@@ -35,6 +35,8 @@ log = logging.getLogger("kvdepot.connector")
 # Daemon job ids are the scheduler's job id times this, plus the group index.
 MAX_GROUPS = 16
 FLUSH_TIMEOUT_S = 60.0
+# How long a step waits for a job of workers in host memory it submitted.
+HOST_JOB_WAIT_S = 10.0
 
 
 @dataclass(eq=False)
@@ -148,6 +150,19 @@ class WorkerSide:
             state.pending.add(daemon_id)
         if not state.pending:
             self._job_done(state)
+        elif any(w.copier is not None for w in self.workers.values()):
+            self._await_host_job(state)
+
+    def _await_host_job(self, state: WorkerJob) -> None:
+        """Workers in host memory (CPU engines): the daemon copies a job in
+        about the time of a memcpy, so it is waited for here and reported in
+        this step, as when these workers copied themselves, instead of costing
+        the request a scheduler round trip."""
+        try:
+            results = self.client.wait(list(state.pending), timeout=HOST_JOB_WAIT_S)
+        except TimeoutError:
+            return  # reported by a later step, as a GPU engine's are
+        self._collect(results.values())
 
     def _flush(self, job_ids: set[int]) -> None:
         daemon_ids = [d for j in job_ids if j in self._inflight for d in self._inflight[j].pending]

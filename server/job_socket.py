@@ -136,6 +136,7 @@ class JobConnection(asyncio.Protocol):
         # identity), and the socket the descriptor is read from.
         self._offer: tuple | None = None
         self._offer_socket: socket.socket | None = None
+        self._offer_timer: asyncio.TimerHandle | None = None
 
     @property
     def open(self) -> bool:
@@ -329,19 +330,28 @@ class JobConnection(asyncio.Protocol):
         # descriptor, and the client sends it only once it reads staging_ready.
         self._transport.pause_reading()
         self._offer = (request_id, session_id, identity)
+        # The byte is read from a duplicate of the socket, polled from timers:
+        # watching the duplicate with the loop (add_reader) would leave an
+        # epoll registration behind for a descriptor that is then closed.
         sock = self._transport.get_extra_info("socket")
         self._offer_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(sock.fileno()))
         self._offer_socket.setblocking(False)
-        asyncio.get_running_loop().add_reader(self._offer_socket.fileno(), self._take_descriptor)
         self._transport.write(frame(pb.JobReply(request_id=request_id, staging_ready=pb.StagingReady())))
+        self._take_descriptor(_FIRST_POLL_S)
 
-    def _take_descriptor(self) -> None:
+    def _take_descriptor(self, delay: float) -> None:
+        self._offer_timer = None
+        if self._offer_socket is None:
+            return
         request_id, session_id, identity = self._offer
         try:
             data, ancillary, flags, _ = self._offer_socket.recvmsg(
                 1, socket.CMSG_SPACE(4 * _MAX_DESCRIPTORS), socket.MSG_CMSG_CLOEXEC
             )
         except (BlockingIOError, InterruptedError):
+            # Not there yet: the hello deadline ends the wait.
+            next_delay = min(delay * 2, _LAST_POLL_S)
+            self._offer_timer = asyncio.get_running_loop().call_later(delay, self._take_descriptor, next_delay)
             return
         except OSError as e:
             self._stop_offer()
@@ -369,8 +379,10 @@ class JobConnection(asyncio.Protocol):
             self._transport.close()
 
     def _stop_offer(self) -> None:
+        if self._offer_timer is not None:
+            self._offer_timer.cancel()
+            self._offer_timer = None
         if self._offer_socket is not None:
-            asyncio.get_running_loop().remove_reader(self._offer_socket.fileno())
             self._offer_socket.close()
             self._offer_socket = None
 
@@ -384,6 +396,10 @@ class JobConnection(asyncio.Protocol):
 # Read with room for this many descriptors, so that a client that sends more
 # is refused (and every one of them closed) rather than truncated unseen.
 _MAX_DESCRIPTORS = 4
+# The descriptor's byte follows staging_ready by a round trip: polled at this
+# interval at first, doubling up to the last.
+_FIRST_POLL_S = 0.0005
+_LAST_POLL_S = 0.05
 
 
 def _descriptors(ancillary) -> list[int]:
