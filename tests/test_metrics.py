@@ -99,7 +99,7 @@ def test_metrics_count_exactly_what_happened(start_held_daemon, client_factory):
     m = wait_until(lambda: scrape_when(url, "kvdepot_pinned_slots", 2), what="the leaver's store in flight")
     assert value(m, "kvdepot_pinned_slots") == 2 and value(m, "kvdepot_jobs_in_flight") == 1
     assert value(m, "kvdepot_sessions") == 2
-    leaver.close()
+    leaver.close(timeout=0)  # its store is held in flight: end the session now
     wait_until(lambda: sessions_ended(url, 1), what="the leaver's session to end")
     daemon.release(1000)
     m = wait_until(lambda: scrape_when(url, "kvdepot_jobs_in_flight", 0), what="the leaver's store to end")
