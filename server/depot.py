@@ -45,7 +45,6 @@ from kvdepot.server.shares import ScopedEviction
 from kvdepot.server.stats import BusyClock, Counters, clear_response, stats_response
 from kvdepot.server.tenants import Identity
 from kvdepot.server.transports.base import Transport
-from kvdepot.server.transports.shared_memory import Staging
 
 log = logging.getLogger("kvdepot.depot")
 
@@ -231,7 +230,7 @@ class Depot:
         except BaseException:
             os.close(fd)
             raise
-        staging = Staging(fd, self.limits.max_shm_worker_bytes)
+        staging = self.transports["shared_memory"].take_memory(fd, self.limits.max_shm_worker_bytes)
         staging_id = self._new_id()
         session.staging[staging_id] = staging
         return staging_id

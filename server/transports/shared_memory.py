@@ -103,6 +103,12 @@ class SharedMemoryTransport(Transport):
         # worker id -> its Staging, while registered.
         self._staging: dict[int, Staging] = {}
 
+    @staticmethod
+    def take_memory(fd: int, max_bytes: int) -> Staging:
+        """A worker's staging memory from its descriptor (closed here whatever
+        happens), checked and mapped; InvalidArgument when it is unfit."""
+        return Staging(fd, max_bytes)
+
     def open_worker(self, worker, request) -> None:
         for position, handle in enumerate(request.handles):
             if handle.WhichOneof("transport") != self.handle_kind:
