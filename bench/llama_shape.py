@@ -216,13 +216,14 @@ def paged_to_contiguous(kv_cache: list[torch.Tensor], slot_mapping: torch.Tensor
     return ks, vs
 
 
-def selfcheck(device, dtype=torch.bfloat16, prompt: int = 40) -> float:
+def selfcheck(device, dtype=torch.bfloat16, prompt: int = 40, strict: bool = True) -> float:
     """The tiny model's prefill and decode agree: two prompts of `prompt` tokens
     are prefilled into a paged cache (scattered blocks, a partial last block),
     their K/V gathered per request, and one decode step of both at once must
     give the logits that a prefill of the prompt plus that token gives. Checks
     the RoPE positions, the GQA head mapping and the cache layout of both paths.
-    Returns the smallest cosine similarity; raises below 0.999."""
+    Returns the smallest cosine similarity; raises below 0.999 if `strict`
+    (a wrong position or head mapping gives 0.99 or less; bf16 on a CPU 1.0)."""
     device = torch.device(device)
     model = LlamaShape(TINY, device, dtype, seed=1)
     s = TINY
@@ -247,6 +248,6 @@ def selfcheck(device, dtype=torch.bfloat16, prompt: int = 40) -> float:
     v_cache = [torch.cat([v[layer] for v in vs]) for layer in range(s.layers)]
     got = model.decode(torch.stack([t[prompt] for t in prompts]), prompt, k_cache, v_cache).float()
     worst = min(F.cosine_similarity(got[i], expected[i], dim=0).item() for i in range(len(prompts)))
-    if not worst > 0.999:
+    if strict and not worst > 0.999:
         raise AssertionError(f"prefill and decode disagree: cosine similarity {worst:.5f}")
     return worst

@@ -232,8 +232,11 @@ def run(args) -> dict:
     daemon, socket, log_path = start_daemon(folder, args, shape, args.tiny)
     loader_proc = None
     try:
-        cosine = selfcheck(device)
-        print(f"self-check (tiny model, prefill against decode): cosine {cosine:.5f}", flush=True)
+        # Strict on the CPU, where it is exact; on the GPU other kernels round otherwise, and
+        # the one run there should still give its timings.
+        cosine = selfcheck(device, strict=device.type == "cpu")
+        print(f"self-check (tiny model, prefill against decode): cosine {cosine:.5f}"
+              f"{'' if cosine > 0.999 else ' WARNING: below 0.999, the model code may be wrong'}", flush=True)
         model = LlamaShape(shape, device, torch.bfloat16, mlp_chunk=args.mlp_chunk)
         cache = make_cache(shape, num_blocks, device)
         print(f"model {model.param_bytes() / 1e9:.2f} GB, paged KV cache {num_blocks} blocks "
@@ -256,8 +259,10 @@ def run(args) -> dict:
             tokens = torch.randint(0, shape.vocab, (n,), generator=generator).to(device)
             slots = torch.arange(n, device=device)  # blocks 0.. in order, as in a fresh engine
 
+            out = {}
+
             def prefill():
-                model.prefill(tokens, cache, slots)
+                out["logits"] = model.prefill(tokens, cache, slots)
                 sync(device)
 
             prefill()  # warm-up: kernels' first launches, the allocator's growth
@@ -285,12 +290,14 @@ def run(args) -> dict:
                        prefill_runs_ms=[1e3 * t for t in prefill_times], store_ms=1e3 * store_s,
                        load_ms=1e3 * statistics.median(loaded["times"]),
                        load_runs_ms=[1e3 * t for t in loaded["times"]],
+                       logits_finite=bool(torch.isfinite(out["logits"]).all()),
                        ready_blocks=loaded["ready_blocks"], bit_exact=all(loaded["exact"]),
                        loads_checked=len(loaded["exact"]))
             rows.append(row)
             print(f"{n:>6} tokens: prefill {row['prefill_ms']:.1f} ms, store {row['store_ms']:.1f} ms, "
                   f"load {row['load_ms']:.2f} ms, bit-exact {row['bit_exact']} "
-                  f"({row['loads_checked']} loads checked), ready in lookup {row['ready_blocks']}/{blocks}",
+                  f"({row['loads_checked']} loads checked), ready in lookup {row['ready_blocks']}/{blocks}, "
+                  f"logits finite {row['logits_finite']}",
                   flush=True)
 
         client.close()
@@ -319,7 +326,7 @@ def run(args) -> dict:
         row["achieved_over_ceiling"] = row["achieved_ratio"] / row["ceiling_ratio"]
     return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (--tiny)",
                 torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                model="tiny" if args.tiny else "llama-3.1-8b shape", peak_h2d_gbps=peak, peak_h2d_runs_gbps=peaks,
+                model="tiny" if args.tiny else "llama-3.1-8b shape", selfcheck_cosine=cosine, peak_h2d_gbps=peak, peak_h2d_runs_gbps=peaks,
                 copy_mode=os.environ.get("KVDEPOT_COPY_MODE", "dma"), rows=rows)
 
 
