@@ -28,6 +28,7 @@ import logging
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+from kvdepot import jobtrace
 from kvdepot.client.jobs import JobBook, JobResult
 from kvdepot.client.key_copy import EngineCopies, EngineHandle
 from kvdepot.client.rpc import Tls
@@ -229,6 +230,8 @@ class KVDepotClient:
         return job_id
 
     def _submit(self, kind: str, worker: WorkerHandle, job_id: int, keys, block_ids) -> None:
+        if jobtrace.ON and self._session.connection is not None:
+            jobtrace.client_stamp(self._session.connection.session_id, job_id, "submit")
         block_ids = [int(b) for b in block_ids]
         copier = worker.copier
         on_end = _staging_end(kind, copier, block_ids) if copier is not None else None
@@ -251,6 +254,8 @@ class KVDepotClient:
                 return
         request = pb.SubmitStoreRequest(**fields) if kind == "store" else pb.SubmitLoadRequest(**fields)
         connection.jobs.submit(kind, job_id, request)
+        if jobtrace.ON:
+            jobtrace.client_stamp(connection.session_id, job_id, "sent")
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, JobResult]:
         """Waits for the jobs to finish and hands over their results."""

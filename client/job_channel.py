@@ -20,6 +20,7 @@ from typing import Callable
 
 import grpc
 
+from kvdepot import jobtrace
 from kvdepot.client.jobs import JobBook
 from kvdepot.client.job_socket import JobSocket, JobSocketRefused, hand_over
 from kvdepot.client.rpc import typed_error, unary
@@ -197,6 +198,8 @@ class SocketJobChannel(JobChannel):
                 unanswered = self._unanswered.pop(reply.request_id, None)
         if kind == "job_done":
             done = reply.job_done
+            if jobtrace.ON:
+                jobtrace.client_stamp(self._session_id, done.job_id, "done_read")
             self._book.finish(done.job_id, done.ok, done.error)
         elif unanswered is None:
             return  # its session is gone, and the job failed with it

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvdepot import jobtrace
 from kvdepot.defaults import JOB_FRAME_HEADER, MAX_HELLO_FRAME_BYTES, MAX_JOB_FRAME_BYTES
 from kvdepot.errors import (
     FailedPrecondition,
@@ -200,6 +201,7 @@ class JobConnection(asyncio.Protocol):
             end = start + JOB_FRAME_HEADER.size + length
             if len(buffer) < end:
                 break
+            received = jobtrace.now() if jobtrace.ON else 0
             request = pb.JobFrame()
             try:
                 request.ParseFromString(bytes(buffer[start + JOB_FRAME_HEADER.size : end]))
@@ -207,7 +209,7 @@ class JobConnection(asyncio.Protocol):
                 self._drop("undecodable", "a frame that is not a JobFrame")
                 return
             start = end
-            self._handle(request)
+            self._handle(request, received)
         del buffer[:start]
 
     def send_done(self, done: pb.JobDone) -> None:
@@ -259,13 +261,14 @@ class JobConnection(asyncio.Protocol):
         refused = pb.JobRefused(code=code, message=str(error))
         return frame(pb.JobReply(request_id=request_id, refused=refused))
 
-    def _handle(self, request: pb.JobFrame) -> None:
+    def _handle(self, request: pb.JobFrame, received: int = 0) -> None:
         kind = request.WhichOneof("kind")
         if self.session is None:
             self._bind(request, kind)
             return
         self._held_dones = []
         try:
+            self._depot.frame_received_ns = received
             self._write(self._answer(request, kind))
             for message in self._held_dones:
                 if self.open:

@@ -48,6 +48,8 @@ class Job:
     transport_state: object = None
     # time.monotonic() when the depot took the job.
     submitted: float = 0.0
+    # {stage: ns} when jobs are traced (kvdepot.jobtrace), else None.
+    trace: dict | None = None
 
 
 @dataclass(eq=False)
