@@ -98,6 +98,46 @@ def close_ipc_mem_handle(ptr: int, device: int) -> None:
         _check(_cudart().cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
 
 
+_LIMIT_STACK_SIZE = 0  # cudaLimitStackSize
+
+
+def current_raw_stream(device: int) -> int:
+    """The current stream of `device` as a CUDA handle, without making a
+    torch.cuda.Stream (several microseconds; this is on every store's path)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_ops():
+    lib = _libcuda()
+    write = getattr(lib, "cuStreamWriteValue64_v2", None) or lib.cuStreamWriteValue64
+    write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    record = _cudart().cudaEventRecord
+    record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return write, record
+
+
+def write_value64(stream: int, address: int, value: int) -> bool:
+    """Enqueues a write of `value` to the GPU address on `stream`, after the
+    stream's earlier work (a memory fence first); False where the GPU or driver
+    has no stream memory operations."""
+    return _stream_ops()[0](stream, address, value, 0) == 0
+
+
+def record_event(event: torch.cuda.Event, stream: int) -> None:
+    """cudaEventRecord of an event torch has created (recorded once already)."""
+    _check(_stream_ops()[1](event.cuda_event, stream), "cudaEventRecord")
+
+
+def set_stack_limit(device: int, nbytes: int) -> None:
+    """Sets the stack each GPU thread of this process reserves on `device`. The
+    context reserves it for every thread the GPU can run at once, so it is most
+    of a context's memory (1 KiB, the default, is 264 MiB on an H100); the
+    driver raises it again for any kernel that needs more."""
+    with torch.cuda.device(device):
+        _check(_cudart().cudaDeviceSetLimit(_LIMIT_STACK_SIZE, ctypes.c_size_t(nbytes)), "cudaDeviceSetLimit")
+
+
 def device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 

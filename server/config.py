@@ -181,7 +181,7 @@ OPTIONS = [
     ),
     Option(
         "staging_bytes",
-        "256MiB",
+        "128MiB",
         "Size of each of the four GPU staging buffers of the dma mode (two per direction). "
         "Smaller buffers leave the engine more GPU memory and lower the rate of stores and "
         "loads running together.",

@@ -22,6 +22,7 @@ import os
 import secrets
 import time
 
+from kvdepot import jobtrace
 from kvdepot.defaults import KEY_BYTES, PROTOCOL_VERSION
 from kvdepot.errors import (
     AlreadyExists,
@@ -76,6 +77,8 @@ class Depot:
         # By the TensorHandle kind their workers register with.
         self.transports: dict[str, Transport] = {}
         self.draining = False
+        # When the job socket read the frame being handled (jobtrace only).
+        self.frame_received_ns = 0
         self._jobs_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -308,6 +311,8 @@ class Depot:
         return session, worker, keys, list(request.block_ids), state
 
     def _begin(self, job: Job) -> None:
+        if jobtrace.ON:
+            job.trace = {"received": self.frame_received_ns, "begin": jobtrace.now()}
         job.submitted = time.monotonic()
         job.session.jobs[job.id] = job
         (self.store_clock if job.kind == "store" else self.load_clock).start()
@@ -362,6 +367,14 @@ class Depot:
         session, worker = job.session, job.worker
         if session.jobs.pop(job.id, None) is None:
             return
+        if job.trace is not None:
+            job.trace["finish"] = jobtrace.now()
+        # The client is told first, since it waits on this: nothing it sends next
+        # is handled before the bookkeeping below has run (one event loop).
+        if not session.ended:
+            session.outbox.job_done(job.id, ok, error)
+        if job.trace is not None:
+            job.trace["done_sent"] = jobtrace.now()
         if len(session.recent_job_ids) == RECENT_JOB_IDS:
             session.recent_job_id_set.discard(session.recent_job_ids[0])
         session.recent_job_ids.append(job.id)
@@ -386,9 +399,10 @@ class Depot:
         self._jobs_in_flight -= 1
         if self._jobs_in_flight == 0:
             self._idle.set()
-        if not session.ended:
-            session.outbox.job_done(job.id, ok, error)
         self.changes.send()
+        if job.trace is not None:
+            job.trace["committed"] = jobtrace.now()
+            jobtrace.write_job(session.id, job.id, job.kind, len(job.blocks), job.trace)
 
     # ------------------------------------------------------------ life cycle
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvdepot import cuda
 from kvdepot.layout import WorkerLayout
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +42,14 @@ def staging_programs(device: int) -> int:
 ALIGNMENT = 16
 
 
-@triton.jit
+# Integer arguments that vary from job to job (and the slices of block ids and
+# slots a chunk takes) are not specialised on: every job of one direction then
+# runs the one compiled kernel, which `launch` calls without Triton's per-call
+# argument binding (tens of microseconds a launch, on the path of every job).
+_VARYING = ["block_ids", "slots", "pool_base", "slot_bytes", "pages_per_block", "chunks_per_page", "work_items"]
+
+
+@triton.jit(do_not_specialize=_VARYING[2:], do_not_specialize_on_alignment=_VARYING[:2])
 def _copy_pages(
     block_ids,  # int64[n]: the worker's block of the job's i-th block
     slots,  # int64[n]: the pool slot of the job's i-th block
@@ -152,19 +160,18 @@ def launch(
     work = block_ids.numel() * table.pages_per_block * chunks
     if work >= 2**31 - 2**20:  # the kernel's loop counter is 32-bit
         raise ValueError(f"a job of {work} page chunks is too large for one launch; split it")
-    _copy_pages[(min(work, programs),)](
-        block_ids,
-        slots,
-        table.page_gpu,
-        table.page_stride,
-        table.page_slot_offset,
-        table.page_bytes,
-        pool_base,
-        slot_bytes,
-        table.pages_per_block,
-        chunks,
-        work,
-        TO_HOST=to_host,
-        CHUNK=chunk_bytes,
-        num_warps=4,
-    )
+    args = (block_ids, slots, table.page_gpu, table.page_stride, table.page_slot_offset, table.page_bytes,
+            pool_base, slot_bytes, table.pages_per_block, chunks, work)
+    grid = (min(work, programs), 1, 1)
+    # What decides the compiled kernel: Triton types an int by its range, and
+    # specialises the page table's pointers (allocated, so always aligned).
+    key = (block_ids.device.index, to_host, chunk_bytes, pool_base >= 2**31, slot_bytes >= 2**31)
+    kernel = _compiled.get(key)
+    if kernel is None:
+        _compiled[key] = _copy_pages[grid](*args, TO_HOST=to_host, CHUNK=chunk_bytes, num_warps=4)
+    else:
+        kernel[grid](*args, to_host, chunk_bytes, stream=cuda.current_raw_stream(block_ids.device.index))
+
+
+# (device, direction, chunk, int ranges) -> the compiled kernel, after its first launch.
+_compiled: dict = {}

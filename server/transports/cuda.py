@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvdepot import cuda
+from kvdepot import cuda, jobtrace
 from kvdepot.errors import FailedPrecondition, InvalidArgument
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.transports import copy_kernel, gpu_memory
 from kvdepot.server.transports.base import Finish, Transport
-from kvdepot.server.transports.cuda_streams import ComputeGate, CopyStream, completed
+from kvdepot.server.transports.cuda_streams import ComputeGate, CopyStream, completed, staging_chunks
 
 log = logging.getLogger("kvdepot.cuda")
 
@@ -40,6 +40,8 @@ class _Device:
     index: int
     store: CopyStream
     load: CopyStream
+    # The event loop thread's stream outside a job's enqueue (torch's default).
+    default_stream: torch.cuda.Stream
 
 
 @dataclass
@@ -103,7 +105,7 @@ class CudaTransport(Transport):
         pool,
         *,
         mode: str = "dma",
-        staging_bytes: int = 256 << 20,
+        staging_bytes: int = 128 << 20,
         spin_bytes: int = 64 << 20,
         chunk_bytes: int = 16384,
         programs: int = 0,
@@ -163,11 +165,15 @@ class CudaTransport(Transport):
         if device is None:
             slot = self._pool.slot_bytes
             shape = (max(1, self._staging_bytes // slot), slot) if self._mode == "dma" else None
+            # The daemon's kernels (copies) need no stack: the GPU memory that a
+            # context reserves for it is left to the engines.
+            cuda.set_stack_limit(index, 0)
             with torch.cuda.device(index):
                 device = _Device(
                     index,
                     CopyStream(index, "store", self._loop, self._finished, shape),
                     CopyStream(index, "load", self._loop, self._finished, shape),
+                    torch.cuda.default_stream(index),
                 )
             self._devices[index] = device
         return device
@@ -317,6 +323,8 @@ class CudaTransport(Transport):
         self._finished(job, False, reason)
 
     def _launch(self, job) -> None:
+        if job.trace is not None:
+            job.trace["launch"] = jobtrace.now()
         copies = job.transport_state.copies
         if job.session.ended:
             self._fail(job, "the client went away before its compute finished")
@@ -339,7 +347,6 @@ class CudaTransport(Transport):
         # Explicit set_stream rather than stream contexts: this runs once a job on
         # the event loop's thread, and every microsecond here delays the copy.
         with torch.cuda.device(index):
-            caller_stream = torch.cuda.current_stream()
             try:
                 torch.cuda.set_stream(stream.stream)
                 if stream.kernels is None:
@@ -354,7 +361,7 @@ class CudaTransport(Transport):
                     keep_alive = (block_ids, slots)
                     ends_on = stream.stream
                 else:
-                    keep_alive = self._copy_via_staging(copies, stream, job.block_ids, job.slots, to_host)
+                    keep_alive = self._copy_via_staging(copies, stream, job.block_ids, job.slots, to_host, job.trace)
                     # A store ends with its last transfer, a load with its last scatter.
                     ends_on = stream.stream if to_host else stream.kernels
                     torch.cuda.set_stream(stream.stream)
@@ -371,11 +378,13 @@ class CudaTransport(Transport):
                 done = torch.cuda.Event(blocking=not spin)
                 done.record(ends_on)
             finally:
-                torch.cuda.set_stream(caller_stream)
+                torch.cuda.set_stream(copies.device.default_stream)
+        if job.trace is not None:
+            job.trace["queued"] = jobtrace.now()
         # The index tensors must live until the kernel has read them.
         stream.track(done, job, keep_alive, fence)
 
-    def _copy_via_staging(self, copies, stream: CopyStream, block_ids, slots, to_host: bool):
+    def _copy_via_staging(self, copies, stream: CopyStream, block_ids, slots, to_host: bool, trace=None):
         """Pages to or from a ring of staging buffers by kernel, on the direction's
         kernel stream; buffer rows to or from pool slots by the copy engines, one
         transfer per run of consecutive slots. Chunk by chunk, each side waits
@@ -387,8 +396,7 @@ class CudaTransport(Transport):
         # All the job's block ids in one upload, on the stream of the kernels that read them.
         torch.cuda.set_stream(stream.kernels)
         ids = torch.tensor(block_ids, dtype=torch.int64, pin_memory=True).to(stream.kernels.device, non_blocking=True)
-        for first in range(0, len(block_ids), rows):
-            count = min(rows, len(block_ids) - first)
+        for first, count in staging_chunks(len(block_ids), rows, not to_host and stream.idle):
             b = stream.next_buffer
             stream.next_buffer = (b + 1) % len(stream.buffers)
             buffer, filled, drained = stream.buffers[b], stream.filled[b], stream.drained[b]
@@ -418,6 +426,8 @@ class CudaTransport(Transport):
                                    buffer.data_ptr(), buffer.shape[1], False, self._chunk_bytes, programs)
                 drained.record(stream.kernels)
             stream.used[b] = True
+            if trace is not None and "first_chunk" not in trace:
+                trace["first_chunk"] = jobtrace.now()
         return ids
 
     def _finished(self, job, ok: bool, error: str) -> None:

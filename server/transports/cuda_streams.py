@@ -14,10 +14,40 @@ import threading
 
 import torch
 
+from kvdepot import jobtrace
+
 # Staging buffers per direction and GPU: two let the copy engine move one chunk
 # while the kernel fills (or drains) the other; a third gained nothing
 # (docs/benchmarks.md).
 STAGING_BUFFERS = 2
+
+
+# A load alone ends with a last chunk of this share of a full one: the kernel
+# scatters the rest while the copy engine moves it, so all that is left after
+# the bus is the scatter of a small chunk. A scatter runs about 14 times as fast
+# as PCIe, so an eighth keeps the kernel ahead. (A store's small first chunk
+# would let the copy engine start sooner, but only after a second kernel launch
+# on the CPU, which takes longer than the gather it would hide.)
+TAIL_CHUNK_SHARE = 8
+
+
+def staging_chunks(blocks: int, rows: int, small_tail: bool) -> list[tuple[int, int]]:
+    """(first, count) of a job's staging chunks of up to `rows` blocks. Behind
+    other jobs a load's scatter overlaps the next job's copies anyway, so only
+    a load alone (small_tail) gets a small last chunk."""
+    tail = max(1, min(blocks, rows) // TAIL_CHUNK_SHARE) if small_tail and blocks > 1 else 0
+    sizes = []
+    left = blocks - tail
+    while left:
+        sizes.append(min(rows, left))
+        left -= sizes[-1]
+    if tail:
+        sizes.append(tail)
+    chunks, first = [], 0
+    for size in sizes:
+        chunks.append((first, size))
+        first += size
+    return chunks
 
 
 class CopyStream:
@@ -87,6 +117,8 @@ class CopyStream:
             event, job, _, fence = item
             try:
                 event.synchronize()
+                if job.trace is not None:
+                    job.trace["gpu_done"] = jobtrace.now()
                 ok, error = True, ""
                 if fence is not None and int(fence[0][0]) < fence[1]:
                     # The event fired but the worker never wrote its fence: it died
