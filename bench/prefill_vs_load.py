@@ -363,7 +363,7 @@ def plot(path: str, out: str) -> None:
     left.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="ms", title="Time to a prompt's KV cache")
     right.plot(tokens, [r["ceiling_ratio"] for r in rows], ":", color="gray", label="ceiling: prefill / (bytes / peak)")
     right.plot(tokens, [r["achieved_ratio"] for r in rows], "s-", label="achieved: prefill / load")
-    right.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="times faster than prefill", title="Load against prefill")
+    right.set(xscale="log", ylim=(0, None), xlabel="prompt tokens", ylabel="times faster than prefill", title="Load against prefill")
     for ax in (left, right):
         ax.set_xticks(tokens, [f"{t // 1024}k" if t >= 1024 else str(t) for t in tokens])
         ax.minorticks_off()

@@ -393,9 +393,7 @@ class CudaTransport(Transport):
         rows = stream.rows
         programs = self._programs or copy_kernel.staging_programs(copies.device.index)
         per_registration = self._pool.registration_bytes // self._pool.slot_bytes
-        # All the job's block ids in one upload, on the stream of the kernels that read them.
-        torch.cuda.set_stream(stream.kernels)
-        ids = torch.tensor(block_ids, dtype=torch.int64, pin_memory=True).to(stream.kernels.device, non_blocking=True)
+        ids = None
         for first, count in staging_chunks(len(block_ids), rows, not to_host and stream.idle):
             b = stream.next_buffer
             stream.next_buffer = (b + 1) % len(stream.buffers)
@@ -403,6 +401,8 @@ class CudaTransport(Transport):
             runs = _runs(slots[first : first + count], per_registration)
             if to_host:
                 torch.cuda.set_stream(stream.kernels)
+                if ids is None:
+                    ids = self._upload_ids(block_ids, stream)
                 if stream.used[b]:
                     stream.kernels.wait_event(drained)
                 copy_kernel.launch(copies.table, ids[first : first + count], stream.positions[:count],
@@ -421,6 +421,10 @@ class CudaTransport(Transport):
                     buffer[row : row + n].copy_(self._pool_rows[slot : slot + n], non_blocking=True)
                 filled.record(stream.stream)
                 torch.cuda.set_stream(stream.kernels)
+                if ids is None:
+                    # Only now: the load's first transfer is queued already, and
+                    # the copy engine does not wait for the upload.
+                    ids = self._upload_ids(block_ids, stream)
                 stream.kernels.wait_event(filled)
                 copy_kernel.launch(copies.table, ids[first : first + count], stream.positions[:count],
                                    buffer.data_ptr(), buffer.shape[1], False, self._chunk_bytes, programs)
@@ -429,6 +433,11 @@ class CudaTransport(Transport):
             if trace is not None and "first_chunk" not in trace:
                 trace["first_chunk"] = jobtrace.now()
         return ids
+
+    @staticmethod
+    def _upload_ids(block_ids, stream: CopyStream) -> torch.Tensor:
+        """All the job's block ids in one upload, on the kernel stream (current)."""
+        return torch.tensor(block_ids, dtype=torch.int64, pin_memory=True).to(stream.kernels.device, non_blocking=True)
 
     def _finished(self, job, ok: bool, error: str) -> None:
         copies = job.transport_state.copies
