@@ -194,11 +194,23 @@ def _tiny_corpus() -> list[str]:
     return lines
 
 
-def make_tiny_model(path: str | os.PathLike = DEFAULT_MODEL_DIR, seed: int = 0) -> str:
+def make_tiny_model(
+    path: str | os.PathLike = DEFAULT_MODEL_DIR,
+    seed: int = 0,
+    *,
+    hidden_size: int = 256,
+    intermediate_size: int = 512,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 2048,
+) -> str:
     """Create a tiny random-weight Llama model directory vLLM can load offline.
 
-    2 layers, hidden 256, 4 heads (head_dim 64), 2 KV heads, vocab 512,
-    float32 weights, plus a byte-level BPE tokenizer trained in memory.
+    By default 2 layers, hidden 256, 4 heads (head_dim 64), 2 KV heads, vocab 512,
+    float32 weights, plus a byte-level BPE tokenizer trained in memory. The shape
+    arguments make larger ones (bench/serving_ttft.py); give each shape a path of its
+    own, since a finished model at ``path`` is returned as it is.
     ``LLM(model=make_tiny_model(), dtype="float32", ...)`` works on this box;
     with the default dtype ("auto" -> bfloat16 on CPU) the worker dies with
     SIGILL at the first forward.
@@ -233,17 +245,17 @@ def make_tiny_model(path: str | os.PathLike = DEFAULT_MODEL_DIR, seed: int = 0) 
         torch.manual_seed(seed)  # another seed: the same shape with other weights
         config = LlamaConfig(
             vocab_size=len(fast),  # == tokenizer size, so every id decodes
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
             bos_token_id=fast.bos_token_id,
             eos_token_id=fast.eos_token_id,
             tie_word_embeddings=False,
         )
-        # float32 weights (~3 MB).  NB: the CPU platform still resolves
+        # float32 weights (~3 MB at the default shape).  NB: the CPU platform still resolves
         # dtype="auto" to bfloat16, whose kernels die with SIGILL on this box;
         # LLM() users must pass dtype="float32".
         model = LlamaForCausalLM(config).to(torch.float32)

@@ -1,0 +1,692 @@
+"""Time to first token in real vLLM serving (CPU build): without kvdepot, with it, and after an engine restart.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/serving_ttft.py [--quick] [--conversations 12] [--turns 8]
+        [--system-prompts 4] [--questions 32] [--concurrency 1] [--threads N] [--json PATH] [--plots DIR]
+    .venv/bin/python bench/serving_ttft.py --from-json PATH [--plots DIR]   # tables and plots again
+
+(`pip install -e ".[bench]"` for matplotlib, which draws the plots.)
+
+Runs vLLM's `LLM` engine (CPU build, in-process, enforce_eager, float32) on a random-weight Llama
+made offline (`vllm_harness.make_tiny_model` with a larger shape: by default hidden 1024, 4 layers,
+16 heads, 4 KV heads, intermediate 2816, vocab 512), greedy, with vLLM's own prefix caching on, in
+three engine processes one after the other, all against one real `kvdepotd`:
+
+  plain:    no connector
+  kvdepot:  KVDepotConnector to the daemon (its defaults: eager stores, decode blocks too), which
+            starts empty
+  restart:  a fresh engine process with KVDepotConnector against the same daemon, still holding
+            what the previous engine stored; it replays the same requests
+
+Each process serves these workloads, one after the other:
+
+  chat:          `--conversations` conversations of `--turns` turns. A turn's prompt is the
+                 conversation's history (every earlier prompt and the model's answer to it) and a
+                 new user message; turns are interleaved across conversations (turn 0 of every
+                 conversation, then turn 1 ...), so a conversation comes back after every other
+                 one has had a turn.
+  system-prompt: `--questions` short questions, each after one of `--system-prompts` long system
+                 prompts, taken in turn (so each system prompt comes back after the others).
+  return:        each conversation comes back once more, its whole history and a new message;
+                 served by plain vLLM and after the restart only (the first kvdepot engine must not
+                 store the new messages): users returning to an engine that was restarted.
+
+The restart engine replays the chat and system-prompt requests exactly, so their new user messages
+and questions are in the daemon too: for those two workloads it shows what a fresh engine gets
+back from the daemon, a best case. `return` is the fair after-restart figure: history from the
+daemon, the new message computed.
+
+vLLM's own KV cache is sized (num_gpu_blocks_override) to hold the blocks of about
+`--concurrency` + 0.5 of the longest requests, so neither a conversation's history nor a system
+prompt is still in it when it comes back: that is the regime kvdepot is for, a working set larger
+than the engine's cache. The daemon's pool holds the whole working set.
+
+Time to first token (TTFT) of a request is measured in the benchmark's process, which is also the
+engine's (VLLM_ENABLE_V1_MULTIPROCESSING=0): from just before `LLMEngine.add_request()` to the
+return of the `LLMEngine.step()` whose output first carries a generated token. It includes
+scheduling, the connector's lookup and load, the prefill and sampling; not HTTP or detokenising a
+stream. vLLM's own `first_token_latency` of the request (its metrics, from arrival) is kept beside
+it in the JSON. Requests are added one at a time up to `--concurrency` in flight (a closed loop:
+a conversation's next turn is sent only once its previous answer is complete).
+
+Fair threads: every engine process runs with OMP_NUM_THREADS=`--threads` (default: all cores but
+one), and the benchmark checks that all three used the same number of torch threads. In the
+multiprocess engine vLLM's CPU build binds threads itself and gives an engine with a
+kv_transfer_config another thread count than one without, unless VLLM_CPU_NUM_OF_RESERVED_CPU
+matches them; in this in-process engine (executor "uni") that binding does not run and torch takes every core. With
+every core, the engine's OpenMP threads (which spin between kernels) starve the daemon, whose
+copies the engine's steps wait for: on 2 cores that made the kvdepot configuration slower than plain
+vLLM. One core free for the daemon is what a GPU server has; in the plain configuration it idles.
+
+Outputs must be the same token ids in all three configurations, request by request; the benchmark
+exits with an error naming the first request that differs. It prints markdown tables (TTFT p50 /
+p90 per turn and overall, throughput, vLLM's prefix-cache and connector hit rates, the daemon's
+hit rate), writes the JSON (`--json`) and the plots `serving_ttft_chat.png` and
+`serving_ttft_system_prompt.png` (`--plots`, default docs/).
+
+`--quick`: the tests' tiny model shape (hidden 256, 2 layers), 3 conversations of 3 turns, 2
+system prompts and 6 questions, shorter texts; about 1.5 minutes. Its vLLM cache holds much of
+that small working set, so it is a smoke test, not a measurement. The default run takes about 9
+minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
+
+BLOCK_SIZE = 32  # vLLM 0.32's CPU attention backend needs a multiple of 32
+CONFIGS = ("plain", "kvdepot", "restart")
+WORKLOADS = ("chat", "system_prompt", "return")
+LABELS = {"plain": "vLLM alone", "kvdepot": "vLLM + kvdepot", "restart": "vLLM + kvdepot, after an engine restart"}
+COLORS = {"plain": "tab:gray", "kvdepot": "tab:blue", "restart": "tab:orange"}
+# vLLM's Prometheus counters (tokens) read around each workload.
+VLLM_COUNTERS = (
+    "prefix_cache_queries", "prefix_cache_hits", "external_prefix_cache_queries", "external_prefix_cache_hits",
+    "prompt_tokens", "generation_tokens",
+)  # fmt: skip
+
+FULL = dict(hidden=1024, intermediate=2816, layers=4, heads=16, kv_heads=4,
+            conversations=12, turns=8, first_message=(320, 448), message=(96, 224), answer=32,
+            system_prompts=4, system_prompt=1536, questions=32, question=(32, 96), system_answer=16)  # fmt: skip
+QUICK = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2,
+             conversations=3, turns=3, first_message=(160, 224), message=(64, 128), answer=16,
+             system_prompts=2, system_prompt=512, questions=6, question=(16, 48), system_answer=8)  # fmt: skip
+
+
+def make_spec(shape: dict, vocab: int, seed: int) -> dict:
+    """The requests every configuration serves, as token ids (ids below 3 are special tokens)."""
+    rng = random.Random(seed)
+
+    def text(bounds) -> list[int]:
+        n = bounds if isinstance(bounds, int) else rng.randint(*bounds)
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    conversations = [[text(shape["first_message"])] + [text(shape["message"]) for _ in range(shape["turns"] - 1)]
+                     for _ in range(shape["conversations"])]  # fmt: skip
+    system_prompts = [text(shape["system_prompt"]) for _ in range(shape["system_prompts"])]
+    questions = [[i % len(system_prompts), text(shape["question"])] for i in range(shape["questions"])]
+    returning = [text(shape["message"]) for _ in conversations]
+    longest_chat = (shape["first_message"][1] + shape["turns"] * shape["message"][1]
+                    + (shape["turns"] + 1) * shape["answer"])  # fmt: skip
+    longest_system = shape["system_prompt"] + shape["question"][1] + shape["system_answer"]
+    return {
+        "chat": conversations,
+        "chat_answer": shape["answer"],
+        "return_messages": returning,
+        "system_prompts": system_prompts,
+        "questions": questions,
+        "system_answer": shape["system_answer"],
+        "longest": max(longest_chat, longest_system),
+    }
+
+
+def pct(values, q: float) -> float:
+    from connector_overhead import pct as _pct
+
+    return _pct(list(values), q)
+
+
+# ---------------------------------------------------------------------------
+# One engine process
+# ---------------------------------------------------------------------------
+
+
+def vllm_counters() -> dict[str, float]:
+    from prometheus_client import REGISTRY
+
+    found = dict.fromkeys(VLLM_COUNTERS, 0.0)
+    for family in REGISTRY.collect():
+        name = family.name.removeprefix("vllm:")
+        if name in found:
+            found[name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return found
+
+
+class Runner:
+    """Feeds one engine requests, up to `concurrency` in flight, and times their first tokens."""
+
+    def __init__(self, engine, concurrency: int):
+        self.engine = engine
+        self.concurrency = concurrency
+
+    def run(self, requests):
+        """`requests`: an iterator of (name, prompt, max_tokens, done_callback) that may yield None
+        while the next request waits for an answer still being generated."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        records = []
+        in_flight: dict[str, dict] = {}
+        source = iter(requests)
+        exhausted = False
+        waiting = None
+        while True:
+            while not exhausted and len(in_flight) < self.concurrency:
+                if waiting is None:
+                    waiting = next(source, StopIteration)
+                    if waiting is StopIteration:
+                        exhausted = True
+                        break
+                if waiting[1]() is None:  # its prompt needs an answer not complete yet
+                    break
+                name, prompt_fn, max_tokens, done = waiting
+                prompt = prompt_fn()
+                waiting = None
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+                rec = {"name": name, "prompt_tokens": len(prompt), "done": done}
+                rec["t_submit"] = time.perf_counter()
+                req_id = self.engine.add_request(name, TokensPrompt(prompt_token_ids=prompt), params)
+                in_flight[name] = rec
+                if req_id != name:
+                    in_flight[req_id] = rec
+            if not in_flight:
+                if exhausted:
+                    return records
+                raise RuntimeError("a request waits for an answer that nothing is generating")
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                rec = in_flight.get(out.request_id)
+                if rec is None:
+                    continue
+                tokens = out.outputs[0].token_ids
+                if "ttft_s" not in rec and len(tokens) > 0:
+                    rec["ttft_s"] = now - rec["t_submit"]
+                if out.finished:
+                    rec["e2e_s"] = now - rec["t_submit"]
+                    rec["output"] = list(tokens)
+                    rec["num_cached_tokens"] = out.num_cached_tokens
+                    metrics = getattr(out, "metrics", None)
+                    rec["vllm_ttft_s"] = getattr(metrics, "first_token_latency", None)
+                    rec["t_done"] = now
+                    for key in [k for k, v in in_flight.items() if v is rec]:
+                        del in_flight[key]
+                    rec.pop("done")(rec["output"])
+                    records.append(rec)
+
+
+def chat_requests(spec: dict, history: list):
+    """The chat turns in interleaved order; a turn's prompt exists once the previous answer does.
+    `history` (one empty list per conversation) ends with each conversation's whole history."""
+    conversations = spec["chat"]
+    for turn in range(max(len(c) for c in conversations)):
+        for c, messages in enumerate(conversations):
+            if turn >= len(messages):
+                continue
+            taken: dict = {}
+
+            def prompt(c=c, turn=turn, taken=taken):
+                if "tokens" not in taken:
+                    if history[c] is None:
+                        return None
+                    taken["tokens"] = history[c] + conversations[c][turn]
+                    history[c] = None
+                return taken["tokens"]
+
+            def done(output, c=c, taken=taken):
+                history[c] = taken["tokens"] + output
+
+            yield f"chat-c{c:02d}-t{turn:02d}", prompt, spec["chat_answer"], done
+
+
+def return_requests(spec: dict, history: list):
+    """Each conversation comes back once more, with a message no engine has seen."""
+    for c, message in enumerate(spec["return_messages"]):
+        tokens = history[c] + message
+        yield f"return-c{c:02d}", (lambda t=tokens: t), spec["chat_answer"], (lambda output: None)
+
+
+def system_requests(spec: dict):
+    for i, (which, question) in enumerate(spec["questions"]):
+        tokens = spec["system_prompts"][which] + question
+        yield f"sys-q{i:03d}-p{which}", (lambda t=tokens: t), spec["system_answer"], (lambda output: None)
+
+
+def daemon_totals(socket: str | None) -> dict:
+    if not socket:
+        return {}
+    from kvdepot.client import KVDepotClient
+
+    with KVDepotClient(socket, name="serving-ttft-stats") as client:
+        t = client.connect(10).stats().totals
+        return {k: getattr(t, k) for k in ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks",
+                                           "evicted_blocks", "failed_jobs")}  # fmt: skip
+
+
+def run_engine(args) -> int:
+    spec = json.loads(Path(args.spec).read_text())
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: TTFT seen here
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvdepot.connector.lookup import REPORT_INTERVAL_S
+    from vllm_generate import kvdepot_kv_transfer_config
+
+    kwargs = {}
+    if args.config != "plain":
+        kwargs["kv_transfer_config"] = kvdepot_kv_transfer_config(socket=args.socket)
+    t0 = time.monotonic()
+    llm = LLM(
+        model=args.model,
+        dtype="float32",  # bfloat16 kernels need AVX512-BF16 on the CPU build
+        seed=0,
+        max_model_len=spec["max_model_len"],
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        tensor_parallel_size=1,
+        num_gpu_blocks_override=spec["vllm_blocks"],
+        max_num_seqs=max(8, args.concurrency),
+        # A whole prompt in one step: the prefill is what TTFT measures, not chunking.
+        max_num_batched_tokens=spec["max_model_len"],
+        disable_log_stats=False,  # vLLM's prefix-cache counters
+        **kwargs,
+    )
+    startup_s = time.monotonic() - t0
+    engine = llm.llm_engine
+
+    # The first forward passes of a process pay one-time costs (allocations, oneDNN primitives):
+    # warm up every configuration alike, on prompts of its own that no other process sends.
+    rng = random.Random(f"warmup-{args.config}")
+    for n in (64, spec["longest"] // 2, spec["longest"] - 16):
+        prompt = [rng.randrange(3, 500) for _ in range(n)]
+        llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(temperature=0.0, max_tokens=4),
+                     use_tqdm=False)  # fmt: skip
+
+    if args.config != "plain":
+        time.sleep(REPORT_INTERVAL_S + 0.5)  # the warm-up's lookups reported before the first workload's count
+    runner = Runner(engine, args.concurrency)
+    result = {"config": args.config, "startup_s": startup_s, "torch_threads": torch.get_num_threads(),
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "workloads": {}}  # fmt: skip
+    history = [[] for _ in spec["chat"]]
+    workloads = [("chat", chat_requests(spec, history)), ("system_prompt", system_requests(spec))]
+    if args.config != "kvdepot":
+        # Only after the restart: the first kvdepot engine must not store these new messages.
+        workloads.append(("return", return_requests(spec, history)))
+    for workload, requests in workloads:
+        before_vllm, before_daemon = vllm_counters(), daemon_totals(args.socket)
+        t = time.perf_counter()
+        records = runner.run(requests)
+        wall = time.perf_counter() - t
+        if args.socket and args.config != "plain":
+            # The connector reports its lookups to the daemon once a second; let the last ones land.
+            time.sleep(REPORT_INTERVAL_S + 0.5)
+        after_vllm, after_daemon = vllm_counters(), daemon_totals(args.socket)
+        for rec in records:
+            rec.pop("t_submit"), rec.pop("t_done")
+        result["workloads"][workload] = {
+            "wall_s": wall,
+            "requests": records,
+            "vllm": {k: after_vllm[k] - before_vllm[k] for k in VLLM_COUNTERS},
+            "daemon": {k: after_daemon[k] - before_daemon[k] for k in after_daemon},
+        }
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------
+
+
+def block_bytes(shape: dict) -> int:
+    head_dim = shape["hidden"] // shape["heads"]
+    return shape["layers"] * 2 * shape["kv_heads"] * head_dim * BLOCK_SIZE * 4  # K and V, float32
+
+
+def turn_of(name: str) -> int:
+    return int(name.rsplit("-t", 1)[1])
+
+
+def check_outputs(runs: dict) -> int:
+    """The same token ids, request by request, in every configuration; else exits.
+    Plain vLLM serves every workload; the others a part of them."""
+    base = {w: {r["name"]: r["output"] for r in d["requests"]} for w, d in runs["plain"]["workloads"].items()}
+    checked = 0
+    for config, run in runs.items():
+        for workload, data in run["workloads"].items():
+            got = {r["name"]: r["output"] for r in data["requests"]}
+            if got.keys() != base[workload].keys():
+                raise SystemExit(f"FAIL: {config} served other {workload} requests than plain vLLM")
+            for name in sorted(got):
+                if got[name] != base[workload][name]:
+                    raise SystemExit(f"FAIL: outputs differ: {workload} request {name}, {config} against plain vLLM:\n"
+                                     f"  plain:   {base[workload][name]}\n  {config}: {got[name]}")  # fmt: skip
+                checked += 1
+    return checked
+
+
+def summarize(run: dict, workload: str) -> dict:
+    data = run["workloads"][workload]
+    reqs = data["requests"]
+    ttft = [r["ttft_s"] * 1e3 for r in reqs]
+    v, d = data["vllm"], data["daemon"]
+    out_tokens = sum(len(r["output"]) for r in reqs)
+    prompt_tokens = sum(r["prompt_tokens"] for r in reqs)
+    row = {
+        "requests": len(reqs),
+        "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9), "ttft_mean_ms": statistics.fmean(ttft),
+        "e2e_p50_ms": pct([r["e2e_s"] * 1e3 for r in reqs], 0.5),
+        "wall_s": data["wall_s"],
+        "requests_per_s": len(reqs) / data["wall_s"],
+        "output_tokens_per_s": out_tokens / data["wall_s"],
+        "prompt_tokens_per_s": prompt_tokens / data["wall_s"],
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": sum(r["num_cached_tokens"] for r in reqs),
+        # vLLM's own prefix cache: of the prompt tokens it looked up, those it held.
+        "vllm_hit_rate": v["prefix_cache_hits"] / v["prefix_cache_queries"] if v["prefix_cache_queries"] else 0.0,
+        # Tokens the connector loaded, of those it was asked for (past vLLM's own hits).
+        "connector_hit_rate": (v["external_prefix_cache_hits"] / v["external_prefix_cache_queries"]
+                               if v["external_prefix_cache_queries"] else None),  # fmt: skip
+        "vllm_counters": v,
+        "daemon": d,
+    }
+    row["cached_share"] = row["cached_tokens"] / prompt_tokens
+    if d and d.get("hit_blocks", 0) + d.get("miss_blocks", 0):
+        row["daemon_hit_rate"] = d["hit_blocks"] / (d["hit_blocks"] + d["miss_blocks"])
+    else:
+        row["daemon_hit_rate"] = None
+    return row
+
+
+def by_turn(run: dict) -> list[dict]:
+    turns: dict[int, list] = {}
+    for r in run["workloads"]["chat"]["requests"]:
+        turns.setdefault(turn_of(r["name"]), []).append(r)
+    rows = []
+    for t in sorted(turns):
+        ttft = [r["ttft_s"] * 1e3 for r in turns[t]]
+        rows.append({"turn": t, "n": len(ttft), "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in turns[t]),
+                     "cached_tokens_mean": statistics.fmean(r["num_cached_tokens"] for r in turns[t]),
+                     "p50_ms": pct(ttft, 0.5), "p90_ms": pct(ttft, 0.9)})  # fmt: skip
+    return rows
+
+
+def system_split(run: dict) -> dict[str, list[float]]:
+    """TTFT (ms) of each system prompt's first use, and of the uses after it."""
+    seen, split = set(), {"first": [], "later": []}
+    for r in run["workloads"]["system_prompt"]["requests"]:
+        which = r["name"].rsplit("-p", 1)[1]
+        split["later" if which in seen else "first"].append(r["ttft_s"] * 1e3)
+        seen.add(which)
+    return split
+
+
+def plot(results: dict, folder: Path, title_suffix: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    turns = None
+    for config in CONFIGS:
+        rows = results["by_turn"][config]
+        turns = [r["turn"] for r in rows]
+        ax.plot(turns, [r["p50_ms"] for r in rows], marker="o", color=COLORS[config], label=f"{LABELS[config]}, p50")
+        ax.plot(turns, [r["p90_ms"] for r in rows], linestyle="--", color=COLORS[config], alpha=0.6,
+                label="p90")  # fmt: skip
+    tokens = [r["prompt_tokens_mean"] for r in results["by_turn"]["plain"]]
+    ret = results["summary"]["return"]
+    x_ret = turns[-1] + 1
+    for config, row in ret.items():
+        ax.plot([x_ret], [row["ttft_p50_ms"]], marker="*", markersize=11, linestyle="none", color=COLORS[config])
+        ax.plot([x_ret], [row["ttft_p90_ms"]], marker="_", markersize=11, linestyle="none", color=COLORS[config])
+    ax.axvline(x_ret - 0.5, color="black", linewidth=0.6, linestyle=":")
+    ret_tokens = ret["plain"]["prompt_tokens"] / ret["plain"]["requests"]
+    ax.set_xticks(turns + [x_ret], [f"{t + 1}\n{tok:.0f}" for t, tok in zip(turns, tokens)]
+                  + [f"new msg.\nafter restart\n{ret_tokens:.0f}"])  # fmt: skip
+    ax.set_xlabel("turn of the conversation / mean prompt tokens")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_ylim(0, 1.3 * max(ax.get_ylim()[1], 1))  # room for the legend above the lines
+    ax.set_title(f"Multi-turn chat: TTFT by turn{title_suffix}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=3, loc="upper left")
+    fig.tight_layout()
+    path = folder / "serving_ttft_chat.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    groups = ("first", "later")
+    width = 0.26
+    for i, config in enumerate(CONFIGS):
+        split = results["system_split"][config]
+        p50 = [pct(split[g], 0.5) for g in groups]
+        p90 = [pct(split[g], 0.9) for g in groups]
+        xs = [g + (i - 1) * width for g in range(len(groups))]
+        ax.bar(xs, p50, width, color=COLORS[config], label=LABELS[config])
+        ax.errorbar(xs, p50, yerr=[[0] * len(groups), [b - a for a, b in zip(p50, p90)]], fmt="none", ecolor="black",
+                    capsize=3, linewidth=0.8)  # fmt: skip
+    n_first = len(results["system_split"]["plain"]["first"])
+    n_later = len(results["system_split"]["plain"]["later"])
+    ax.set_xticks(range(len(groups)), [f"a system prompt's first request\nin the engine ({n_first})",
+                                       f"the system prompt seen before\nin the engine ({n_later})"])  # fmt: skip
+    ax.set_ylabel("time to first token (ms): p50, whisker to p90")
+    ax.set_ylim(0, 1.3 * ax.get_ylim()[1])  # room for the legend
+    ax.set_title(f"Long shared system prompts, short questions{title_suffix}", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    path = folder / "serving_ttft_system_prompt.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def fmt_rate(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def print_tables(results: dict) -> None:
+    print("TTFT by turn of the multi-turn chat, ms (p50 / p90 over the conversations):\n")
+    print("| turn | conversations | mean prompt tokens | " + " | ".join(LABELS[c] for c in CONFIGS) +
+          " | mean tokens not computed (plain / kvdepot / restart) |")  # fmt: skip
+    print("| --- " * (4 + len(CONFIGS)) + "|")
+    rows = {c: results["by_turn"][c] for c in CONFIGS}
+    for i, r in enumerate(rows["plain"]):
+        cells = " | ".join(f"{rows[c][i]['p50_ms']:.0f} / {rows[c][i]['p90_ms']:.0f}" for c in CONFIGS)
+        cached = " / ".join(f"{rows[c][i]['cached_tokens_mean']:.0f}" for c in CONFIGS)
+        print(f"| {r['turn'] + 1} | {r['n']} | {r['prompt_tokens_mean']:.0f} | {cells} | {cached} |")
+    print("\nSystem prompts, TTFT ms (p50 / p90):\n")
+    print("| requests | " + " | ".join(LABELS[c] for c in CONFIGS) + " |")
+    print("| --- " * (1 + len(CONFIGS)) + "|")
+    for g, label in (("first", "a system prompt's first request in the engine"), ("later", "a system prompt seen before")):
+        cells = " | ".join(f"{pct(results['system_split'][c][g], 0.5):.0f} / {pct(results['system_split'][c][g], 0.9):.0f}"
+                           for c in CONFIGS)  # fmt: skip
+        print(f"| {label} ({len(results['system_split']['plain'][g])}) | {cells} |")
+    ret = results["summary"]["return"]
+    print("\nEach conversation returns once more, with a new message (vLLM alone, and after the restart only):\n")
+    print("| requests | mean prompt tokens | vLLM alone: TTFT p50 / p90 (ms) | after the restart: TTFT p50 / p90 (ms) | "
+          "mean tokens not computed (plain / restart) |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| {ret['plain']['requests']} | {ret['plain']['prompt_tokens'] / ret['plain']['requests']:.0f} | "
+          f"{ret['plain']['ttft_p50_ms']:.0f} / {ret['plain']['ttft_p90_ms']:.0f} | "
+          f"{ret['restart']['ttft_p50_ms']:.0f} / {ret['restart']['ttft_p90_ms']:.0f} | "
+          f"{ret['plain']['cached_tokens'] / ret['plain']['requests']:.0f} / "
+          f"{ret['restart']['cached_tokens'] / ret['restart']['requests']:.0f} |")  # fmt: skip
+    print("\nOverall:\n")
+    print("| workload | configuration | requests | TTFT p50 (ms) | TTFT p90 (ms) | TTFT mean (ms) | requests/s | "
+          "output tokens/s | prompt tokens/s | prompt tokens not computed | vLLM prefix-cache hits | "
+          "connector hits | daemon block hits |")  # fmt: skip
+    print("| --- " * 13 + "|")
+    for workload in WORKLOADS:
+        for c, s in results["summary"][workload].items():
+            print(f"| {workload} | {LABELS[c]} | {s['requests']} | {s['ttft_p50_ms']:.0f} | {s['ttft_p90_ms']:.0f} | "
+                  f"{s['ttft_mean_ms']:.0f} | {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} | "
+                  f"{s['prompt_tokens_per_s']:.0f} | {fmt_rate(s['cached_share'])} | {fmt_rate(s['vllm_hit_rate'])} | "
+                  f"{fmt_rate(s['connector_hit_rate'])} | {fmt_rate(s['daemon_hit_rate'])} |")  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the tiny model and a few requests (about 2 minutes)")
+    ap.add_argument("--conversations", type=int, help="chat conversations (default 12; --quick 3)")
+    ap.add_argument("--turns", type=int, help="turns per conversation (default 8; --quick 3)")
+    ap.add_argument("--system-prompts", type=int, help="distinct long system prompts (default 4; --quick 2)")
+    ap.add_argument("--questions", type=int, help="questions after the system prompts (default 32; --quick 6)")
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (default 1)")
+    ap.add_argument("--vllm-blocks", type=int, default=0,
+                    help="vLLM's KV cache in blocks (default: the longest request's blocks x (concurrency + 0.5))")
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="OpenMP threads of every engine (default: all cores but one, which is the daemon's)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the requests' token ids")
+    ap.add_argument("--from-json", metavar="PATH", help="only print the tables and draw the plots of an earlier run's JSON")
+    ap.add_argument("--keep-scratch", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", default="serving_ttft.json", metavar="PATH", help="results (default ./serving_ttft.json)")
+    ap.add_argument("--plots", default=str(REPO / "docs"), metavar="DIR", help="where the PNGs go (default docs/); "
+                    "'none' for none")  # fmt: skip
+    # One engine process (started by this script).
+    ap.add_argument("--engine", choices=CONFIGS, dest="config", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--socket", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.config:
+        return run_engine(args)
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        print_tables(results)
+        if args.plots != "none":
+            draw(results, Path(args.plots))
+        return 0
+
+    import vllm_harness as vh
+    from bench_daemon import Daemon
+    from vllm_generate import vllm_env
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    shape = dict(QUICK if args.quick else FULL)
+    for key in ("conversations", "turns", "system_prompts", "questions"):
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    spec = make_spec(shape, vh.TINY_MODEL_VOCAB, args.seed)
+    longest_blocks = -(-spec["longest"] // BLOCK_SIZE)
+    spec["max_model_len"] = BLOCK_SIZE * (longest_blocks + 1)
+    spec["vllm_blocks"] = args.vllm_blocks or int(longest_blocks * (args.concurrency + 0.5)) + 1  # +1: the null block
+    slot = 1 << (block_bytes(shape) - 1).bit_length()
+    started = time.monotonic()
+    scratch = Path(tempfile.mkdtemp(prefix="kvdepot-serving-bench-"))
+    positions = max(4096, spec["max_model_len"])
+    model_dir = Path(tempfile.gettempdir()) / ("kvdepot-bench-llama-{hidden}-{intermediate}-{layers}-{heads}-{kv_heads}"
+                                               "-{positions}".format(**shape, positions=positions))  # fmt: skip
+    runs = {}
+    try:
+        t = time.monotonic()
+        model = vh.make_tiny_model(model_dir, hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                                   num_layers=shape["layers"], num_heads=shape["heads"], num_kv_heads=shape["kv_heads"],
+                                   max_position_embeddings=positions)  # fmt: skip
+        log(f"model {model} ({time.monotonic() - t:.0f} s); vLLM cache {spec['vllm_blocks']} blocks of "
+            f"{block_bytes(shape) >> 10} KiB, longest request {spec['longest']} tokens")  # fmt: skip
+        spec_path = scratch / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        # Room for every block the workloads store, many times over: the daemon never evicts here.
+        os.environ["KVDEPOT_METRICS_LISTEN"] = "none"
+        pool_mib = max(256, 4 * (len(spec["chat"]) * spec["longest"] + 2 * sum(map(len, spec["system_prompts"])))
+                       * slot // BLOCK_SIZE >> 20)  # fmt: skip
+        daemon = Daemon(scratch, f"{pool_mib}MiB", f"{slot >> 10}KiB",
+                        "/dev/shm" if os.path.isdir("/dev/shm") else None)  # fmt: skip
+        log(f"kvdepotd pid {daemon.proc.pid} on {daemon.socket}, pool {pool_mib} MiB of {slot >> 10} KiB slots")
+        try:
+            for config in CONFIGS:
+                out = scratch / f"{config}.json"
+                cmd = [sys.executable, __file__, "--engine", config, "--model", model, "--socket", daemon.socket,
+                       "--spec", str(spec_path), "--concurrency", str(args.concurrency), "--out", str(out)]  # fmt: skip
+                env = vllm_env(scratch / f"vllm-{config}")
+                env["OMP_NUM_THREADS"] = str(args.threads)
+                t = time.monotonic()
+                log_path = scratch / f"{config}.log"
+                with open(log_path, "w") as engine_log:
+                    proc = subprocess.run(cmd, env=env, stdout=engine_log, stderr=subprocess.STDOUT)
+                if proc.returncode != 0:
+                    raise SystemExit(f"engine process ({config}) failed:\n{log_path.read_text()[-5000:]}")
+                runs[config] = json.loads(out.read_text())
+                chat = runs[config]["workloads"]["chat"]["requests"]
+                log(f"{config}: {time.monotonic() - t:.0f} s (start-up {runs[config]['startup_s']:.0f} s), "
+                    f"{runs[config]['torch_threads']} torch threads; chat TTFT p50 "
+                    f"{pct([r['ttft_s'] * 1e3 for r in chat], 0.5):.0f} ms")  # fmt: skip
+        finally:
+            rc = daemon.stop()
+            log(f"kvdepotd stopped (exit {rc})")
+    finally:
+        if args.keep_scratch:
+            log(f"engine logs kept in {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    threads = {c: runs[c]["torch_threads"] for c in CONFIGS}
+    if len(set(threads.values())) != 1:
+        raise SystemExit(f"FAIL: the engines ran with different torch thread counts: {threads}")
+    checked = check_outputs(runs)
+    wall = time.monotonic() - started
+
+    import torch
+    import vllm
+
+    results = {
+        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "vllm": vllm.__version__, "torch_threads": threads["plain"]},  # fmt: skip
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "model": {k: shape[k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads")}
+        | {"vocab": vh.TINY_MODEL_VOCAB, "dtype": "float32", "block_size": BLOCK_SIZE,
+           "block_bytes": block_bytes(shape)},  # fmt: skip
+        "workload": {k: v for k, v in shape.items() if k not in ("hidden", "intermediate", "layers", "heads", "kv_heads")}
+        | {"concurrency": args.concurrency, "vllm_blocks": spec["vllm_blocks"], "max_model_len": spec["max_model_len"],
+           "daemon_pool_mib": pool_mib, "daemon_slot_kib": slot >> 10},  # fmt: skip
+        "outputs_identical": checked,
+        "startup_s": {c: runs[c]["startup_s"] for c in CONFIGS},
+        "summary": {w: {c: summarize(runs[c], w) for c in CONFIGS if w in runs[c]["workloads"]} for w in WORKLOADS},
+        "by_turn": {c: by_turn(runs[c]) for c in CONFIGS},
+        "system_split": {c: system_split(runs[c]) for c in CONFIGS},
+        "wall_s": wall,
+        "runs": runs,
+    }
+    m = results["model"]
+    print(f"vLLM {vllm.__version__} (CPU), torch {torch.__version__}, Python {platform.python_version()}, "
+          f"{os.cpu_count()} cores ({threads['plain']} torch thread per engine), {results['date']}; "
+          f"`{results['command']}`; total {wall:.0f} s")  # fmt: skip
+    print(f"Model: random-weight Llama, hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads, "
+          f"{m['kv_heads']} KV heads, intermediate {m['intermediate']}, float32, block {BLOCK_SIZE} tokens "
+          f"({m['block_bytes'] >> 10} KiB of KV); vLLM cache {spec['vllm_blocks']} blocks; outputs identical in "
+          f"all three configurations ({checked} requests checked).\n")  # fmt: skip
+    print_tables(results)
+    Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    log(f"results in {args.json}")
+    if args.plots != "none":
+        draw(results, Path(args.plots))
+    return 0
+
+
+def draw(results: dict, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    suffix = f" (vLLM CPU build, {results['machine']['cores']} cores)"
+    for path in plot(results, folder, suffix):
+        print(f"plot {path} ({path.stat().st_size >> 10} KiB)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
