@@ -106,7 +106,7 @@ def main() -> int:
     with open(os.environ["KVDEPOT_TRACE_JOBS"]) as f:
         for line in f:
             record = json.loads(line)
-            if record["session"] == session_id:
+            if record["session"] == jobtrace.session_tag(session_id):
                 daemon[record["job"]] = record["stamps"]
 
     known = CLIENT_STAGES + DAEMON_STAGES + LAST_STAGES

@@ -23,6 +23,12 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message says which and why."""
 
 
+# The copy kernel keeps a chunk in registers (4 bytes a lane, 128 threads):
+# 32 KiB is 64 a thread, where 16 KiB, the default, is 32. Beyond that it would
+# spill to local memory, which the daemon does not reserve (the CUDA transport
+# sets the per-thread stack to 0).
+MAX_COPY_CHUNK_BYTES = 32 << 10
+
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -197,7 +203,8 @@ OPTIONS = [
     Option(
         "copy_chunk_bytes",
         "16KiB",
-        "Bytes one program of the copy kernel moves at a time (a power of two, 64 or more).",
+        "Bytes one program of the copy kernel moves at a time (a power of two from 64 to 32KiB; "
+        "more would spill the kernel's registers to memory the daemon does not reserve).",
         size=True,
     ),
     Option(
@@ -515,8 +522,8 @@ def _check(config: DaemonConfig) -> None:
     if config.drain_timeout < 0:
         raise ConfigError("drain_timeout must not be negative")
     chunk = config.copy_chunk_bytes
-    if chunk < 64 or chunk & (chunk - 1):
-        raise ConfigError(f"copy_chunk_bytes must be a power of two of at least 64, not {chunk}")
+    if chunk < 64 or chunk > MAX_COPY_CHUNK_BYTES or chunk & (chunk - 1):
+        raise ConfigError(f"copy_chunk_bytes must be a power of two from 64 to {MAX_COPY_CHUNK_BYTES}, not {chunk}")
     if config.copy_programs < 0:
         raise ConfigError("copy_programs must be 0 (automatic) or more")
     for name in LIMITS:

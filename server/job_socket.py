@@ -269,7 +269,9 @@ class JobConnection(asyncio.Protocol):
         self._held_dones = []
         try:
             self._depot.frame_received_ns = received
-            self._write(self._answer(request, kind))
+            answer = self._answer(request, kind)
+            self._depot.frame_received_ns = 0  # a job that came by gRPC has no such stamp
+            self._write(answer)
             for message in self._held_dones:
                 if self.open:
                     self._write(message)

@@ -88,6 +88,7 @@ def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_held_daem
         (["--auth-token-file", "/nonexistent/token"], "cannot read the auth token file /nonexistent/token"),
         (["--auth-token-file", "EMPTY"], "is empty"),
         (["--copy-chunk-bytes", "1000"], "copy_chunk_bytes must be a power of two"),
+        (["--copy-chunk-bytes", "64KiB"], "copy_chunk_bytes must be a power of two from 64 to 32768"),
         (["--copy-mode", "pio"], "invalid choice: 'pio'"),
         (["--pin", "auto", "--staging-bytes", "1KiB"], "staging_bytes (1024) must hold at least one pool slot"),
         (["--listen", "0.0.0.0:0", "--auth-token-file", "TOKEN"], "without TLS: tokens would travel in clear"),
@@ -119,14 +120,14 @@ def test_configuration_from_toml_and_environment(tmp_path):
     # The CUDA transport's tuning goes through the same three layers.
     config_file.write_text('copy_mode = "kernel"\nstaging_bytes = "64MiB"\nspin_bytes = 0\n')
     config = load_config(["--config", str(config_file), "--spin-bytes", "1MiB"],
-                         environ={"KVDEPOT_STAGING_BYTES": "128MiB", "KVDEPOT_PIN_CHUNK_BYTES": "4MiB"})
+                         environ={"KVDEPOT_STAGING_BYTES": "96MiB", "KVDEPOT_PIN_CHUNK_BYTES": "4MiB"})
     assert config.copy_mode == "kernel"
-    assert (config.staging_bytes, config.spin_bytes, config.pin_chunk_bytes) == (128 << 20, 1 << 20, 4 << 20)
+    assert (config.staging_bytes, config.spin_bytes, config.pin_chunk_bytes) == (96 << 20, 1 << 20, 4 << 20)
     assert config.copy_chunk_bytes == 16384 and config.copy_programs == 0  # defaults
     # An empty variable counts as unset; staging is only checked where it is used.
     config = load_config(["--pin", "off", "--slot-size", "512MiB", "--pool-size", "1GiB"],
                          environ={"KVDEPOT_STAGING_BYTES": "", "KVDEPOT_SPIN_BYTES": ""})
-    assert (config.staging_bytes, config.spin_bytes) == (256 << 20, 64 << 20)
+    assert (config.staging_bytes, config.spin_bytes) == (128 << 20, 64 << 20)
     config_file.write_text('pool_sise = "2GiB"\n')
     with pytest.raises(ValueError, match="unknown option\\(s\\) pool_sise"):
         load_config(["--config", str(config_file)], environ={})

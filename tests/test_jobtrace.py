@@ -4,8 +4,11 @@ daemon writes each finished job's stages, in order, for the worker's session and
 from __future__ import annotations
 
 import json
+import stat
 
 from kvcache import attach_worker, prompt_keys
+
+from kvdepot import jobtrace
 
 
 def test_a_traced_daemon_writes_the_stages_of_each_job_in_order(start_daemon, client_factory, tmp_path):
@@ -19,12 +22,14 @@ def test_a_traced_daemon_writes_the_stages_of_each_job_in_order(start_daemon, cl
     client.submit_load(worker, 2, keys, [4, 5, 6, 7])
     assert client.wait([2], timeout=30)[2].ok
 
-    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    text = trace.read_text()
+    records = [json.loads(line) for line in text.splitlines()]
     session_id = client._session.connection.session_id
-    assert [(r["session"], r["job"], r["kind"], r["blocks"]) for r in records] == [
-        (session_id, 1, "store", 4),
-        (session_id, 2, "load", 4),
-    ]
+    tag = jobtrace.session_tag(session_id)
+    assert [(r["session"], r["job"], r["kind"], r["blocks"]) for r in records] == [(tag, 1, "store", 4), (tag, 2, "load", 4)]
+    # Whoever knows a session id acts as the session: the trace names it by a hash, and is the daemon user's alone.
+    assert session_id not in text
+    assert stat.S_IMODE(trace.stat().st_mode) == 0o600
     for record in records:
         stamps = record["stamps"]
         order = ["received", "begin", "finish", "done_sent"]

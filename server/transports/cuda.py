@@ -167,7 +167,10 @@ class CudaTransport(Transport):
             shape = (max(1, self._staging_bytes // slot), slot) if self._mode == "dma" else None
             # The daemon's kernels (copies) need no stack: the GPU memory that a
             # context reserves for it is left to the engines.
-            cuda.set_stack_limit(index, 0)
+            try:
+                cuda.set_stack_limit(index, 0)
+            except cuda.CudaError as e:
+                log.warning("GPU %d: could not lower the per-thread stack (%s); the context keeps it", index, e)
             with torch.cuda.device(index):
                 device = _Device(
                     index,
