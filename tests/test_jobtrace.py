@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import stat
 
+from conftest import wait_until
 from kvcache import attach_worker, prompt_keys
 
 from kvdepot import jobtrace
@@ -22,7 +23,8 @@ def test_a_traced_daemon_writes_the_stages_of_each_job_in_order(start_daemon, cl
     client.submit_load(worker, 2, keys, [4, 5, 6, 7])
     assert client.wait([2], timeout=30)[2].ok
 
-    text = trace.read_text()
+    # A job's line is written after its JobDone (the client is told first): wait for the load's.
+    text = wait_until(lambda: trace.read_text().count("\n") == 2 and trace.read_text(), what="two trace lines")
     records = [json.loads(line) for line in text.splitlines()]
     session_id = client._session.connection.session_id
     tag = jobtrace.session_tag(session_id)
