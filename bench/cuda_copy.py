@@ -19,12 +19,10 @@ Times are medians of --reps runs after a warm-up; rates are GB/s (1e9 bytes).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -35,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kvdepot.client import KVDepotClient  # noqa: E402
+from kvdepotd import BenchDaemon  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 PAGE = BLOCK_SIZE * HEADS * HEAD_DIM * 2
@@ -239,42 +238,6 @@ def through_daemon(socket: str, layout: str, sizes: list[int], reps: int, depth:
     return results
 
 
-class DaemonSocket(str):
-    """The daemon's socket path, knowing the daemon's pid."""
-
-    pid: int = 0
-
-
-@contextlib.contextmanager
-def start_daemon(pool_size: str, pool_dir: str | None = None, extra=(), env_extra=None):
-    """Runs a real kvdepotd (pinned pool of pool_size, one slot per block of
-    this bench's model) for the `with` block; yields its socket path. extra:
-    more daemon options (e.g. --staging-bytes). Prints its log if the block fails."""
-    folder = tempfile.mkdtemp(dir="/dev/shm")
-    socket = DaemonSocket(f"{folder}/kvdepot.sock")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    log_path = os.environ.get("KVDEPOT_BENCH_LOG") or f"{folder}/kvdepotd.log"
-    log_file = open(log_path, "w")
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvdepot.server", "--listen", socket, "--pool-size", pool_size,
-         "--slot-size", str(BLOCK), "--pool-dir", pool_dir or folder, "--pin", "on", *extra],
-        stderr=log_file, text=True, env=env)
-    socket.pid = daemon.pid
-    while "ready on" not in open(log_path).read():
-        if daemon.poll() is not None:
-            raise SystemExit("kvdepotd did not start:\n" + open(log_path).read())
-        time.sleep(0.1)
-    try:
-        yield socket
-    except BaseException:
-        print("kvdepotd's log:\n" + open(log_path).read()[-6000:])
-        raise
-    finally:
-        daemon.terminate()
-        daemon.wait(60)
-
-
 def bare_context_memory() -> str:
     """What a process that only starts torch's CUDA context holds on the GPU:
     the part of the daemon's footprint that is not its own buffers."""
@@ -398,12 +361,14 @@ def main() -> int:
         print(f"  from {kind} memory: D2H {ceiling['d2h_' + kind]:.1f}  H2D {ceiling['h2d_' + kind]:.1f}  "
               f"both {ceiling['both_' + kind]:.1f}")
 
-    with start_daemon(args.pool_size, args.pool_dir, daemon_args) as socket:
+    with BenchDaemon(args.pool_size, BLOCK, pool_dir=args.pool_dir, extra=daemon_args) as daemon:
+        daemon.wait_ready()
+        socket = daemon.socket
         rows = []
         for layout in args.layouts.split(","):
             for n, r in through_daemon(socket, layout, sizes, args.reps, args.depth).items():
                 rows.append((layout, n, r))
-        daemon_mib = daemon_gpu_memory(socket.pid)
+        daemon_mib = daemon_gpu_memory(daemon.pid)
         context_mib = bare_context_memory()
         slowdown = interference(socket) if args.interference else None
         baseline = {} if args.no_baseline else {

@@ -45,7 +45,8 @@ os.environ["KVDEPOT_TRACE_JOBS"] = f"{_TRACE_DIR}/daemon.jsonl"
 
 import torch  # noqa: E402
 
-from cuda_copy import BLOCK, BLOCK_SIZE, make_cache, peak, start_daemon  # noqa: E402
+from cuda_copy import BLOCK, BLOCK_SIZE, make_cache, peak  # noqa: E402
+from kvdepotd import BenchDaemon  # noqa: E402
 from kvdepot import jobtrace  # noqa: E402
 from kvdepot.client import KVDepotClient  # noqa: E402
 
@@ -99,8 +100,9 @@ def main() -> int:
     ceiling = peak(5)
     print(f"peak (best of 5 pinned 1 GiB copies): D2H {ceiling['d2h']:.1f}  H2D {ceiling['h2d']:.1f} GB/s")
 
-    with start_daemon(args.pool_size, extra=daemon_args) as socket:
-        session_id, ran = run_jobs(socket, sizes, args.jobs)
+    with BenchDaemon(args.pool_size, BLOCK, extra=daemon_args) as daemon:
+        daemon.wait_ready()
+        session_id, ran = run_jobs(daemon.socket, sizes, args.jobs)
         time.sleep(0.2)
     daemon = {}
     with open(os.environ["KVDEPOT_TRACE_JOBS"]) as f:

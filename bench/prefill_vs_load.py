@@ -38,11 +38,9 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,6 +51,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from kvdepot.client import KVDepotClient  # noqa: E402
+from kvdepotd import BenchDaemon  # noqa: E402
 from llama_shape import LLAMA_8B, TINY, LlamaShape, selfcheck  # noqa: E402
 
 REPLY = "@@reply "
@@ -105,28 +104,6 @@ def peak_h2d(device: torch.device, reps: int, nbytes: int) -> float:
         best = min(best, time.perf_counter() - start)
     del host, target
     return nbytes / best / 1e9
-
-
-def start_daemon(folder: str, args, shape, tiny: bool):
-    socket = f"{folder}/kvdepot.sock"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    log_path = os.environ.get("KVDEPOT_BENCH_LOG") or f"{folder}/kvdepotd.log"
-    log_file = open(log_path, "w")
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvdepot.server", "--listen", socket, "--pool-size", args.pool_size,
-         "--slot-size", str(shape.block_bytes), "--pool-dir", args.pool_dir or folder,
-         "--pin", "off" if tiny else "on", "--metrics-listen", "none"],
-        stderr=log_file, text=True, env=env)
-    return daemon, socket, log_path
-
-
-def wait_ready(daemon, log_path: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while "ready on" not in open(log_path).read():
-        if daemon.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit("kvdepotd did not start:\n" + open(log_path).read())
-        time.sleep(0.1)
 
 
 # ------------------------------------------------------------ the loading process
@@ -228,94 +205,90 @@ def run(args) -> dict:
           f"(--pool-size {args.pool_size})", flush=True)
 
     # The daemon pins its pool while the model is built.
-    folder = tempfile.mkdtemp(dir="/dev/shm")
-    daemon, socket, log_path = start_daemon(folder, args, shape, args.tiny)
+    daemon = BenchDaemon(args.pool_size, shape.block_bytes, pin="off" if args.tiny else "on", pool_dir=args.pool_dir,
+                         extra=["--metrics-listen", "none"])
+    socket = daemon.socket
     loader_proc = None
-    try:
-        # Strict on the CPU, where it is exact; on the GPU other kernels round otherwise, and
-        # the one run there should still give its timings.
-        cosine = selfcheck(device, strict=device.type == "cpu")
-        print(f"self-check (tiny model, prefill against decode): cosine {cosine:.5f}"
-              f"{'' if cosine > 0.999 else ' WARNING: below 0.999, the model code may be wrong'}", flush=True)
-        model = LlamaShape(shape, device, torch.bfloat16, mlp_chunk=args.mlp_chunk)
-        cache = make_cache(shape, num_blocks, device)
-        print(f"model {model.param_bytes() / 1e9:.2f} GB, paged KV cache {num_blocks} blocks "
-              f"({num_blocks * shape.block_bytes / 2**30:.2f} GiB)", flush=True)
-        peak_bytes = (1 << 30) if not args.tiny else (64 << 20)
-        peaks = [peak_h2d(device, args.peak_reps, peak_bytes)]
-        print(f"peak H2D, best of {args.peak_reps} x {peak_bytes >> 20} MiB: {peaks[0]:.1f} GB/s", flush=True)
+    with daemon:
+        try:
+            # Strict on the CPU, where it is exact; on the GPU other kernels round otherwise, and
+            # the one run there should still give its timings.
+            cosine = selfcheck(device, strict=device.type == "cpu")
+            print(f"self-check (tiny model, prefill against decode): cosine {cosine:.5f}"
+                  f"{'' if cosine > 0.999 else ' WARNING: below 0.999, the model code may be wrong'}", flush=True)
+            model = LlamaShape(shape, device, torch.bfloat16, mlp_chunk=args.mlp_chunk)
+            cache = make_cache(shape, num_blocks, device)
+            print(f"model {model.param_bytes() / 1e9:.2f} GB, paged KV cache {num_blocks} blocks "
+                  f"({num_blocks * shape.block_bytes / 2**30:.2f} GiB)", flush=True)
+            peak_bytes = (1 << 30) if not args.tiny else (64 << 20)
+            peaks = [peak_h2d(device, args.peak_reps, peak_bytes)]
+            print(f"peak H2D, best of {args.peak_reps} x {peak_bytes >> 20} MiB: {peaks[0]:.1f} GB/s", flush=True)
 
-        wait_ready(daemon, log_path)
-        loader_proc = Loader(args, socket, num_blocks)
-        client = KVDepotClient(socket, name="bench-prefill").connect(60)
-        worker = client.register_worker(namespace(shape), rank=0, tensors=cache, block_dim=1)
-        loader_proc.reply()  # registered
+            daemon.wait_ready()
+            loader_proc = Loader(args, socket, num_blocks)
+            client = KVDepotClient(socket, name="bench-prefill").connect(60)
+            worker = client.register_worker(namespace(shape), rank=0, tensors=cache, block_dim=1)
+            loader_proc.reply()  # registered
 
-        generator = torch.Generator().manual_seed(0)
-        rows, job = [], 0
-        for n in token_counts:
-            blocks = n // shape.block_size
-            block_ids = list(range(blocks))
-            tokens = torch.randint(0, shape.vocab, (n,), generator=generator).to(device)
-            slots = torch.arange(n, device=device)  # blocks 0.. in order, as in a fresh engine
+            generator = torch.Generator().manual_seed(0)
+            rows, job = [], 0
+            for n in token_counts:
+                blocks = n // shape.block_size
+                block_ids = list(range(blocks))
+                tokens = torch.randint(0, shape.vocab, (n,), generator=generator).to(device)
+                slots = torch.arange(n, device=device)  # blocks 0.. in order, as in a fresh engine
 
-            out = {}
+                out = {}
 
-            def prefill():
-                out["logits"] = model.prefill(tokens, cache, slots)
-                sync(device)
+                def prefill():
+                    out["logits"] = model.prefill(tokens, cache, slots)
+                    sync(device)
 
-            prefill()  # warm-up: kernels' first launches, the allocator's growth
-            reps = args.reps if n < 16384 else max(1, args.reps // 2 + 1)
-            prefill_times = []
-            for _ in range(reps):
+                prefill()  # warm-up: kernels' first launches, the allocator's growth
+                reps = args.reps if n < 16384 else max(1, args.reps // 2 + 1)
+                prefill_times = []
+                for _ in range(reps):
+                    start = time.perf_counter()
+                    prefill()
+                    prefill_times.append(time.perf_counter() - start)
+                digests = fingerprints(cache, block_ids)
+
+                keys = [os.urandom(32) for _ in block_ids]  # fresh: a store of stored keys copies nothing
+                job += 1
                 start = time.perf_counter()
-                prefill()
-                prefill_times.append(time.perf_counter() - start)
-            digests = fingerprints(cache, block_ids)
+                client.submit_store(worker, job, keys, block_ids)
+                result = client.wait([job], timeout=120)[job]
+                store_s = time.perf_counter() - start
+                if not result.ok or result.not_stored or result.already_stored:
+                    raise RuntimeError(f"store of {blocks} blocks: ok={result.ok} error={result.error!r} "
+                                       f"not stored {result.not_stored}, already stored {result.already_stored}")
 
-            keys = [os.urandom(32) for _ in block_ids]  # fresh: a store of stored keys copies nothing
-            job += 1
-            start = time.perf_counter()
-            client.submit_store(worker, job, keys, block_ids)
-            result = client.wait([job], timeout=120)[job]
-            store_s = time.perf_counter() - start
-            if not result.ok or result.not_stored or result.already_stored:
-                raise RuntimeError(f"store of {blocks} blocks: ok={result.ok} error={result.error!r} "
-                                   f"not stored {result.not_stored}, already stored {result.already_stored}")
+                loaded = loader_proc.load(keys, block_ids, digests, args.load_reps)
+                row = dict(tokens=n, blocks=blocks, kv_bytes=blocks * shape.block_bytes,
+                           prefill_ms=1e3 * statistics.median(prefill_times),
+                           prefill_runs_ms=[1e3 * t for t in prefill_times], store_ms=1e3 * store_s,
+                           load_ms=1e3 * statistics.median(loaded["times"]),
+                           load_runs_ms=[1e3 * t for t in loaded["times"]],
+                           logits_finite=bool(torch.isfinite(out["logits"]).all()),
+                           ready_blocks=loaded["ready_blocks"], bit_exact=all(loaded["exact"]),
+                           loads_checked=len(loaded["exact"]))
+                rows.append(row)
+                print(f"{n:>6} tokens: prefill {row['prefill_ms']:.1f} ms, store {row['store_ms']:.1f} ms, "
+                      f"load {row['load_ms']:.2f} ms, bit-exact {row['bit_exact']} "
+                      f"({row['loads_checked']} loads checked), ready in lookup {row['ready_blocks']}/{blocks}, "
+                      f"logits finite {row['logits_finite']}",
+                      flush=True)
 
-            loaded = loader_proc.load(keys, block_ids, digests, args.load_reps)
-            row = dict(tokens=n, blocks=blocks, kv_bytes=blocks * shape.block_bytes,
-                       prefill_ms=1e3 * statistics.median(prefill_times),
-                       prefill_runs_ms=[1e3 * t for t in prefill_times], store_ms=1e3 * store_s,
-                       load_ms=1e3 * statistics.median(loaded["times"]),
-                       load_runs_ms=[1e3 * t for t in loaded["times"]],
-                       logits_finite=bool(torch.isfinite(out["logits"]).all()),
-                       ready_blocks=loaded["ready_blocks"], bit_exact=all(loaded["exact"]),
-                       loads_checked=len(loaded["exact"]))
-            rows.append(row)
-            print(f"{n:>6} tokens: prefill {row['prefill_ms']:.1f} ms, store {row['store_ms']:.1f} ms, "
-                  f"load {row['load_ms']:.2f} ms, bit-exact {row['bit_exact']} "
-                  f"({row['loads_checked']} loads checked), ready in lookup {row['ready_blocks']}/{blocks}, "
-                  f"logits finite {row['logits_finite']}",
-                  flush=True)
-
-        client.close()
-        loader_proc.close()
-        model = None  # its 16 GB, before the second peak measurement
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        peaks.append(peak_h2d(device, args.peak_reps, peak_bytes))
-        print(f"peak H2D again after the loads: {peaks[1]:.1f} GB/s", flush=True)
-    except BaseException:
-        print("kvdepotd's log:\n" + open(log_path).read()[-6000:])
-        raise
-    finally:
-        if loader_proc is not None and loader_proc.proc.poll() is None:
-            loader_proc.proc.kill()
-        daemon.terminate()
-        daemon.wait(60)
-        shutil.rmtree(folder, ignore_errors=True)
+            client.close()
+            loader_proc.close()
+            model = None  # its 16 GB, before the second peak measurement
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            peaks.append(peak_h2d(device, args.peak_reps, peak_bytes))
+            print(f"peak H2D again after the loads: {peaks[1]:.1f} GB/s", flush=True)
+        finally:
+            if loader_proc is not None and loader_proc.proc.poll() is None:
+                loader_proc.proc.kill()
 
     peak = max(peaks)
     for row in rows:

@@ -1,0 +1,57 @@
+"""A real kvdepotd for a benchmark: started in a folder of its own in /dev/shm,
+waited for when the benchmark needs it (it pins its pool meanwhile), its log
+shown if the benchmark fails, stopped and cleaned up at the end.
+
+    with BenchDaemon("24GiB", slot_bytes) as daemon:
+        daemon.wait_ready()
+        client = KVDepotClient(daemon.socket, ...)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class BenchDaemon:
+    def __init__(self, pool_size: str, slot_bytes: int, *, pin: str = "on", pool_dir: str | None = None, extra=()):
+        """extra: more daemon options (e.g. --staging-bytes). The daemon inherits
+        this process's environment (KVDEPOT_* settings, KVDEPOT_TRACE_JOBS)."""
+        self.folder = tempfile.mkdtemp(dir="/dev/shm")
+        self.socket = f"{self.folder}/kvdepot.sock"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        self.log_path = os.environ.get("KVDEPOT_BENCH_LOG") or f"{self.folder}/kvdepotd.log"
+        with open(self.log_path, "w") as log_file:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvdepot.server", "--listen", self.socket, "--pool-size", pool_size,
+                 "--slot-size", str(slot_bytes), "--pool-dir", pool_dir or self.folder, "--pin", pin, *extra],
+                stderr=log_file, text=True, env=env)
+        self.pid = self.proc.pid
+
+    def log(self) -> str:
+        return open(self.log_path).read()
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while "ready on" not in self.log():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("kvdepotd did not start:\n" + self.log())
+            time.sleep(0.1)
+
+    def __enter__(self) -> "BenchDaemon":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is not None:
+            print("kvdepotd's log:\n" + self.log()[-6000:])
+        self.proc.terminate()
+        self.proc.wait(60)
+        shutil.rmtree(self.folder, ignore_errors=True)
