@@ -1,0 +1,96 @@
+"""The self-describing record of one stored shard, in the pool and on disk.
+
+A record names what its bytes are (the namespace's digest, the block key, the
+TP rank and rank count, the length) and carries a hash of those bytes and of
+itself, so that a daemon that finds it later (after a restart, in a segment
+file) can tell a committed shard from a torn, stale or foreign one without
+trusting anything else. The same 128 bytes head a pool slot's record and a
+record on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from typing import NamedTuple
+
+import xxhash
+
+from kvdepot.defaults import KEY_BYTES
+
+MAGIC = b"KVDSHRD1"
+# Bumped whenever the bytes of a record, a pool header or a segment change
+# meaning: a daemon discards records of any other format.
+FORMAT_VERSION = 1
+RECORD_BYTES = 128
+NS_DIGEST_BYTES = 16
+
+# magic, format, flags, generation, namespace digest, key, rank, tp_size,
+# length, data hash; then the hash of all of these.
+_FIELDS = struct.Struct(f"<8sIIQ{NS_DIGEST_BYTES}s{KEY_BYTES}sIIQQ")
+_HASH = struct.Struct("<Q")
+_PAD = RECORD_BYTES - _FIELDS.size - _HASH.size
+assert _PAD >= 0
+
+FLAG_SEALED = 1
+
+
+class ShardRecord(NamedTuple):
+    ns: bytes  # the namespace's digest (ns_digest)
+    key: bytes
+    rank: int
+    tp_size: int
+    length: int
+    data_hash: int
+    generation: int = 0
+
+
+def data_hash(data) -> int:
+    """The hash of a shard's bytes (xxh3, 64 bits: tens of GB/s on one core,
+    and it releases the GIL, so several threads hash in parallel)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def pack(record: ShardRecord) -> bytes:
+    fields = _FIELDS.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        FLAG_SEALED,
+        record.generation,
+        record.ns,
+        record.key,
+        record.rank,
+        record.tp_size,
+        record.length,
+        record.data_hash,
+    )
+    return fields + _HASH.pack(xxhash.xxh3_64_intdigest(fields)) + bytes(_PAD)
+
+
+def unpack(raw) -> tuple[ShardRecord | None, str]:
+    """The record in `raw` (at least RECORD_BYTES), or None and why not:
+    "empty" (never sealed, or cleared), "format" (another format) or "torn"
+    (its own hash does not hold)."""
+    raw = bytes(raw[:RECORD_BYTES])
+    if len(raw) < RECORD_BYTES:
+        return None, "torn"
+    fields = raw[: _FIELDS.size]
+    magic, version, flags, generation, ns, key, rank, tp_size, length, hashed = _FIELDS.unpack(fields)
+    if magic != MAGIC:
+        return None, "empty" if magic == bytes(8) else "format"
+    if version != FORMAT_VERSION:
+        return None, "format"
+    (stored,) = _HASH.unpack_from(raw, _FIELDS.size)
+    if stored != xxhash.xxh3_64_intdigest(fields):
+        return None, "torn"
+    if not flags & FLAG_SEALED:
+        return None, "empty"
+    if tp_size < 1 or rank >= tp_size:
+        return None, "torn"
+    return ShardRecord(ns, key, rank, tp_size, length, hashed, generation), ""
+
+
+def ns_digest(identity: tuple) -> bytes:
+    """A namespace identity's digest: what a record stores to name it."""
+    return hashlib.sha256(json.dumps(list(identity)).encode()).digest()[:NS_DIGEST_BYTES]
