@@ -358,7 +358,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class Counters(_message.Message):
-    __slots__ = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "stored_bytes", "loaded_blocks", "loaded_bytes", "evicted_blocks", "failed_jobs", "store_gbps", "load_gbps")
+    __slots__ = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "stored_bytes", "loaded_blocks", "loaded_bytes", "evicted_blocks", "failed_jobs", "store_gbps", "load_gbps", "disk_hit_blocks")
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +370,7 @@ class Counters(_message.Message):
     FAILED_JOBS_FIELD_NUMBER: _ClassVar[int]
     STORE_GBPS_FIELD_NUMBER: _ClassVar[int]
     LOAD_GBPS_FIELD_NUMBER: _ClassVar[int]
+    DISK_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     lookups: int
     hit_blocks: int
     miss_blocks: int
@@ -381,7 +382,49 @@ class Counters(_message.Message):
     failed_jobs: int
     store_gbps: float
     load_gbps: float
-    def __init__(self, lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., failed_jobs: _Optional[int] = ..., store_gbps: _Optional[float] = ..., load_gbps: _Optional[float] = ...) -> None: ...
+    disk_hit_blocks: int
+    def __init__(self, lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., failed_jobs: _Optional[int] = ..., store_gbps: _Optional[float] = ..., load_gbps: _Optional[float] = ..., disk_hit_blocks: _Optional[int] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "shards", "bytes", "capacity_bytes", "written_shards", "written_bytes", "read_shards", "read_bytes", "promotions", "failed_promotions", "evicted_shards", "recovered_shards", "discarded", "direct_io", "write_errors")
+    class DiscardedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_IO_FIELD_NUMBER: _ClassVar[int]
+    WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shards: int
+    bytes: int
+    capacity_bytes: int
+    written_shards: int
+    written_bytes: int
+    read_shards: int
+    read_bytes: int
+    promotions: int
+    failed_promotions: int
+    evicted_shards: int
+    recovered_shards: int
+    discarded: _containers.ScalarMap[str, int]
+    direct_io: bool
+    write_errors: int
+    def __init__(self, name: _Optional[str] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., written_shards: _Optional[int] = ..., written_bytes: _Optional[int] = ..., read_shards: _Optional[int] = ..., read_bytes: _Optional[int] = ..., promotions: _Optional[int] = ..., failed_promotions: _Optional[int] = ..., evicted_shards: _Optional[int] = ..., recovered_shards: _Optional[int] = ..., discarded: _Optional[_Mapping[str, int]] = ..., direct_io: _Optional[bool] = ..., write_errors: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("name", "counters", "ready_blocks", "used_slots")
@@ -416,7 +459,7 @@ class ClientStats(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., jobs_in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., session_number: _Optional[int] = ..., tenant: _Optional[str] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "open_ipc_mappings", "gpus", "namespaces_omitted", "clients_omitted")
+    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "open_ipc_mappings", "gpus", "namespaces_omitted", "clients_omitted", "tiers")
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -433,6 +476,7 @@ class GetStatsResponse(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_OMITTED_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     daemon_version: str
     daemon_instance: str
     uptime_seconds: float
@@ -449,7 +493,8 @@ class GetStatsResponse(_message.Message):
     gpus: _containers.RepeatedCompositeFieldContainer[GpuStats]
     namespaces_omitted: int
     clients_omitted: int
-    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ..., open_ipc_mappings: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., namespaces_omitted: _Optional[int] = ..., clients_omitted: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ..., open_ipc_mappings: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., namespaces_omitted: _Optional[int] = ..., clients_omitted: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
 
 class GpuStats(_message.Message):
     __slots__ = ("index", "uuid", "daemon_memory_bytes")

@@ -105,6 +105,18 @@ OPTIONS = [
         "or point this at a tmpfs or hugetlbfs mount with room.",
     ),
     Option(
+        "disk_dir",
+        None,
+        "Folder for the disk tier (off when unset): blocks evicted from the pool are kept "
+        "there, and lookups that hit them are promoted back. Needs --disk-size.",
+    ),
+    Option(
+        "disk_size",
+        "0",
+        "Bytes the disk tier may take in --disk-dir (what is already there counts), e.g. 500GiB.",
+        size=True,
+    ),
+    Option(
         "eviction",
         "lru",
         "What to drop when the pool is full: lru (least recently used) or arc (adaptive "
@@ -401,6 +413,10 @@ class DaemonConfig:
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
     admin_uids: str = ""
+    disk_dir: str | None = None
+    disk_size: int = 0
+    # --fresh: start empty, discarding the kept pool and the disk tier's segments.
+    fresh: bool = False
     # Read from auth_token_file when the configuration is loaded; never logged.
     auth_token: str | None = field(default=None, repr=False)
     # The configuration file's [[tenant]] tables (server/tenants.py); their tokens are never logged.
@@ -423,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("KVDEPOT_CONFIG"),
         help="TOML file with options by their long names, e.g. pool_size = \"64GiB\" "
         "(also $KVDEPOT_CONFIG).",
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="Start with an empty cache: discard the pool a previous daemon on this address "
+        "left (which it adopts otherwise) and the disk tier's segments.",
     )
     for opt in OPTIONS:
         parser.add_argument(
@@ -469,7 +491,7 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> D
         values[opt.name] = _convert(opt, value, source)
     if values["listen"] is None:
         values["listen"] = default_socket_path()
-    config = DaemonConfig(**values)
+    config = DaemonConfig(**values, fresh=args.fresh)
     _check(config)
     if config.auth_token_file:
         config.auth_token = read_token(config.auth_token_file)
@@ -529,6 +551,8 @@ def _check(config: DaemonConfig) -> None:
     for name in LIMITS:
         if getattr(config, name) < 1:
             raise ConfigError(f"{name} must be at least 1, not {getattr(config, name)}")
+    if bool(config.disk_dir) != (config.disk_size > 0):
+        raise ConfigError("disk_dir and disk_size go together: give both (a folder and its size) or neither")
     if config.max_shm_worker_bytes < 1:
         raise ConfigError("max_shm_worker_bytes must be at least 1 byte")
     _check_limits(config)

@@ -58,6 +58,7 @@ class Depot:
         version: str,
         limits: Limits | None = None,
         quotas: dict[str, int] | None = None,
+        tiers=None,
     ):
         self.pool = pool
         self.limits = limits = limits or Limits()
@@ -73,7 +74,7 @@ class Depot:
         self.changes = ChangeFeed(self.sessions)
         self.namespaces = Namespaces(self._new_id, lambda ns: log.info("namespace %r created", ns.name), limits)
         self.evictions = ScopedEviction(eviction, pool.num_slots, quotas)
-        self.index = BlockIndex(pool, self.evictions, self._count_eviction, self.changes.note)
+        self.index = BlockIndex(pool, self.evictions, self._count_eviction, self.changes.note, tiers)
         # By the TensorHandle kind their workers register with.
         self.transports: dict[str, Transport] = {}
         self.draining = False
@@ -381,8 +382,7 @@ class Depot:
         session.recent_job_id_set.add(job.id)
         n, nbytes = len(job.blocks), len(job.blocks) * worker.layout.block_bytes
         if job.kind == "store":
-            for block in job.blocks:
-                self.index.finish_store(block, worker.rank, ok)
+            self.index.finish_stores(job.blocks, worker.rank, ok, worker.layout.block_bytes)
             if ok:
                 self._count(session, worker.ns, stored_blocks=n, stored_bytes=nbytes)
             self.store_clock.stop()

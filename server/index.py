@@ -21,6 +21,7 @@ from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.namespaces import Namespace
 from kvdepot.server.pool import HostPool
 from kvdepot.server.shares import ScopedEviction
+from kvdepot.server.tiers.stack import TierStack
 
 
 class Block:
@@ -67,8 +68,11 @@ class BlockIndex:
         evictions: ScopedEviction,
         on_evict: Callable[[Block], None],
         on_change: Callable[[Block, str], None] = lambda block, state: None,
+        tiers=None,
     ):
         self.pool = pool
+        # What sits under the DRAM blocks (server/tiers): told of commits.
+        self.tiers = tiers or TierStack()
         self.evictions = evictions
         self._on_evict = on_evict
         # Told "storing", "ready" or "dropped" whenever a block's state as
@@ -161,6 +165,27 @@ class BlockIndex:
             self._held[ns.scope] = self._held.get(ns.scope, 0) + 1
             writes.append((position, block))
         return StoreReservation(writes, already, 0)
+
+    def finish_stores(self, blocks: list[Block], rank: int, ok: bool, length: int) -> None:
+        """Ends a store job's shards (of `length` bytes each) and hands the
+        committed ones to the tiers below."""
+        for block in blocks:
+            self.finish_store(block, rank, ok)
+        if ok and blocks:
+            self.tiers.committed(blocks[0].ns, rank, [(b.key, b.slots[rank]) for b in blocks], length)
+
+    def restore(self, ns: Namespace, key: bytes, slots: list[int]) -> None:
+        """A ready block adopted from the kept pool, its slots already taken
+        (tiers/warm.py); restored oldest first, so the eviction order holds."""
+        block = Block(ns, key)
+        block.slots = list(slots)
+        block.committed = set(range(ns.tp_size))
+        block.ready = True
+        self._blocks[block.index_key] = block
+        ns.used_slots += len(slots)
+        ns.ready_blocks += 1
+        self._held[ns.scope] = self._held.get(ns.scope, 0) + len(slots)
+        self.evictions.of(ns.scope).insert(block.index_key)
 
     def finish_store(self, block: Block, rank: int, ok: bool) -> None:
         """Ends one shard's store. A failed shard is dropped from the block, and

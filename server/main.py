@@ -30,6 +30,8 @@ from kvdepot.server.logsafe import EscapingFormatter
 from kvdepot.server.metrics import MetricsListenError, MetricsServer
 from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
 from kvdepot.server.service import KVDepotService, add_to_server
+from kvdepot.server.tiers.stack import TierStack
+from kvdepot.server.tiers.warm import WarmPool, pick_pool_file, restore
 from kvdepot.server.tenants import TenantConfigError, Tenants, parse_admin_uids, scope_quotas
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
@@ -156,19 +158,6 @@ class AddressGuard:
             self._lock_fd = None
 
 
-def remove_stale_pools(directory: str, prefix: str) -> None:
-    """Pool files of earlier daemons on this address: they died without cleaning up
-    (we hold the address's lock, so none of them runs), and each holds its size in RAM."""
-    for name in os.listdir(directory):
-        if name.startswith(prefix) and name.endswith(".pool"):
-            path = os.path.join(directory, name)
-            log.warning("removing %s, the pool of a daemon on this address that died", path)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-
 async def serve(config: DaemonConfig) -> int:
     target = grpc_target(config.listen)
     unix_path = target[len("unix:"):] if target.startswith("unix:") else None
@@ -189,12 +178,16 @@ async def serve(config: DaemonConfig) -> int:
     metrics = None
     try:
         pool_dir = choose_pool_dir(
-            config.pool_dir, os.path.dirname(unix_path) if unix_path else None, config.pool_size
+            config.pool_dir, os.path.dirname(unix_path) if unix_path else None, config.pool_size, pool_prefix
         )
         if guard is None:
             guard = AddressGuard(target, os.path.join(pool_dir, pool_prefix + "tcp.lock"), None)
             guard.acquire()
-        remove_stale_pools(pool_dir, pool_prefix)
+        # The pool an earlier daemon on this address left, if it fits this
+        # configuration; any other it left is removed.
+        kept = pick_pool_file(
+            pool_dir, pool_prefix, config.slot_size, config.pool_size // config.slot_size, config.fresh
+        )
         # Before the pool, which may take tens of seconds to pin: a taken port fails at once.
         metrics = MetricsServer(config.metrics_listen)
         started = time.monotonic()
@@ -202,11 +195,12 @@ async def serve(config: DaemonConfig) -> int:
             size=config.pool_size,
             slot_bytes=config.slot_size,
             directory=pool_dir,
-            name=pool_prefix + instance,
+            name=kept or pool_prefix + instance,
             pin=config.pin,
             threads=config.pin_threads,
             pin_chunk_bytes=config.pin_chunk_bytes,
             progress=startup_progress,
+            adopt=kept is not None,
         )
     except (PoolError, StartupError, MetricsListenError) as e:
         if guard:
@@ -232,7 +226,12 @@ async def serve(config: DaemonConfig) -> int:
         pool.close()
         guard.release()
         raise StartupError(str(e)) from e
-    depot = Depot(pool, config.eviction, instance, kvdepot.__version__, Limits.of(config), quotas)
+    warm = WarmPool(pool, asyncio.get_running_loop())
+    depot = Depot(
+        pool, config.eviction, instance, kvdepot.__version__, Limits.of(config), quotas, TierStack(warm)
+    )
+    if pool.adopted:
+        adopt_pool(warm, depot, pool, config.pin_threads)
     add_transports(depot, pool, config)
     metrics.attach(depot, asyncio.get_running_loop())
     server = grpc.aio.server(
@@ -315,10 +314,24 @@ async def serve(config: DaemonConfig) -> int:
     housekeeping.cancel()
     metrics.close()
     depot.shutdown()  # copies still on the GPU end before the pool is unpinned
+    await warm.flush()  # every committed shard sealed, for the next daemon
+    warm.close()
     pool.close()
     guard.release()
     log.info("kvdepotd stopped")
     return 0
+
+
+def adopt_pool(warm: WarmPool, depot: Depot, pool: HostPool, threads: int) -> None:
+    startup_progress(f"adopting the blocks of {pool.path}")
+    found = warm.adopt(threads)
+    restored = restore(found, depot.namespaces, depot.index, pool)
+    depot.index.tiers.adopted(restored, pool.used_slots, found.discarded)
+    discarded = ", ".join(f"{n} {reason}" for reason, n in sorted(found.discarded.items())) or "none"
+    log.info(
+        "adopted %d block(s) (%d slots) from the kept pool in %.2f s; shards discarded: %s",
+        restored, pool.used_slots, found.seconds, discarded,
+    )
 
 
 def _tcp_credentials(config: DaemonConfig, target: str, tenants: Tenants) -> grpc.ServerCredentials | None:

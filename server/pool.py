@@ -1,9 +1,14 @@
 """The host pool: one shared-memory file, carved into fixed-size slots.
 
-Workers of the shared-memory transport map the same file; with CUDA the pool
-is also registered as pinned memory so that the GPU copies to and from it by
-DMA. Faulting in (and pinning) hundreds of GB is slow, so it runs in chunks on
-several threads and reports progress.
+With CUDA the pool is registered as pinned memory so that the GPU copies to
+and from it by DMA. Faulting in (and pinning) hundreds of GB is slow, so it
+runs in chunks on several threads and reports progress.
+
+The file outlives the daemon, so that the next one can adopt its blocks
+(tiers/warm.py). After the slots come one record per slot (tiers/record.py)
+and, in the file's last page, a header that says how the file is laid out:
+
+    [slot 0 | slot 1 | ... | record 0 | record 1 | ... | padding | header]
 """
 
 from __future__ import annotations
@@ -14,8 +19,15 @@ import errno
 import logging
 import mmap
 import os
+import stat
+import struct
 import time
 from typing import Callable
+
+import xxhash
+
+from kvdepot.keys import KEY_VERSION
+from kvdepot.server.tiers.record import FORMAT_VERSION, RECORD_BYTES
 
 log = logging.getLogger("kvdepot.pool")
 
@@ -33,6 +45,51 @@ _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 class PoolError(RuntimeError):
     """The pool cannot be created; the message says what to change."""
+
+
+HEADER_BYTES = 4096
+_HEADER_MAGIC = b"KVDPOOL1"
+# magic, format, key version, slot bytes, slots, file size; then their hash.
+_HEADER = struct.Struct("<8sIIQQQ")
+_HEADER_HASH = struct.Struct("<Q")
+
+
+def pool_file_bytes(num_slots: int, slot_bytes: int, page: int) -> int:
+    """The size of a pool file: slots, records and header, in whole pages."""
+    end = num_slots * slot_bytes + num_slots * RECORD_BYTES + HEADER_BYTES
+    return -(-end // page) * page
+
+
+def read_header(path: str) -> tuple[dict | None, str]:
+    """A pool file's layout, or None and why it cannot be adopted. The file
+    must be the daemon user's alone: one that another user could write is
+    never adopted, since its bytes would reach the GPUs."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        return None, f"cannot open it ({e.strerror})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return None, "it is not a plain file with one name"
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return None, f"it belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:o}, not to this user alone"
+        if st.st_size < HEADER_BYTES:
+            return None, "it is too short to hold a header"
+        raw = os.pread(fd, _HEADER.size + _HEADER_HASH.size, st.st_size - HEADER_BYTES)
+    finally:
+        os.close(fd)
+    fields = raw[: _HEADER.size]
+    magic, version, key_version, slot_bytes, num_slots, file_size = _HEADER.unpack(fields)
+    if magic != _HEADER_MAGIC:
+        return None, "it has no kvdepot pool header (a pool of an older kvdepot, or not a pool)"
+    if _HEADER_HASH.unpack_from(raw, _HEADER.size)[0] != xxhash.xxh3_64_intdigest(fields):
+        return None, "its header is torn"
+    header = {"format": version, "key_version": key_version, "slot_bytes": slot_bytes, "num_slots": num_slots,
+              "file_size": file_size, "mtime": st.st_mtime}
+    if file_size != st.st_size:
+        return None, f"its header says {file_size} bytes but the file has {st.st_size}"
+    return header, ""
 
 
 def _meminfo(field: str) -> int:
@@ -89,15 +146,31 @@ def filesystem_type(path: str) -> str:
 PINNABLE_FILESYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
 
 
-def choose_pool_dir(setting: str, socket_dir: str | None, size: int) -> str:
-    """The folder for the pool file: the configured one, or the first with room."""
+def own_pool_bytes(directory: str, prefix: str) -> int:
+    """Bytes of this user's pool files named `prefix`* in `directory`: an
+    earlier daemon's pool, which this one adopts or replaces."""
+    total = 0
+    for name in os.listdir(directory):
+        if name.startswith(prefix) and name.endswith(".pool"):
+            try:
+                st = os.lstat(os.path.join(directory, name))
+            except OSError:
+                continue
+            if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode):
+                total += st.st_blocks * 512
+    return total
+
+
+def choose_pool_dir(setting: str, socket_dir: str | None, size: int, prefix: str = "") -> str:
+    """The folder for the pool file: the configured one, or the first with room
+    (counting the room the pool an earlier daemon left there takes)."""
     if setting != "auto":
         if not os.path.isdir(setting):
             raise PoolError(f"pool_dir {setting} is not a folder")
         return setting
     candidates = [d for d in ("/dev/shm", socket_dir, "/tmp") if d and os.path.isdir(d)]
     for directory in candidates:
-        if _free_bytes(directory) >= size:
+        if _free_bytes(directory) + (own_pool_bytes(directory, prefix) if prefix else 0) >= size:
             return directory
     seen = ", ".join(f"{d} has {_free_bytes(d) / 2**30:.1f} GiB free" for d in candidates)
     raise PoolError(
@@ -119,7 +192,10 @@ class HostPool:
         threads: int = 0,
         pin_chunk_bytes: int = 1 << 30,
         progress: Callable[[str], None] | None = None,
+        adopt: bool = False,
     ):
+        """A new pool file `name`.pool in `directory`; with `adopt`, the one
+        already there (read_header must have accepted it for this layout)."""
         self.slot_bytes = slot_bytes
         # Pinned in registrations of whole slots, so that no slot straddles two.
         self.registration_bytes = max(1, pin_chunk_bytes // slot_bytes) * slot_bytes
@@ -127,8 +203,9 @@ class HostPool:
         self.size = self.num_slots * slot_bytes
         self.huge_pages = huge_page_bytes(directory)
         # A hugetlbfs file is a whole number of huge pages.
-        self._file_size = -(-self.size // self.huge_pages) * self.huge_pages if self.huge_pages else self.size
+        self._file_size = pool_file_bytes(self.num_slots, slot_bytes, self.huge_pages or mmap.PAGESIZE)
         self.path = os.path.join(directory, f"{name}.pool")
+        self.adopted = adopt
         self.pinned = False
         self.pin_seconds = 0.0
         self._registered: list[int] = []
@@ -136,7 +213,10 @@ class HostPool:
         self._progress = progress or log.info
         self._threads = threads or min(16, os.cpu_count() or 1)
         self._free = list(range(self.num_slots - 1, -1, -1))
-        if self._file_size > _free_bytes(directory):
+        # Bumped whenever a slot is handed out: a record sealed for an older
+        # use of the slot is not written (tiers/warm.py).
+        self.epochs = [0] * self.num_slots
+        if not adopt and self._file_size > _free_bytes(directory):
             what = "huge pages free (HugePages_Free in /proc/meminfo)" if self.huge_pages else "free"
             raise PoolError(
                 f"the pool ({self._file_size / 2**30:.2f} GiB) does not fit in {directory} "
@@ -144,20 +224,37 @@ class HostPool:
             )
         # The daemon's user alone: the pool holds every tenant's KV, and a
         # process that maps it could read or overwrite any of it.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if adopt:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+        else:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
-            os.ftruncate(fd, self._file_size)
+            if not adopt:
+                os.ftruncate(fd, self._file_size)
             self.buffer = mmap.mmap(fd, self._file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
             self._fault_in(fd)
+            self.records = memoryview(self.buffer)[self.size : self.size + self.num_slots * RECORD_BYTES]
+            if not adopt:
+                self._write_header()
         except BaseException:
             os.close(fd)
-            os.unlink(self.path)
+            if not adopt:
+                os.unlink(self.path)
             raise
         os.close(fd)
         if pin != "off":
             self._pin(required=(pin == "on"))
+
+    def _write_header(self) -> None:
+        fields = _HEADER.pack(
+            _HEADER_MAGIC, FORMAT_VERSION, KEY_VERSION, self.slot_bytes, self.num_slots, self._file_size
+        )
+        at = self._file_size - HEADER_BYTES
+        self.buffer[at : at + _HEADER.size + _HEADER_HASH.size] = fields + _HEADER_HASH.pack(
+            xxhash.xxh3_64_intdigest(fields)
+        )
 
     # ------------------------------------------------------------ start-up
 
@@ -209,7 +306,8 @@ class HostPool:
         chunk = POPULATE_CHUNK_BYTES
         if self.huge_pages:
             chunk = max(1, chunk // self.huge_pages) * self.huge_pages
-        seconds = self._run_chunks("allocating the pool", populate, chunk, self._threads)
+        what = "mapping the kept pool" if self.adopted else "allocating the pool"
+        seconds = self._run_chunks(what, populate, chunk, self._threads)
         pages = f"{self.huge_pages >> 20} MiB huge pages" if self.huge_pages else "4 KiB pages"
         log.info("pool of %.2f GiB allocated in %.2f s at %s (%s)", self.size / 2**30, seconds, self.path, pages)
 
@@ -275,22 +373,47 @@ class HostPool:
         return self.num_slots - len(self._free)
 
     def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        # Its old record goes before any new byte arrives: a restart in
+        # between finds an empty slot, never an old record over new bytes.
+        self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = bytes(RECORD_BYTES)
+        self.epochs[slot] += 1
+        return slot
 
     def release(self, slot: int) -> None:
+        # A block dropped (evicted, cleared) must not come back at a restart.
+        self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = bytes(RECORD_BYTES)
+        self.epochs[slot] += 1
         self._free.append(slot)
 
-    def close(self) -> None:
+    def slot_view(self, slot: int, length: int) -> memoryview:
+        start = slot * self.slot_bytes
+        return memoryview(self.buffer)[start : start + length]
+
+    def keep_only(self, used: set[int]) -> None:
+        """After adoption: `used` hold blocks; every other slot is free and its
+        record cleared."""
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
+        empty = bytes(RECORD_BYTES)
+        for slot in self._free:
+            self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = empty
+
+    def close(self, discard: bool = False) -> None:
+        """Unmaps the pool; the file stays for the next daemon unless `discard`."""
         for ptr in self._registered:
             self._cudart.cudaHostUnregister(ptr)
         self._registered = []
         try:
+            self.records.release()
             self.buffer.close()
         except BufferError:
             # A view of the buffer is still alive (CUDA registration); the
             # mapping goes with the process.
             pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if discard:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

@@ -96,6 +96,7 @@ def stats_response(depot, identity: Identity | None, asking_session_id: str = ""
         occupancy=used / pool.num_slots,
         eviction_policy=depot.evictions.name,
     )
+    response.tiers.extend(depot.index.tiers.stats(pool))
     if identity is None:
         return response
     visible = visible_to(identity)

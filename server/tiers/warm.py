@@ -1,0 +1,233 @@
+"""The pool kept across daemon restarts: sealing records, and adopting them.
+
+Every committed shard gets a record in the pool file (record.py) once its
+bytes are hashed, which background threads do after the job has ended, so the
+store path only pays for handing the work over. A daemon that starts on the
+same address adopts the file: each sealed record whose own hash, namespace and
+data hash hold comes back as a ready block, oldest first in the eviction
+order; everything else (a store that never committed, a record not yet sealed
+when the daemon died, a torn record, bytes that changed) is discarded and
+counted, never served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from kvdepot.server.pool import HostPool, read_header
+from kvdepot.server.tiers.catalog import Catalog
+from kvdepot.server.tiers.record import FORMAT_VERSION, RECORD_BYTES, ShardRecord, data_hash, pack, unpack
+
+log = logging.getLogger("kvdepot.tiers")
+
+# Hashing threads: enough to keep up with stores at PCIe speed (one does 20 GB/s).
+SEAL_THREADS = 2
+
+
+def catalog_path(pool_path: str) -> str:
+    return pool_path[: -len(".pool")] + ".namespaces.json"
+
+
+def pick_pool_file(directory: str, prefix: str, slot_bytes: int, num_slots: int, fresh: bool) -> str | None:
+    """The pool file this daemon adopts (its name without .pool), or None to
+    start empty. Files of earlier daemons on this address that it does not
+    adopt are removed: each holds its size in RAM. The log says why."""
+    candidates = []
+    for name in sorted(os.listdir(directory)):
+        if not (name.startswith(prefix) and name.endswith(".pool")):
+            continue
+        path = os.path.join(directory, name)
+        header, reason = read_header(path)
+        if header is not None and not reason:
+            reason = _incompatible(header, slot_bytes, num_slots)
+        if fresh and not reason:
+            reason = "--fresh was given"
+        if reason:
+            _remove(path, reason)
+        else:
+            candidates.append((header["mtime"], name))
+    if not candidates:
+        return None
+    candidates.sort()
+    for _, name in candidates[:-1]:
+        _remove(os.path.join(directory, name), "a newer pool file of this address is adopted instead")
+    return candidates[-1][1][: -len(".pool")]
+
+
+def _incompatible(header: dict, slot_bytes: int, num_slots: int) -> str:
+    if header["format"] != FORMAT_VERSION:
+        return f"it is of record format {header['format']}, this daemon writes {FORMAT_VERSION}"
+    if header["slot_bytes"] != slot_bytes:
+        return f"its slots have {header['slot_bytes']} bytes, --slot-size asks for {slot_bytes}"
+    if header["num_slots"] != num_slots:
+        return f"it has {header['num_slots']} slots, --pool-size asks for {num_slots}"
+    return ""
+
+
+def _remove(path: str, reason: str) -> None:
+    log.warning("not adopting the pool %s: %s; removing it", path, reason)
+    for victim in (path, catalog_path(path)):
+        try:
+            os.unlink(victim)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # another user's file in a shared folder
+            log.warning("cannot remove %s: %s", victim, e.strerror)
+
+
+@dataclass
+class Adopted:
+    """What adoption found: blocks to restore and the records it discarded."""
+
+    # (namespace identity, rank signatures, key, slots by rank, generation)
+    blocks: list[tuple[tuple, dict, bytes, list[int], int]] = field(default_factory=list)
+    discarded: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def discard(self, reason: str, count: int = 1) -> None:
+        self.discarded[reason] = self.discarded.get(reason, 0) + count
+
+
+class WarmPool:
+    """Seals committed shards into the pool's records, and adopts them."""
+
+    def __init__(self, pool: HostPool, loop=None):
+        self.pool = pool
+        self.catalog = Catalog(catalog_path(pool.path))
+        self._loop = loop
+        self._threads = concurrent.futures.ThreadPoolExecutor(SEAL_THREADS, thread_name_prefix="kvdepot-seal")
+        self._noted: dict[tuple[int, int], bytes] = {}
+        self.generation = 0
+        self.sealed = 0
+        self.seals_in_flight = 0
+
+    # ------------------------------------------------------------ sealing
+
+    def seal(self, ns, rank: int, shards: list[tuple[bytes, int]], length: int) -> None:
+        """Seals (key, slot) shards of `ns`'s rank `rank` once their bytes are
+        hashed. Runs on the event loop; the hashing does not."""
+        digest = self._noted.get((ns.id, rank))
+        if digest is None:
+            digest = self.catalog.note(ns.identity, {rank: ns.rank_signatures.get(rank)})
+            self._noted[(ns.id, rank)] = digest
+        epochs = self.pool.epochs
+        work = [(key, slot, epochs[slot]) for key, slot in shards]
+        self.seals_in_flight += 1
+        future = self._threads.submit(self._hash, work, length)
+        future.add_done_callback(
+            lambda f: self._loop.call_soon_threadsafe(self._write, f, digest, ns.tp_size, rank, length)
+        )
+
+    def _hash(self, work, length: int) -> list[tuple[bytes, int, int, int]]:
+        view = self.pool.slot_view
+        return [(key, slot, epoch, data_hash(view(slot, length))) for key, slot, epoch in work]
+
+    def _write(self, future, digest: bytes, tp_size: int, rank: int, length: int) -> None:
+        self.seals_in_flight -= 1
+        if future.cancelled() or future.exception() is not None:
+            if not future.cancelled():
+                log.warning("sealing records failed: %s", future.exception())
+            return
+        records, epochs = self.pool.records, self.pool.epochs
+        for key, slot, epoch, hashed in future.result():
+            # The slot was released or handed out again while its bytes were
+            # hashed: the hash may be of other bytes.
+            if epochs[slot] != epoch:
+                continue
+            self.generation += 1
+            record = ShardRecord(digest, key, rank, tp_size, length, hashed, self.generation)
+            records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = pack(record)
+            self.sealed += 1
+
+    async def flush(self, timeout: float = 10.0) -> None:
+        """Waits for the records being sealed, so that a daemon that stops
+        leaves every committed shard adoptable."""
+        deadline = time.monotonic() + timeout
+        while self.seals_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True, cancel_futures=False)
+
+    # ------------------------------------------------------------ adoption
+
+    def adopt(self, threads: int = 0) -> Adopted:
+        """The blocks whose every shard's record holds, from an adopted pool."""
+        started = time.monotonic()
+        found = Adopted()
+        why = self.catalog.load()
+        if why:
+            log.warning("%s: the pool's blocks cannot be named and are discarded", why)
+        pool, catalog = self.pool, self.catalog
+        shards: list[tuple[int, ShardRecord]] = []
+        for slot in range(pool.num_slots):
+            record, reason = unpack(pool.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES])
+            if record is None:
+                if reason != "empty":
+                    found.discard(reason)
+                continue
+            if record.length > pool.slot_bytes:
+                found.discard("torn")
+            elif catalog.identity(record.ns) is None:
+                found.discard("unknown_namespace")
+            else:
+                shards.append((slot, record))
+        hashes = self._hash_all(shards, threads)
+        blocks: dict[tuple[bytes, bytes], list] = {}
+        for (slot, record), hashed in zip(shards, hashes):
+            if hashed != record.data_hash:
+                found.discard("data_hash")
+                continue
+            blocks.setdefault((record.ns, record.key), []).append((slot, record))
+        for (digest, key), parts in blocks.items():
+            identity = catalog.identity(digest)
+            tp_size = identity[6]
+            by_rank = {r.rank: slot for slot, r in parts if r.tp_size == tp_size}
+            if len(by_rank) != tp_size or len(parts) != tp_size:
+                found.discard("incomplete", len(parts))
+                continue
+            generation = max(r.generation for _, r in parts)
+            self.generation = max(self.generation, generation)
+            slots = [by_rank[r] for r in range(tp_size)]
+            found.blocks.append((identity, catalog.signatures(digest), key, slots, generation))
+        found.blocks.sort(key=lambda b: b[4])
+        found.seconds = time.monotonic() - started
+        return found
+
+    def _hash_all(self, shards: list[tuple[int, ShardRecord]], threads: int) -> list[int]:
+        view = self.pool.slot_view
+        workers = threads or min(16, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(workers) as executor:
+            return list(executor.map(lambda s: data_hash(view(s[0], s[1].length)), shards, chunksize=64))
+
+
+
+def restore(found: Adopted, namespaces, index, pool: HostPool) -> int:
+    """Puts the adopted blocks back in the index; returns how many came back."""
+    from kvdepot.proto import kvdepot_pb2 as pb
+    from kvdepot.server.tiers.catalog import IDENTITY_FIELDS
+
+    used: set[int] = set()
+    restored = 0
+    for identity, signatures, key, slots, _ in found.blocks:
+        fields = dict(zip(IDENTITY_FIELDS, identity))
+        scope = fields.pop("scope")
+        try:
+            ns = namespaces.of(pb.NamespaceSpec(**fields), scope)
+        except Exception as e:  # a limit lowered since, or a spec no longer valid
+            found.discard("namespace_refused", len(slots))
+            log.warning("an adopted block of %s is discarded: %s", fields.get("model"), e)
+            continue
+        for rank, signature in signatures.items():
+            if signature is not None:
+                ns.rank_signatures.setdefault(rank, signature)
+        index.restore(ns, key, slots)
+        used.update(slots)
+        restored += 1
+    pool.keep_only(used)
+    return restored

@@ -1,0 +1,218 @@
+"""A restarted daemon adopts the pool its predecessor left: the blocks come
+back, and nothing that was not committed, or that changed since, is served."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import subprocess_env, wait_until
+from kvcache import attach_worker, block_of, prompt_keys
+
+WORKER = str(Path(__file__).resolve().parent / "worker_proc.py")
+RECORD_BYTES = 128
+SLOT_BYTES = 16 * 1024  # the test daemons' slot size
+
+
+def run_worker(*args: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, WORKER, *args], capture_output=True, text=True, env=subprocess_env(), timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def dram(stats):
+    [tier] = [t for t in stats.tiers if t.name == "dram"]
+    return tier
+
+
+def store(client, worker, keys, job_id=1):
+    job = client.submit_store(worker, job_id, keys, list(range(len(keys))))
+    assert client.wait([job], 10)[job].ok
+
+
+def sealed(client, n):
+    wait_until(lambda: dram(client.stats()).written_shards >= n, what=f"{n} records sealed")
+
+
+def slot_of(pool: Path, key: bytes) -> int:
+    """The slot whose record names `key` (record: 8+4+4+8+16 bytes, then the key)."""
+    data = pool.read_bytes()
+    num_slots = (len(data) - 4096) // (SLOT_BYTES + RECORD_BYTES)
+    records = num_slots * SLOT_BYTES
+    for slot in range(num_slots):
+        at = records + slot * RECORD_BYTES + 40
+        if data[at : at + 32] == key:
+            return slot
+    raise AssertionError("no record names the key")
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_blocks_stored_before_a_sigterm_load_bit_exact_after_the_restart(daemon, tmp_path):
+    a_out, b_before, b_out = tmp_path / "a.pt", tmp_path / "b0.pt", tmp_path / "b.pt"
+    assert run_worker("store", "--socket", daemon.socket, "--seed", "1", "--blocks", "64", "--out", str(a_out))["ok"]
+    assert daemon.stop() == 0
+    daemon.start()
+    assert "adopted 64 block(s) (64 slots)" in daemon.log()
+    loaded = run_worker("load", "--socket", daemon.socket, "--seed", "2", "--blocks", "64", "--first-block", "50",
+                        "--before", str(b_before), "--out", str(b_out))
+    assert loaded["ok"] and loaded["ready"] == 64
+    a, b = torch.load(a_out), torch.load(b_out)
+    for i in range(64):
+        for src, dst in zip(block_of(a, "per_layer", i), block_of(b, "per_layer", 50 + i)):
+            assert torch.equal(src.view(torch.int16), dst.view(torch.int16)), f"block {i} differs"
+
+
+def test_a_daemon_killed_idle_comes_back_warm_and_counts_what_it_adopted(start_daemon, client_factory):
+    daemon = start_daemon()
+    client = client_factory(daemon, backoff_max=0.5)
+    worker, engine, tensors = attach_worker(client, seed=3)
+    keys = prompt_keys(16, prompt=1)
+    store(client, worker, keys)
+    sealed(client, 16)
+    daemon.kill()
+    daemon.start()
+    assert client.wait_connected(15)
+    assert client.lookup(engine, keys).ready_blocks == 16
+    tier = dram(client.stats())
+    assert tier.recovered_shards == 16 and dict(tier.discarded) == {}
+    assert tier.shards == 16 and tier.capacity_bytes == 4 << 20
+
+
+def test_a_corrupted_slot_and_a_torn_record_are_discarded_never_served(start_daemon, client_factory):
+    daemon = start_daemon()
+    client = client_factory(daemon, backoff_max=0.5)
+    worker, engine, tensors = attach_worker(client, seed=4)
+    keys = prompt_keys(16, prompt=2)
+    store(client, worker, keys)
+    sealed(client, 16)
+    assert daemon.stop() == 0
+    [pool] = daemon.folder.glob("*.pool")
+    flip(pool, slot_of(pool, keys[5]) * SLOT_BYTES + 1000)  # a byte of block 5's KV
+    num_slots = (pool.stat().st_size - 4096) // (SLOT_BYTES + RECORD_BYTES)
+    flip(pool, num_slots * SLOT_BYTES + slot_of(pool, keys[9]) * RECORD_BYTES + 64)  # block 9's record
+    daemon.start()
+    assert client.wait_connected(15)
+    tier = dram(client.stats())
+    assert dict(tier.discarded) == {"data_hash": 1, "torn": 1}
+    assert tier.recovered_shards == 14
+    assert client.lookup(engine, keys).ready_blocks == 5
+    assert client.lookup(engine, keys[6:9]).ready_blocks == 3
+    assert client.lookup(engine, keys[9:10]).ready_blocks == 0
+    assert client.lookup(engine, keys[10:]).ready_blocks == 6
+    # What does come back is byte for byte what was stored.
+    job = client.submit_load(worker, 2, keys[:5], list(range(40, 45)))
+    assert client.wait([job], 10)[job].ok
+    for i in range(5):
+        for src, dst in zip(block_of(tensors, "per_layer", i), block_of(tensors, "per_layer", 40 + i)):
+            assert torch.equal(src.view(torch.int16), dst.view(torch.int16))
+
+
+def test_a_store_cut_by_kill_9_is_not_served_after_the_restart(start_held_daemon, client_factory):
+    daemon = start_held_daemon()
+    client = client_factory(daemon, backoff_max=0.5)
+    worker, engine, tensors = attach_worker(client, seed=5)
+    done, cut = prompt_keys(8, prompt=3), prompt_keys(8, prompt=4)
+    store(client, worker, done)
+    sealed(client, 8)
+    daemon.hold(7)
+    client.submit_store(worker, 7, cut, list(range(8, 16)))
+    wait_until(lambda: client.stats().pinned_slots == 8, what="the store in flight")
+    daemon.kill()
+    daemon.release(7)
+    daemon.start()
+    assert client.wait_connected(15)
+    assert client.lookup(engine, done).ready_blocks == 8
+    assert client.lookup(engine, cut).ready_blocks == 0
+    assert client.stats().used_slots == 8
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"slot_size": "32KiB"}, "its slots have 16384 bytes, --slot-size asks for 32768"),
+        ({"pool_size": "8MiB"}, "it has 256 slots, --pool-size asks for 512"),
+        ({"fresh": ""}, "--fresh was given"),
+    ],
+)
+def test_a_pool_of_another_layout_or_fresh_starts_empty_and_says_why(start_daemon, client_factory, change, reason):
+    daemon = start_daemon()
+    client = client_factory(daemon, backoff_max=0.5)
+    worker, engine, tensors = attach_worker(client, seed=6)
+    keys = prompt_keys(8, prompt=5)
+    store(client, worker, keys)
+    sealed(client, 8)
+    assert daemon.stop() == 0
+    daemon.options.update(change)
+    if "fresh" in change:  # a flag without a value
+        daemon.options.pop("fresh")
+        daemon.args = (lambda args: lambda: [*args(), "--fresh"])(daemon.args)
+    daemon.start()
+    assert reason in daemon.log()
+    assert len(list(daemon.folder.glob("*.pool"))) == 1
+    assert client.wait_connected(15)
+    if "slot_size" not in change:
+        worker, engine, tensors = attach_worker(client, seed=6)
+        assert client.lookup(engine, keys).ready_blocks == 0
+    assert client.stats().used_slots == 0
+
+
+def test_a_pool_file_others_could_write_is_not_adopted(start_daemon, client_factory):
+    daemon = start_daemon()
+    client = client_factory(daemon, backoff_max=0.5)
+    worker, engine, tensors = attach_worker(client, seed=7)
+    store(client, worker, prompt_keys(8, prompt=6))
+    sealed(client, 8)
+    assert daemon.stop() == 0
+    [pool] = daemon.folder.glob("*.pool")
+    # As a file another user planted, or one whose mode was opened up: its
+    # bytes could have been written by anyone, and would reach the GPUs.
+    os.chmod(pool, 0o620)
+    daemon.start()
+    assert "not to this user alone" in daemon.log()
+    assert client.wait_connected(15)
+    assert client.stats().used_slots == 0
+    [new] = daemon.folder.glob("*.pool")
+    assert new.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_pool_file_of_another_uid_is_not_adopted(start_daemon, client_factory):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a file to another uid")
+    daemon = start_daemon()
+    client = client_factory(daemon, backoff_max=0.5)
+    worker, engine, tensors = attach_worker(client, seed=8)
+    store(client, worker, prompt_keys(8, prompt=7))
+    sealed(client, 8)
+    assert daemon.stop() == 0
+    [pool] = daemon.folder.glob("*.pool")
+    os.chown(pool, 65534, 65534)  # mode 0600 still, but nobody's
+    daemon.start()
+    assert "belongs to uid 65534" in daemon.log()
+    assert client.wait_connected(15)
+    assert client.stats().used_slots == 0
+
+
+def test_the_header_names_format_slot_size_and_slots(daemon):
+    daemon.stop()
+    [pool] = daemon.folder.glob("*.pool")
+    with open(pool, "rb") as f:
+        f.seek(-4096, os.SEEK_END)
+        magic, version, key_version, slot_bytes, num_slots, size = struct.unpack("<8sIIQQQ", f.read(40))
+    assert (magic, slot_bytes, num_slots, size) == (b"KVDPOOL1", SLOT_BYTES, 256, pool.stat().st_size)
+    daemon.start()
