@@ -580,17 +580,23 @@ class DiskTier:
                 if sum(s.physical for s in self._segments.values()) + reserve <= self.capacity:
                     return True
                 oldest = next((s for s in self._segments.values() if s is not self._current), None)
-            if oldest is None:
-                return False
-            try:
-                os.unlink(oldest.path)
-            except FileNotFoundError:
-                pass
-            with self._lock:
+                if oldest is None:
+                    return False
+                # Out of the index before the file goes: a reader that finds the
+                # file gone then finds its key gone too, and counts no error.
                 del self._segments[oldest.seq]
                 dropped = [k for k in oldest.keys if self._index.get(k, (None,))[0] == oldest.seq]
                 for key in dropped:
                     del self._index[key]
+            try:
+                os.unlink(oldest.path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                with self._lock:  # still there, and still taking its space
+                    self._segments = {oldest.seq: oldest, **self._segments}
+                raise
+            with self._lock:
                 self._counts["segments_evicted"] += 1
                 self._counts["records_evicted"] += len(dropped)
             self._log.debug("evicted disk tier segment %s (%d records)", oldest.path, len(dropped))
