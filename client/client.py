@@ -31,6 +31,7 @@ from typing import Iterable, Mapping, Sequence
 from kvdepot import jobtrace
 from kvdepot.client.jobs import JobBook, JobResult
 from kvdepot.client.key_copy import EngineCopies, EngineHandle
+from kvdepot.client.promote import Promoter
 from kvdepot.client.rpc import Tls
 from kvdepot.client.session import Connection, Session
 from kvdepot.client.workers import WorkerHandle, make_worker
@@ -82,6 +83,7 @@ class KVDepotClient:
         self.name = name
         self._jobs = JobBook()
         self._copies = EngineCopies()
+        self._promoter = Promoter(self.lookup)
         metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         credentials = tls.credentials() if tls is not None else None
         self._session = Session(
@@ -121,6 +123,7 @@ class KVDepotClient:
         """Ends the session once its jobs in flight have ended, or after
         `timeout` seconds: the daemon fails the jobs of a session that ends."""
         self._jobs.wait_idle(timeout)
+        self._promoter.close()
         self._session.closing.set()
         self._session.stop()
 
@@ -185,6 +188,8 @@ class KVDepotClient:
         if self._session.connection is None or engine.engine_id is None:
             return LookupResult(0, available=False)
         ready, not_yet = engine.lookup(keys, start)
+        if not_yet and engine.lower:
+            self._promoter.ask(engine, keys[start + ready :])
         return LookupResult(ready_blocks=ready, not_yet=not_yet)
 
     def report_lookups(self, engine: EngineHandle, lookups: int, hit_blocks: int, miss_blocks: int) -> bool:

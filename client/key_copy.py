@@ -32,6 +32,10 @@ class EngineHandle:
     namespace_name: str = ""
     ready: set = field(default_factory=set)
     storing: set = field(default_factory=set)
+    # Held by the daemon's disk tier only (promote.py), and those of them
+    # this client has asked the daemon to bring up.
+    lower: set = field(default_factory=set)
+    asked: set = field(default_factory=set)
     # Keys that were ready and are gone (evicted, cleared, daemon lost) since
     # the last take_removed(); kept only when asked for (track_removed), so
     # that nobody's list grows without a reader.
@@ -43,26 +47,40 @@ class EngineHandle:
         return self.engine_id is not None
 
     def lookup(self, keys: Sequence[bytes], start: int) -> tuple[int, bool]:
-        """(leading ready keys from `start`, whether the next one is being stored)."""
+        """(leading ready keys from `start`, whether the next one is being
+        stored or is on the daemon's disk: worth waiting for)."""
         ready = self.ready
         n, end = start, len(keys)
         while n < end and keys[n] in ready:
             n += 1
-        return n - start, n < end and keys[n] in self.storing
+        return n - start, n < end and (keys[n] in self.storing or keys[n] in self.lower)
 
     def _apply(self, message: pb.BlocksChanged) -> None:
-        ready, storing = self.ready, self.storing
+        ready, storing, lower, asked = self.ready, self.storing, self.lower, self.asked
         for key in message.storing:
             storing.add(key)
+            lower.discard(key)
+            asked.discard(key)
         for key in message.ready:
             storing.discard(key)
+            lower.discard(key)
+            asked.discard(key)
             ready.add(key)
+        for key in message.lower:
+            storing.discard(key)
+            lower.add(key)
+            self._unready(key)
         for key in message.dropped:
             storing.discard(key)
-            if key in ready:
-                ready.remove(key)
-                if self.track_removed:
-                    self.removed.append(key)
+            lower.discard(key)
+            asked.discard(key)
+            self._unready(key)
+
+    def _unready(self, key: bytes) -> None:
+        if key in self.ready:
+            self.ready.remove(key)
+            if self.track_removed:
+                self.removed.append(key)
 
 
 class EngineCopies:
@@ -116,7 +134,7 @@ class EngineCopies:
                 engine.engine_id = None
                 if engine.track_removed:
                     engine.removed.extend(engine.ready)
-                engine.ready, engine.storing = set(), set()
+                engine.ready, engine.storing, engine.lower, engine.asked = set(), set(), set(), set()
 
     def take_removed(self, engine: EngineHandle) -> list[bytes]:
         with self._lock:

@@ -74,7 +74,11 @@ class Depot:
         self.changes = ChangeFeed(self.sessions)
         self.namespaces = Namespaces(self._new_id, lambda ns: log.info("namespace %r created", ns.name), limits)
         self.evictions = ScopedEviction(eviction, pool.num_slots, quotas)
-        self.index = BlockIndex(pool, self.evictions, self._count_eviction, self.changes.note, tiers)
+        self.index = BlockIndex(
+            pool, self.evictions, self._count_eviction, self.changes.note, tiers, self.changes.note_key
+        )
+        # Promotions end outside any call: their changes go out when they do.
+        self.index.tiers.connect(self.changes.send, self.namespaces)
         # By the TensorHandle kind their workers register with.
         self.transports: dict[str, Transport] = {}
         self.draining = False
@@ -185,7 +189,8 @@ class Depot:
         blocks = self.index.blocks_of(ns)
         ready = [b.key for b in blocks if b.ready]
         storing = [b.key for b in blocks if not b.ready and b.writers]
-        session.outbox.snapshot(engine_id, ready, storing)
+        lower = self.index.tiers.lower_keys(ns, {b.key for b in blocks})
+        session.outbox.snapshot(engine_id, ready, storing, lower)
         return engine_id, ns
 
     def register_worker(self, request: pb.RegisterWorkerRequest) -> Worker:
@@ -358,6 +363,9 @@ class Depot:
         if len(set(block_ids)) != len(block_ids):
             raise InvalidArgument("a load writes each block id once; the request repeats some")
         blocks = self.index.reserve_load(worker.ns, keys)
+        from_disk = self.index.take_promoted(blocks)
+        if from_disk:
+            self._count(session, worker.ns, disk_hit_blocks=from_disk)
         slots = [block.slots[worker.rank] for block in blocks]
         job = Job(request.job_id, "load", session, worker, blocks, block_ids, slots, transport_state=state)
         self._begin(job)

@@ -25,7 +25,7 @@ from kvdepot.server.tiers.stack import TierStack
 
 
 class Block:
-    __slots__ = ("ns", "key", "slots", "committed", "writers", "pins", "loading", "ready")
+    __slots__ = ("ns", "key", "slots", "committed", "writers", "pins", "loading", "ready", "promoted")
 
     def __init__(self, ns: Namespace, key: bytes):
         self.ns = ns
@@ -36,6 +36,9 @@ class Block:
         self.pins = 0
         self.loading = 0
         self.ready = False
+        # Brought up from a lower tier and not looked up since: its next hit
+        # counts as that tier's.
+        self.promoted = False
 
     @property
     def index_key(self) -> tuple[int, bytes]:
@@ -43,6 +46,10 @@ class Block:
 
     def held_slots(self) -> list[int]:
         return [s for s in self.slots if s is not None]
+
+
+# The writer of every rank of a block being promoted from a lower tier.
+PROMOTION = -1
 
 
 @dataclass
@@ -69,15 +76,18 @@ class BlockIndex:
         on_evict: Callable[[Block], None],
         on_change: Callable[[Block, str], None] = lambda block, state: None,
         tiers=None,
+        on_change_key: Callable[[Namespace, bytes, str], None] = lambda ns, key, state: None,
     ):
         self.pool = pool
         # What sits under the DRAM blocks (server/tiers): told of commits.
         self.tiers = tiers or TierStack()
+        self.tiers.attach(self)
         self.evictions = evictions
         self._on_evict = on_evict
         # Told "storing", "ready" or "dropped" whenever a block's state as
         # Lookup reports it changes.
         self._on_change = on_change
+        self._on_change_key = on_change_key
         self._blocks: dict[tuple[int, bytes], Block] = {}
         self._pinned: set[Block] = set()
         # Slots of stores in flight, by scope: at most its share of the pool, so
@@ -89,6 +99,9 @@ class BlockIndex:
     # ------------------------------------------------------------ queries
 
     def lookup(self, ns: Namespace, keys: list[bytes]) -> LookupResult:
+        """The ready prefix of `keys`; then the blocks after it that are being
+        stored or promoted (NOT_YET: ask again when they are ready). A block
+        that only a lower tier holds starts its promotion here."""
         ready = loading = storing = 0
         position = 0
         for position, key in enumerate(keys):
@@ -101,7 +114,16 @@ class BlockIndex:
             position = len(keys)
         for key in keys[position:]:
             block = self._blocks.get((ns.id, key))
-            if block is None or block.ready or not block.writers:
+            if block is None:
+                if self.tiers.promote(ns, key):
+                    storing += 1
+                    continue
+                if self.tiers.on:
+                    # An engine's copy may still list it on disk (lower):
+                    # it is gone, and the copy should say so.
+                    self._on_change_key(ns, key, "dropped")
+                break
+            if block.ready or not block.writers:
                 break
             storing += 1
         status = pb.LookupResponse.NOT_YET if storing else pb.LookupResponse.READY
@@ -125,7 +147,46 @@ class BlockIndex:
         if block.pins == 0:
             self._pinned.discard(block)
 
+    def hold(self, block: Block) -> None:
+        """Keeps `block` (and its slots) from eviction while a tier reads it."""
+        self._pin(block)
+
+    def let_go(self, block: Block) -> None:
+        self._unpin(block)
+
+    def holds(self, block: Block) -> bool:
+        """Whether `block` is still the index's (not evicted, not cleared)."""
+        return self._blocks.get(block.index_key) is block
+
     # ------------------------------------------------------------ stores
+
+    def reserve_promotion(self, ns: Namespace, key: bytes) -> Block | None:
+        """A new block whose every rank a lower tier will write, its slots
+        taken and pinned; None when no slot can be had (every one pinned)."""
+        index_key = (ns.id, key)
+        block = Block(ns, key)
+        self._pin(block)
+        for rank in range(ns.tp_size):
+            slot = self._allocate_slot(index_key, ns.scope)
+            if slot is None:
+                for taken in block.held_slots():
+                    self.pool.release(taken)
+                    ns.used_slots -= 1
+                    self._held[ns.scope] -= 1
+                self._unpin(block)
+                return None
+            block.slots[rank] = slot
+            block.writers[rank] = PROMOTION
+            ns.used_slots += 1
+            self._held[ns.scope] = self._held.get(ns.scope, 0) + 1
+            self._storing[ns.scope] = self._storing.get(ns.scope, 0) + 1
+        # Pinned once a rank: finish_store unpins each.
+        for _ in range(ns.tp_size - 1):
+            self._pin(block)
+        block.promoted = True
+        self._blocks[index_key] = block
+        self._on_change(block, "storing")
+        return block
 
     def reserve_store(self, ns: Namespace, rank: int, keys: list[bytes], job_id: int) -> StoreReservation:
         writes: list[tuple[int, Block]] = []
@@ -172,7 +233,7 @@ class BlockIndex:
         for block in blocks:
             self.finish_store(block, rank, ok)
         if ok and blocks:
-            self.tiers.committed(blocks[0].ns, rank, [(b.key, b.slots[rank]) for b in blocks], length)
+            self.tiers.committed(blocks[0].ns, rank, blocks, length)
 
     def restore(self, ns: Namespace, key: bytes, slots: list[int]) -> None:
         """A ready block adopted from the kept pool, its slots already taken
@@ -237,6 +298,27 @@ class BlockIndex:
             block.loading += 1
         return blocks
 
+    def lower_gone(self, namespaces, gone: set[tuple[bytes, bytes]]) -> None:
+        """(namespace digest, key) pairs a lower tier no longer holds: those
+        not in DRAM are dropped for the engines that saw them there."""
+        keys: dict[bytes, list[bytes]] = {}
+        for digest, key in gone:
+            keys.setdefault(digest, []).append(key)
+        for ns in namespaces:
+            for key in keys.get(ns.digest, ()):
+                if (ns.id, key) not in self._blocks:
+                    self._on_change_key(ns, key, "dropped")
+
+    def take_promoted(self, blocks: list[Block]) -> int:
+        """How many of `blocks` a lower tier brought up and no load has read
+        yet: the hits that tier served."""
+        count = 0
+        for block in blocks:
+            if block.promoted:
+                block.promoted = False
+                count += 1
+        return count
+
     def finish_load(self, block: Block) -> None:
         block.loading -= 1
         self._unpin(block)
@@ -264,7 +346,7 @@ class BlockIndex:
             victim = self._blocks[victim_key]
             self._drop(victim)
             self._on_evict(victim)
-            self._on_change(victim, "dropped")
+            self._on_change(victim, "lower" if victim.ready and self.tiers.holds(victim.ns, victim.key) else "dropped")
             slot = self.pool.allocate()
         return slot
 
@@ -304,4 +386,5 @@ class BlockIndex:
             self._drop(block)
             self._on_change(block, "dropped")
             cleared += 1
+        self.tiers.clear(ns)
         return cleared, pinned

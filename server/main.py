@@ -30,6 +30,8 @@ from kvdepot.server.logsafe import EscapingFormatter
 from kvdepot.server.metrics import MetricsListenError, MetricsServer
 from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
 from kvdepot.server.service import KVDepotService, add_to_server
+from kvdepot.server.tiers.disk import SEGMENT_BYTES, DiskTier, DiskTierError
+from kvdepot.server.tiers.mover import DiskMover
 from kvdepot.server.tiers.stack import TierStack
 from kvdepot.server.tiers.warm import WarmPool, pick_pool_file, restore
 from kvdepot.server.tenants import TenantConfigError, Tenants, parse_admin_uids, scope_quotas
@@ -227,9 +229,14 @@ async def serve(config: DaemonConfig) -> int:
         guard.release()
         raise StartupError(str(e)) from e
     warm = WarmPool(pool, asyncio.get_running_loop())
-    depot = Depot(
-        pool, config.eviction, instance, kvdepot.__version__, Limits.of(config), quotas, TierStack(warm)
-    )
+    try:
+        mover = open_disk_tier(config, pool)
+    except StartupError:
+        pool.close()
+        guard.release()
+        raise
+    tiers = TierStack(warm, mover)
+    depot = Depot(pool, config.eviction, instance, kvdepot.__version__, Limits.of(config), quotas, tiers)
     if pool.adopted:
         adopt_pool(warm, depot, pool, config.pin_threads)
     add_transports(depot, pool, config)
@@ -316,10 +323,31 @@ async def serve(config: DaemonConfig) -> int:
     depot.shutdown()  # copies still on the GPU end before the pool is unpinned
     await warm.flush()  # every committed shard sealed, for the next daemon
     warm.close()
+    tiers.close()
     pool.close()
     guard.release()
     log.info("kvdepotd stopped")
     return 0
+
+
+def open_disk_tier(config: DaemonConfig, pool: HostPool) -> DiskMover | None:
+    if not config.disk_dir:
+        return None
+    startup_progress(f"scanning the disk tier in {config.disk_dir}")
+    try:
+        # Space comes back a segment at a time: an eighth of the tier at most.
+        segment = max(64 << 10, min(SEGMENT_BYTES, config.disk_size // 8))
+        disk = DiskTier(config.disk_dir, config.disk_size, segment_bytes=segment, fresh=config.fresh)
+    except DiskTierError as e:
+        raise StartupError(str(e)) from e
+    stats = disk.stats
+    log.info(
+        "disk tier in %s: %d shard(s), %.2f of %.2f GiB, %s",
+        config.disk_dir, stats.get("records", 0), stats.get("bytes_used", 0) / 2**30, config.disk_size / 2**30,
+        "O_DIRECT" if disk.direct else "buffered I/O (the filesystem refuses O_DIRECT)",
+    )
+    # At most a quarter of the pool on its way up from disk at once.
+    return DiskMover(disk, pool, asyncio.get_running_loop(), max_promotions=max(1, pool.num_slots // 4))
 
 
 def adopt_pool(warm: WarmPool, depot: Depot, pool: HostPool, threads: int) -> None:

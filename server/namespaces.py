@@ -19,6 +19,7 @@ from kvdepot.layout import WorkerLayout
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.limits import Limits, shown
 from kvdepot.server.stats import Counters
+from kvdepot.server.tiers.record import ns_digest
 
 @dataclass(eq=False)
 class Namespace:
@@ -35,6 +36,8 @@ class Namespace:
     # Engines and workers registered in it.
     registrations: int = 0
     identity: tuple = ()
+    # What records in the tiers name it by (tiers/record.py).
+    digest: bytes = b""
 
     def check_rank_layout(self, rank: int, layout: WorkerLayout) -> None:
         known = self.rank_signatures.get(rank)
@@ -126,7 +129,8 @@ class Namespaces:
                     f"(--max-namespaces-per-tenant {self._limits.max_namespaces_per_tenant})"
                 )
             ns = Namespace(
-                id=self._new_id(), name=_name(spec, scope), tp_size=spec.tp_size, scope=scope, identity=identity
+                id=self._new_id(), name=_name(spec, scope), tp_size=spec.tp_size, scope=scope, identity=identity,
+                digest=ns_digest(identity),
             )
             self._by_identity[identity] = ns
             self._idle.add(ns)

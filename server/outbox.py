@@ -95,17 +95,19 @@ class Outbox:
         else:
             self._put(pb.Notification(job_done=done))
 
-    def blocks_changed(self, engine_id: int, ready=(), storing=(), dropped=()) -> None:
+    def blocks_changed(self, engine_id: int, ready=(), storing=(), dropped=(), lower=()) -> None:
         if self.overflowed is not None:
             return
-        changed = pb.BlocksChanged(engine_id=engine_id, ready=ready, storing=storing, dropped=dropped)
+        changed = pb.BlocksChanged(engine_id=engine_id, ready=ready, storing=storing, dropped=dropped, lower=lower)
         self._put(pb.Notification(blocks_changed=changed))
 
-    def snapshot(self, engine_id: int, ready: list[bytes], storing: list[bytes]) -> None:
-        """Every ready and storing key of a namespace, for an engine that has just registered."""
-        for start in range(0, max(len(ready), len(storing)), SNAPSHOT_CHUNK_KEYS):
+    def snapshot(self, engine_id: int, ready: list[bytes], storing: list[bytes], lower: list[bytes] = ()) -> None:
+        """Every ready, storing and lower-tier key of a namespace, for an engine that has just registered."""
+        for start in range(0, max(len(ready), len(storing), len(lower)), SNAPSHOT_CHUNK_KEYS):
             end = start + SNAPSHOT_CHUNK_KEYS
-            self.blocks_changed(engine_id, ready=ready[start:end], storing=storing[start:end])
+            self.blocks_changed(
+                engine_id, ready=ready[start:end], storing=storing[start:end], lower=lower[start:end]
+            )
 
     def close(self) -> None:
         if self.job_channel is not None:
@@ -117,11 +119,14 @@ class ChangeFeed:
 
     def __init__(self, sessions: dict[str, Session]):
         self._sessions = sessions
-        # Namespace id -> {key: latest state} ("ready", "storing" or "dropped").
+        # Namespace id -> {key: latest state} ("ready", "storing", "dropped" or "lower").
         self._changes: dict[int, dict[bytes, str]] = {}
 
     def note(self, block: Block, state: str) -> None:
         self._changes.setdefault(block.ns.id, {})[block.key] = state
+
+    def note_key(self, ns, key: bytes, state: str) -> None:
+        self._changes.setdefault(ns.id, {})[key] = state
 
     def send(self) -> None:
         if not self._changes:
@@ -129,7 +134,7 @@ class ChangeFeed:
         changes, self._changes = self._changes, {}
         messages = {}
         for ns_id, states in changes.items():
-            lists: dict[str, list[bytes]] = {"ready": [], "storing": [], "dropped": []}
+            lists: dict[str, list[bytes]] = {"ready": [], "storing": [], "dropped": [], "lower": []}
             for key, state in states.items():
                 lists[state].append(key)
             messages[ns_id] = lists
@@ -144,7 +149,7 @@ def _keys_of(notification: pb.Notification) -> int:
     """What a notification counts for against the bound: its keys, a JobDone one."""
     if notification.HasField("blocks_changed"):
         changed = notification.blocks_changed
-        return max(1, len(changed.ready) + len(changed.storing) + len(changed.dropped))
+        return max(1, len(changed.ready) + len(changed.storing) + len(changed.dropped) + len(changed.lower))
     return 1
 
 

@@ -29,6 +29,7 @@ class Counters:
     loaded_bytes: int = 0
     evicted_blocks: int = 0
     failed_jobs: int = 0
+    disk_hit_blocks: int = 0
 
     def add(self, other: Counters) -> None:
         for f in fields(self):

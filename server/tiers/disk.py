@@ -54,6 +54,7 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 # Kept free beyond a segment's bytes for the filesystem's own blocks of it (extent trees).
 SLACK = 64 << 10
 _ZEROS = memoryview(bytes(PAGE))
+SEGMENT_BYTES = 256 << 20
 
 
 class DiskTierError(RuntimeError):
@@ -138,7 +139,7 @@ class DiskTier:
         directory: str,
         capacity: int,
         *,
-        segment_bytes: int = 256 << 20,
+        segment_bytes: int = SEGMENT_BYTES,
         direct: str = "auto",
         fresh: bool = False,
         log: logging.Logger = logging.getLogger("kvdepot.disk"),
@@ -171,6 +172,8 @@ class DiskTier:
             ("bytes_written", "bytes_read", "segments_evicted", "records_evicted", "write_errors", "read_errors",
              "corrupt", "too_large"), 0)
         self._scan: dict[str, int] = {}
+        # Called (on the writing thread) with the keys each evicted segment held.
+        self.on_evict = None
         self._make_directory()
         self._take_lock()
         try:
@@ -599,6 +602,8 @@ class DiskTier:
             with self._lock:
                 self._counts["segments_evicted"] += 1
                 self._counts["records_evicted"] += len(dropped)
+            if self.on_evict is not None and dropped:
+                self.on_evict(dropped)
             self._log.debug("evicted disk tier segment %s (%d records)", oldest.path, len(dropped))
 
     # ------------------------------------------------------------ reading

@@ -1,0 +1,79 @@
+"""Asks the daemon to bring blocks up from its disk tier, off the caller's path.
+
+An engine's copy of its namespace lists blocks the disk holds (`lower`). A
+lookup answered from the copy that reaches one cannot load it yet: it says
+"not yet" (the engine waits, as for blocks being stored) and hands the keys
+here, where a thread makes the Lookup call that starts their promotion. The
+copy then follows the blocks to storing and ready (or dropped), so the
+engine's next lookup finds them. Each key is asked for once while it stays
+lower.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from kvdepot.errors import KVDepotError
+
+log = logging.getLogger("kvdepot.client")
+
+# Keys one call asks for: the daemon promotes a run of them in one lookup.
+MAX_KEYS_PER_ASK = 1024
+# Asks waiting for the thread; past this, later lookups ask again.
+MAX_WAITING = 256
+
+
+class Promoter:
+    def __init__(self, lookup):
+        self._lookup = lookup  # KVDepotClient.lookup
+        self._queue: queue.Queue = queue.Queue(MAX_WAITING)
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def ask(self, engine, keys) -> None:
+        """Asks for the run of `keys` from the first, which the copy lists lower."""
+        run = []
+        for key in keys[:MAX_KEYS_PER_ASK]:
+            if key in engine.asked:
+                if run:
+                    break
+                continue
+            if key not in engine.lower:
+                break
+            run.append(key)
+        if not run:
+            return
+        try:
+            self._queue.put_nowait((engine, run))
+        except queue.Full:
+            return
+        engine.asked.update(run)
+        self._ensure_thread()
+
+    def _ensure_thread(self) -> None:
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="kvdepot-promote", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            engine, keys = item
+            try:
+                self._lookup(engine, keys)
+            except KVDepotError as e:
+                log.debug("asking for blocks on disk failed: %s", e)
+                engine.asked.difference_update(keys)
+
+    def close(self) -> None:
+        with self._start_lock:
+            if self._thread is not None and self._thread.is_alive():
+                try:
+                    self._queue.put_nowait(None)
+                except queue.Full:
+                    pass

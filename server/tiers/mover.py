@@ -1,0 +1,200 @@
+"""Moves shards between the pool and the disk tier, off the event loop.
+
+Demotion is write-behind: every shard committed to the pool is queued for the
+disk at once, in commit order, and a writer thread writes the queue in large
+batches while the shards' blocks are pinned. So a block is usually on disk
+long before DRAM evicts it, and an eviction burst never waits on the disk; a
+block evicted before its turn (the disk slower than the stores) is not
+written, and neither is one the disk already holds.
+
+Promotion starts at a lookup that finds blocks only on disk: the index takes
+their slots and answers NOT_YET, reader threads fill the slots and check each
+record's hash, and the blocks turn ready (or, if any rank's read fails, are
+dropped: a miss and a recompute, never an error). A block is promoted once
+however many lookups ask: the second finds it being stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+
+from kvdepot.server.tiers.record import ShardRecord, data_hash
+
+log = logging.getLogger("kvdepot.tiers")
+
+# Bytes the writer gathers into one disk write (and pins meanwhile).
+DEMOTE_BATCH_BYTES = 64 << 20
+READ_THREADS = 4
+
+
+class DiskMover:
+    def __init__(self, disk, pool, loop: asyncio.AbstractEventLoop, max_promotions: int):
+        self.disk = disk
+        self.pool = pool
+        self.index = None  # set by TierStack.attach
+        self.after_change = lambda: None
+        self._loop = loop
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvdepot-demote")
+        self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvdepot-promote")
+        # (block, rank, length) in commit order; bounded by the pool's slots,
+        # the most that can wait (an older entry's block has left DRAM).
+        self._queue: collections.deque = collections.deque(maxlen=pool.num_slots)
+        self._writing = False
+        self.max_promotions = max_promotions
+        self.promoting = 0
+        self.promotions = 0
+        self.failed_promotions = 0
+        self.demoted_shards = 0
+        self.not_demoted = 0
+        self.read_shards = 0
+        disk.on_evict = lambda keys: loop.call_soon_threadsafe(self._disk_evicted, keys)
+
+    def holds(self, ns, key: bytes) -> bool:
+        contains = self.disk.contains
+        return all(contains((ns.digest, key, rank)) for rank in range(ns.tp_size))
+
+    def keys_of(self, ns, exclude: set) -> list[bytes]:
+        ranks: dict[bytes, int] = {}
+        for digest, key, _ in self.disk.keys():
+            if digest == ns.digest and key not in exclude:
+                ranks[key] = ranks.get(key, 0) + 1
+        return [key for key, n in ranks.items() if n == ns.tp_size]
+
+    def clear(self, ns) -> None:
+        gone = [k for k in self.disk.keys() if ns is None or k[0] == ns.digest]
+        for key in gone:
+            self.disk.discard(key)
+        self._disk_evicted(gone)
+
+    def _disk_evicted(self, keys) -> None:
+        """Blocks gone from the disk with their segment: engines that saw them
+        there (lower) must not wait for them."""
+        if self.index is None:
+            return
+        self.index.lower_gone(self.namespaces, {(digest, key) for digest, key, _ in keys})
+        self.after_change()
+
+    # ------------------------------------------------------------ demotion
+
+    def committed(self, ns, rank: int, blocks: list, length: int) -> None:
+        for block in blocks:
+            self._queue.append((block, rank, length))
+        if not self._writing:
+            self._write_next()
+
+    def _write_next(self) -> None:
+        batch, held, size = [], [], 0
+        index, disk = self.index, self.disk
+        while self._queue and size < DEMOTE_BATCH_BYTES:
+            block, rank, length = self._queue.popleft()
+            slot = block.slots[rank]
+            key = (block.ns.digest, block.key, rank)
+            if slot is None or not index.holds(block) or rank not in block.committed:
+                self.not_demoted += 1
+                continue
+            if disk.contains(key):
+                continue
+            index.hold(block)
+            held.append(block)
+            batch.append((key, block.ns.tp_size, slot, length))
+            size += length
+        if not batch:
+            self._writing = False
+            return
+        self._writing = True
+        future = self._writer.submit(self._write, batch)
+        future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._written, f, held))
+
+    def _write(self, batch) -> int:
+        view = self.pool.slot_view
+        items = []
+        for (digest, key, rank), tp_size, slot, length in batch:
+            data = view(slot, length)
+            items.append((ShardRecord(digest, key, rank, tp_size, length, data_hash(data)), data))
+        return len(self.disk.write(items))
+
+    def _written(self, future, held: list) -> None:
+        for block in held:
+            self.index.let_go(block)
+        if future.exception() is not None:
+            log.warning("writing blocks to disk failed: %s", future.exception())
+        else:
+            self.demoted_shards += future.result()
+        self._write_next()
+
+    # ------------------------------------------------------------ promotion
+
+    def promote(self, ns, key: bytes) -> bool:
+        """Starts promoting `ns`'s block `key` if the disk holds every rank of
+        it; False if it does not, or no promotion can start now."""
+        if self.promoting >= self.max_promotions:
+            return False
+        digest = ns.digest
+        records = [self.disk.record((digest, key, rank)) for rank in range(ns.tp_size)]
+        if any(r is None or r.length > self.pool.slot_bytes for r in records):
+            return False
+        block = self.index.reserve_promotion(ns, key)
+        if block is None:
+            return False
+        self.promoting += 1
+        slots = list(block.slots)
+        future = self._readers.submit(self._read, digest, key, slots)
+        future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._read_done, f, block, records))
+        return True
+
+    def _read(self, digest: bytes, key: bytes, slots: list[int]) -> bool:
+        view, size = self.pool.slot_view, self.pool.slot_bytes
+        return all(self.disk.read((digest, key, rank), view(slot, size)) for rank, slot in enumerate(slots))
+
+    def _read_done(self, future, block, records) -> None:
+        self.promoting -= 1
+        ok = future.exception() is None and future.result()
+        if not ok:
+            self.failed_promotions += 1
+            if future.exception() is not None:
+                log.warning("promoting a block from disk failed: %s", future.exception())
+        else:
+            self.promotions += 1
+        index = self.index
+        for rank in range(block.ns.tp_size):
+            index.finish_store(block, rank, ok)
+        if ok:
+            self.read_shards += block.ns.tp_size
+            index.tiers.promoted(block, records)
+        self.after_change()
+
+    def close(self) -> None:
+        self._queue.clear()
+        self._writer.shutdown(wait=True, cancel_futures=True)
+        self._readers.shutdown(wait=True, cancel_futures=True)
+
+    def stats(self):
+        from kvdepot.proto import kvdepot_pb2 as pb
+
+        s = self.disk.stats
+        tier = pb.TierStats(
+            name="disk",
+            shards=s.get("records", 0),
+            bytes=s.get("bytes_used", 0),
+            capacity_bytes=s.get("capacity", 0),
+            written_shards=self.demoted_shards,
+            written_bytes=s.get("bytes_written", 0),
+            read_shards=self.read_shards,
+            read_bytes=s.get("bytes_read", 0),
+            promotions=self.promotions,
+            failed_promotions=self.failed_promotions,
+            evicted_shards=s.get("records_evicted", 0),
+            recovered_shards=s.get("scan_records", 0),
+            direct_io=bool(self.disk.direct),
+            write_errors=s.get("write_errors", 0),
+        )
+        for reason, name in (("scan_torn", "torn"), ("scan_format", "format"), ("corrupt", "corrupt"),
+                             ("scan_segments_skipped", "segments_skipped"), ("read_errors", "read_errors")):
+            if s.get(reason):
+                tier.discarded[name] = s[reason]
+        if self.not_demoted:
+            tier.discarded["evicted_before_written"] = self.not_demoted
+        return tier
