@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, subprocess_env
+from conftest import REPO, subprocess_env, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_generate import kvdepot_kv_transfer_config, make_prompts, openai_server_argv, vllm_env
 
@@ -129,6 +129,40 @@ def test_a_new_engine_process_gets_the_blocks_of_one_that_exited(model, prompts,
     assert second["rounds"][0]["outputs"] == baseline
     assert second["rounds"][0]["num_cached_tokens"] == [192] * 4
     assert totals(daemon).loaded_blocks > loaded_before
+
+
+def dram_tier(daemon):
+    with KVDepotClient(daemon.socket, name="test-stats") as client:
+        [tier] = [t for t in client.connect(10).stats().tiers if t.name == "dram"]
+        return tier
+
+
+@pytest.mark.parametrize("restart", ["sigterm", "kill_9"])
+def test_a_new_engine_process_gets_the_blocks_across_a_daemon_restart(
+    model, prompts, baseline, start_daemon, tmp_path, restart
+):
+    daemon = start_daemon(**DAEMON_OPTIONS)
+    first = generate(model, prompts, tmp_path / "first", *with_kvdepot(daemon))
+    assert first["rounds"][0]["outputs"] == baseline
+    stored = totals(daemon).stored_blocks
+    assert stored == 2 + 4 * 4  # 6 whole blocks a prompt, the first 2 shared
+    if restart == "sigterm":
+        assert daemon.stop() == 0  # seals what is still being sealed
+    else:
+        # kill -9 keeps only sealed records; sealing follows the stores by a moment.
+        wait_until(lambda: dram_tier(daemon).written_shards >= stored, what=f"{stored} records sealed")
+        daemon.kill()
+    daemon.start()
+    assert f"adopted {stored} block(s) ({stored} slots)" in daemon.log()
+    tier = dram_tier(daemon)
+    assert tier.recovered_shards == stored and dict(tier.discarded) == {}
+    second = generate(model, prompts, tmp_path / "second", *with_kvdepot(daemon))
+    assert second["rounds"][0]["outputs"] == baseline
+    assert second["rounds"][0]["num_cached_tokens"] == [192] * 4
+    # The counters started at 0 with this daemon: what it loaded, it adopted.
+    stats = totals(daemon)
+    assert stats.hit_blocks > 0 and stats.stored_blocks == 0
+    assert stats.loaded_blocks >= 4 * 6 - 2 * 3  # the shared 2 blocks may come from vLLM's own cache
 
 
 def test_a_run_whose_last_step_completes_a_block_leaves_it_stored_at_exit(model, prompts, start_daemon, tmp_path):
