@@ -108,6 +108,25 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _tier_line(tier: pb.TierStats) -> str:
+    line = (
+        f"{'tier ' + tier.name:<9} {tier.shards} shards, {_gib(tier.bytes)} of {_gib(tier.capacity_bytes)}"
+    )
+    if tier.name == "dram":
+        line += f"; {tier.recovered_shards} adopted at start"
+    else:
+        line += (
+            f", {'O_DIRECT' if tier.direct_io else 'buffered'}; {tier.written_shards} written, "
+            f"{tier.promotions} promoted ({tier.failed_promotions} failed), {tier.evicted_shards} evicted, "
+            f"{tier.recovered_shards} found at start"
+        )
+        if tier.write_errors:
+            line += f", {tier.write_errors} write errors"
+    if tier.discarded:
+        line += "; discarded: " + ", ".join(f"{n} {reason}" for reason, n in sorted(tier.discarded.items()))
+    return line
+
+
 def format_stats(stats: pb.GetStatsResponse) -> str:
     pool = stats.pool
     t = stats.totals
@@ -123,6 +142,10 @@ def format_stats(stats: pb.GetStatsResponse) -> str:
         f"evicted   {t.evicted_blocks} blocks; {t.failed_jobs} failed jobs; "
         f"{stats.sessions_ended} sessions ended",
     ]
+    for tier in stats.tiers:
+        lines.append(_tier_line(tier))
+    if stats.totals.disk_hit_blocks:
+        lines.append(f"hits      {t.hit_blocks - t.disk_hit_blocks} from DRAM, {t.disk_hit_blocks} from disk")
     for gpu in stats.gpus:
         lines.append(f"gpu {gpu.index}     daemon holds {gpu.daemon_memory_bytes / 2**20:.0f} MiB ({gpu.uuid})")
     lines.append("")

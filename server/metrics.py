@@ -122,6 +122,8 @@ class Snapshot:
     open_ipc_mappings: int
     gpus: list[tuple[int, str, int]]
     jobs: JobMetrics
+    # pb.TierStats of each tier (dram, then disk when on).
+    tiers: list = field(default_factory=list)
 
 
 def take_snapshot(depot) -> Snapshot:
@@ -148,6 +150,7 @@ def take_snapshot(depot) -> Snapshot:
         # GPU, once per scrape, where the transports' device lists are stable.
         gpus=[(g.index, g.uuid, g.daemon_memory_bytes) for t in transports for g in t.gpu_stats()],
         jobs=depot.job_metrics.copy(),
+        tiers=depot.index.tiers.stats(depot.pool),
     )
 
 
@@ -161,7 +164,24 @@ COUNTERS = {
     "loaded_bytes": ("loaded_bytes_total", "Bytes loaded by jobs that succeeded."),
     "evicted_blocks": ("evicted_blocks_total", "Blocks evicted to make room."),
 }
-LOOKUP_BLOCKS_HELP = "Blocks looked up, by result: hit (ready) or miss; their sum is the blocks queried."
+LOOKUP_BLOCKS_HELP = (
+    "Blocks looked up, by result: hit (ready in DRAM), disk_hit (promoted from the disk tier for a lookup, "
+    "then loaded) or miss; their sum is the blocks queried."
+)
+# pb.TierStats field -> (metric name after kvdepot_tier_, help, a counter?).
+TIER_FIELDS = {
+    "shards": ("shards", "Shards (one TP rank of a block) the tier holds.", False),
+    "bytes": ("bytes", "Bytes the tier holds (disk: its segment files' physical bytes).", False),
+    "capacity_bytes": ("capacity_bytes", "The most bytes the tier may hold.", False),
+    "written_shards": ("written_shards", "Shards written into the tier (dram: records sealed; disk: demotions).", True),
+    "written_bytes": ("written_bytes", "Bytes written into the tier from the one above.", True),
+    "read_shards": ("read_shards", "Shards read from the tier into the one above (promotions).", True),
+    "read_bytes": ("read_bytes", "Bytes read from the tier into the one above.", True),
+    "promotions": ("promotions", "Blocks promoted from the tier into DRAM.", True),
+    "failed_promotions": ("failed_promotions", "Promotions that failed and became misses.", True),
+    "evicted_shards": ("evicted_shards", "Shards evicted from the tier.", True),
+    "recovered_shards": ("recovered_shards", "Shards found valid and kept at start (adopted, or scanned).", False),
+}
 
 
 class DepotCollector(Collector):
@@ -290,6 +310,7 @@ def _families(s: Snapshot):
         used.add_metric([ns.name, ns.scope], ns.used_slots * s.slot_bytes)
     yield ready
     yield used
+    yield from _tier_families(s.tiers)
 
 
 def _counters(prefix: str, scope_help: str, rows: list[tuple[list[str], dict]], labels: tuple = ()):
@@ -302,9 +323,29 @@ def _counters(prefix: str, scope_help: str, rows: list[tuple[list[str], dict]], 
     blocks = CounterMetricFamily(prefix + "lookup_blocks_total", LOOKUP_BLOCKS_HELP + scope_help,
                                  labels=[*labels, "result"])
     for values, counters in rows:
-        blocks.add_metric([*values, "hit"], counters["hit_blocks"])
+        disk_hits = min(counters["disk_hit_blocks"], counters["hit_blocks"])
+        blocks.add_metric([*values, "hit"], counters["hit_blocks"] - disk_hits)
+        blocks.add_metric([*values, "disk_hit"], disk_hits)
         blocks.add_metric([*values, "miss"], counters["miss_blocks"])
     yield blocks
+
+
+def _tier_families(tiers: list):
+    for field_name, (name, help, counter) in TIER_FIELDS.items():
+        kind = CounterMetricFamily if counter else GaugeMetricFamily
+        family = kind("kvdepot_tier_" + name + ("_total" if counter else ""), help, labels=["tier"])
+        for tier in tiers:
+            family.add_metric([tier.name], getattr(tier, field_name))
+        yield family
+    discarded = CounterMetricFamily(
+        "kvdepot_tier_discarded_shards_total",
+        "Shards a tier discarded rather than serve, by reason (torn, data_hash, corrupt, format...).",
+        labels=["tier", "reason"],
+    )
+    for tier in tiers:
+        for reason, count in sorted(tier.discarded.items()):
+            discarded.add_metric([tier.name, reason], count)
+    yield discarded
 
 
 class MetricsServer:

