@@ -53,6 +53,8 @@ class LookupResult:
     not_yet: bool = False
     # False when the daemon could not be asked; the answer is then "nothing".
     available: bool = True
+    # Blocks after the ready ones being stored or promoted (a Lookup call only).
+    storing_blocks: int = 0
 
 
 def namespace_spec(namespace: pb.NamespaceSpec | Mapping) -> pb.NamespaceSpec:
@@ -177,7 +179,11 @@ class KVDepotClient:
             response = self._session.call(connection, "Lookup", request)
         except Unavailable:
             return LookupResult(0, available=False)
-        return LookupResult(response.ready_blocks, not_yet=response.status == pb.LookupResponse.NOT_YET)
+        return LookupResult(
+            response.ready_blocks,
+            not_yet=response.status == pb.LookupResponse.NOT_YET,
+            storing_blocks=response.storing_blocks,
+        )
 
     def cached_lookup(self, engine: EngineHandle, keys: Sequence[bytes], start: int = 0) -> LookupResult:
         """Lookup answered from the engine's copy of the namespace: no call, no wait.

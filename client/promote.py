@@ -65,10 +65,14 @@ class Promoter:
                 return
             engine, keys = item
             try:
-                self._lookup(engine, keys)
+                answer = self._lookup(engine, keys)
             except KVDepotError as e:
                 log.debug("asking for blocks on disk failed: %s", e)
                 engine.asked.difference_update(keys)
+                continue
+            # Keys past those ready or being promoted now were not started (the
+            # daemon was at its limit of promotions): a later lookup asks again.
+            engine.asked.difference_update(keys[answer.ready_blocks + answer.storing_blocks :])
 
     def close(self) -> None:
         with self._start_lock:

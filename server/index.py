@@ -118,9 +118,11 @@ class BlockIndex:
                 if self.tiers.promote(ns, key):
                     storing += 1
                     continue
-                if self.tiers.on:
+                if self.tiers.on and not self.tiers.holds(ns, key):
                     # An engine's copy may still list it on disk (lower):
-                    # it is gone, and the copy should say so.
+                    # it is gone, and the copy should say so. (One the disk
+                    # holds but cannot promote now, at its limit of
+                    # promotions or with every slot pinned, stays lower.)
                     self._on_change_key(ns, key, "dropped")
                 break
             if block.ready or not block.writers:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import signal
 import subprocess
 import sys
@@ -107,20 +109,31 @@ class Daemon:
 def start_daemon(tmp_path):
     """Starts daemons; each still running at the end must exit 0 on SIGTERM."""
     daemons: list[Daemon] = []
+    shm_folders: list[str] = []
 
     def start(folder: Path | None = None, wait: bool = True, env: dict | None = None, launcher: str | None = None,
               **options) -> Daemon:
         folder = folder or tmp_path / f"d{len(daemons)}"
         folder.mkdir(exist_ok=True)
+        if options.get("pool_dir") == "/dev/shm":
+            # A pool that must be pinnable goes in shared memory; pools outlive
+            # their daemon (for the next to adopt), so each gets a folder there
+            # of its own, removed with what is in it at the end.
+            options["pool_dir"] = tempfile.mkdtemp(dir="/dev/shm", prefix="kvdepot-test-")
+            shm_folders.append(options["pool_dir"])
         daemon = Daemon(folder, env=env, launcher=launcher, **options)
         daemons.append(daemon)
         return daemon.start(wait=wait)
 
-    yield start
-    for daemon in daemons:
-        if daemon.running:
-            code = daemon.stop()
-            assert code == 0, f"kvdepotd exited {code} on SIGTERM:\n{daemon.log()}"
+    try:
+        yield start
+        for daemon in daemons:
+            if daemon.running:
+                code = daemon.stop()
+                assert code == 0, f"kvdepotd exited {code} on SIGTERM:\n{daemon.log()}"
+    finally:
+        for folder in shm_folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

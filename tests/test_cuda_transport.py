@@ -27,7 +27,7 @@ WITHOUT_COMPUTE_WAIT = str(Path(__file__).resolve().parent / "daemon_without_com
 
 
 def gpu_daemon(start_daemon, **options):
-    # Pinning needs shared memory: the pool goes in /dev/shm (removed when the daemon stops).
+    # Pinning needs shared memory: the pool goes in /dev/shm (a folder of its own there, see conftest).
     return start_daemon(pin="on", pool_dir="/dev/shm", pool_size="64MiB", slot_size="16KiB", **options)
 
 

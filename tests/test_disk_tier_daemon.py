@@ -95,9 +95,13 @@ def test_an_engine_copy_waits_for_disk_blocks_and_its_cached_lookup_brings_them_
     wait_until(lambda: keys[0] in engine.lower, what="the engine's copy listing round 0 on disk")
     answer = client.cached_lookup(engine, keys)
     assert answer.ready_blocks == 0 and answer.not_yet  # wait for it, do not recompute
-    # The cached lookup asked the daemon (off the caller's path); the copy follows.
-    wait_until(lambda: client.cached_lookup(engine, keys[:32]).ready_blocks == 32, what="promoted blocks ready")
-    load_and_check(client, worker, tensors, keys[:32], first, 500)
+    # The cached lookup asked the daemon (off the caller's path); the copy
+    # follows. 128 blocks are twice what the daemon promotes at once (a
+    # quarter of its 256 slots): asked again, as an engine does each step
+    # while it waits, the rest come up too rather than turning into misses.
+    wait_until(lambda: client.cached_lookup(engine, keys).ready_blocks == NUM_BLOCKS, what="promoted blocks ready")
+    assert disk(client.stats()).failed_promotions == 0
+    load_and_check(client, worker, tensors, keys, first, 500)
 
 
 def test_a_corrupt_record_on_disk_is_a_miss_never_served(start_daemon, client_factory, tmp_path):

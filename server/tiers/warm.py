@@ -25,8 +25,9 @@ from kvdepot.server.tiers.record import FORMAT_VERSION, RECORD_BYTES, ShardRecor
 
 log = logging.getLogger("kvdepot.tiers")
 
-# Hashing threads: enough to keep up with stores at PCIe speed (one does 20 GB/s).
-SEAL_THREADS = 2
+# Shards committed within this long are hashed as one batch (one hand-over
+# to the thread and back): a restart loses at most this much more.
+SEAL_BATCH_SECONDS = 0.002
 
 
 def catalog_path(pool_path: str) -> str:
@@ -100,55 +101,78 @@ class WarmPool:
         self.pool = pool
         self.catalog = Catalog(catalog_path(pool.path))
         self._loop = loop
-        self._threads = concurrent.futures.ThreadPoolExecutor(SEAL_THREADS, thread_name_prefix="kvdepot-seal")
+        # One thread: a batch at a time, so that hashing takes at most a
+        # core and its memory bandwidth from the copies.
+        self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvdepot-seal")
         self._noted: dict[tuple[int, int], bytes] = {}
+        self._pending: list = []
+        self._flush_scheduled = False
         self.generation = 0
         self.sealed = 0
-        self.seals_in_flight = 0
+        self.skipped = 0
+        # Shards committed and not sealed yet (pending or being hashed).
+        self.unsealed = 0
 
     # ------------------------------------------------------------ sealing
 
     def seal(self, ns, rank: int, shards: list[tuple[bytes, int]], length: int) -> None:
         """Seals (key, slot) shards of `ns`'s rank `rank` once their bytes are
-        hashed. Runs on the event loop; the hashing does not."""
+        hashed. Runs on the event loop, and costs it an append a shard: the
+        hashing and packing happen on a thread, in batches a few ms apart."""
         digest = self._noted.get((ns.id, rank))
         if digest is None:
             digest = self.catalog.note(ns.identity, {rank: ns.rank_signatures.get(rank)})
             self._noted[(ns.id, rank)] = digest
-        epochs = self.pool.epochs
-        work = [(key, slot, epochs[slot]) for key, slot in shards]
-        self.seals_in_flight += 1
-        future = self._threads.submit(self._hash, work, length)
-        future.add_done_callback(
-            lambda f: self._loop.call_soon_threadsafe(self._write, f, digest, ns.tp_size, rank, length)
-        )
+        epochs, pending = self.pool.epochs, self._pending
+        if self.unsealed + len(shards) > self.pool.num_slots:
+            # Stores outrun the hashing (which does about 20 GB/s): these are
+            # not kept across a restart, rather than the backlog growing.
+            self.skipped += len(shards)
+            return
+        for key, slot in shards:
+            self.generation += 1
+            pending.append((slot, epochs[slot], ShardRecord(digest, key, rank, ns.tp_size, length, 0, self.generation)))
+        self.unsealed += len(shards)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_later(SEAL_BATCH_SECONDS, self._flush)
 
-    def _hash(self, work, length: int) -> list[tuple[bytes, int, int, int]]:
-        view = self.pool.slot_view
-        return [(key, slot, epoch, data_hash(view(slot, length))) for key, slot, epoch in work]
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        batch, self._pending = self._pending, []
+        if batch:
+            future = self._threads.submit(self._hash, batch)
+            future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._write, f, len(batch)))
 
-    def _write(self, future, digest: bytes, tp_size: int, rank: int, length: int) -> None:
-        self.seals_in_flight -= 1
+    def _hash(self, batch) -> list[tuple[int, int, bytes]]:
+        view, epochs = self.pool.slot_view, self.pool.epochs
+        # A slot already handed out again is skipped (its record would not be
+        # written); the check on the loop, in _write, is the one that counts.
+        return [
+            (slot, epoch, pack(record._replace(data_hash=data_hash(view(slot, record.length)))))
+            for slot, epoch, record in batch
+            if epochs[slot] == epoch
+        ]
+
+    def _write(self, future, count: int) -> None:
+        self.unsealed -= count
         if future.cancelled() or future.exception() is not None:
             if not future.cancelled():
                 log.warning("sealing records failed: %s", future.exception())
             return
         records, epochs = self.pool.records, self.pool.epochs
-        for key, slot, epoch, hashed in future.result():
+        for slot, epoch, packed in future.result():
             # The slot was released or handed out again while its bytes were
             # hashed: the hash may be of other bytes.
-            if epochs[slot] != epoch:
-                continue
-            self.generation += 1
-            record = ShardRecord(digest, key, rank, tp_size, length, hashed, self.generation)
-            records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = pack(record)
-            self.sealed += 1
+            if epochs[slot] == epoch:
+                records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = packed
+                self.sealed += 1
 
     async def flush(self, timeout: float = 10.0) -> None:
         """Waits for the records being sealed, so that a daemon that stops
         leaves every committed shard adoptable."""
         deadline = time.monotonic() + timeout
-        while self.seals_in_flight and time.monotonic() < deadline:
+        while self.unsealed and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
 
     def close(self) -> None:
