@@ -80,7 +80,7 @@ processes, each against its own daemon, which starts empty:
 It prints TTFT p50 / p90 / mean by turn and overall, and the daemons' stats after each run (hits,
 misses, disk hits, both tiers), which the JSON keeps (`daemon_stats`); the plot is
 `serving_ttft_disk.png`. Outputs are checked as above. Pool folders and the disk tier's folder are
-removed at the end. About 7 minutes on 2 cores.
+removed at the end. About 5 minutes on 2 cores.
 
 `--quick`: the tests' tiny model shape (hidden 256, 2 layers), 3 conversations of 3 turns, 2
 system prompts and 6 questions, shorter texts; about 1.5 minutes. Its vLLM cache holds much of
@@ -125,7 +125,7 @@ FULL = dict(hidden=1024, intermediate=2816, layers=4, heads=16, kv_heads=4,
 QUICK = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2,
              conversations=3, turns=3, first_message=(160, 224), message=(64, 128), answer=16,
              system_prompts=2, system_prompt=512, questions=6, question=(16, 48), system_answer=8)  # fmt: skip
-# --disk-compare serves the chat only, and fewer conversations by default (about 7 minutes on 2 cores).
+# --disk-compare serves the chat only, and fewer conversations by default (about 5 minutes on 2 cores).
 DISK_COMPARE = dict(conversations=10, turns=6)
 
 
