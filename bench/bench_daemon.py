@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class Daemon:
-    def __init__(self, folder: Path, pool_size: str, slot_size: str, pool_parent: str | None = None):
+    def __init__(self, folder: Path, pool_size: str, slot_size: str, pool_parent: str | None = None,
+                 extra_args: tuple[str, ...] = ()):
         self.folder = folder
         self.socket = str(folder / "kvdepot.sock")
         self.log_path = folder / "kvdepotd.log"
@@ -26,7 +27,7 @@ class Daemon:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         args = [sys.executable, "-m", "kvdepot.server", "--listen", self.socket, "--pool-dir", str(pool),
-                "--pool-size", pool_size, "--slot-size", slot_size, "--pin", "off"]  # fmt: skip
+                "--pool-size", pool_size, "--slot-size", slot_size, "--pin", "off", *extra_args]  # fmt: skip
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 60

@@ -13,6 +13,10 @@ CONFIGS = ("plain", "kvdepot", "restart")
 WORKLOADS = ("chat", "system_prompt", "return")
 LABELS = {"plain": "vLLM alone", "kvdepot": "vLLM + kvdepot", "restart": "vLLM + kvdepot, after an engine restart"}
 COLORS = {"plain": "tab:gray", "kvdepot": "tab:blue", "restart": "tab:orange"}
+# --disk-compare: the chat against a pool smaller than its working set, without and with the disk tier.
+DISK_CONFIGS = ("plain", "dram", "disk")
+DISK_LABELS = {"plain": "vLLM alone", "dram": "kvdepot, DRAM only", "disk": "kvdepot, DRAM + disk"}
+DISK_COLORS = {"plain": "tab:gray", "dram": "tab:blue", "disk": "tab:green"}
 
 
 def pct(values, q: float) -> float:
@@ -67,7 +71,8 @@ def by_turn(run: dict) -> list[dict]:
         ttft = [r["ttft_s"] * 1e3 for r in turns[t]]
         rows.append({"turn": t, "n": len(ttft), "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in turns[t]),
                      "cached_tokens_mean": statistics.fmean(r["num_cached_tokens"] for r in turns[t]),
-                     "p50_ms": pct(ttft, 0.5), "p90_ms": pct(ttft, 0.9)})  # fmt: skip
+                     "p50_ms": pct(ttft, 0.5), "p90_ms": pct(ttft, 0.9),
+                     "mean_ms": statistics.fmean(ttft)})  # fmt: skip
     return rows
 
 
@@ -195,3 +200,92 @@ def draw(results: dict, folder: Path) -> None:
     suffix = f" (vLLM CPU build, {results['machine']['cores']} cores)"
     for path in plot(results, folder, suffix):
         print(f"plot {path} ({path.stat().st_size >> 10} KiB)", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------
+# --disk-compare
+# ---------------------------------------------------------------------------
+
+
+def tier_row(stats: dict) -> dict:
+    """The daemon's stats after a run, flattened: totals and each tier's counters."""
+    row = dict(stats["totals"])
+    for tier in stats["tiers"]:
+        for k, v in tier.items():
+            if k != "name":
+                row[f"{tier['name']}_{k}"] = v
+    return row
+
+
+def print_disk_tables(results: dict) -> None:
+    configs = [c for c in DISK_CONFIGS if c in results["by_turn"]]
+    w = results["workload"]
+    print(f"TTFT by turn of the multi-turn chat, ms (p50 / p90 / mean over the conversations); working set "
+          f"{w['working_set_blocks']} blocks ({w['working_set_bytes'] / 2**20:.0f} MiB in slots), pool "
+          f"{w['pool_bytes'] / 2**20:.0f} MiB ({w['pool_bytes'] / w['working_set_bytes']:.2f} of it), disk tier "
+          f"{w['disk_bytes'] / 2**20:.0f} MiB:\n")  # fmt: skip
+    print("| turn | conversations | mean prompt tokens | " + " | ".join(DISK_LABELS[c] for c in configs) +
+          " | mean tokens not computed (" + " / ".join(configs) + ") |")  # fmt: skip
+    print("| --- " * (4 + len(configs)) + "|")
+    rows = {c: results["by_turn"][c] for c in configs}
+    for i, r in enumerate(rows[configs[0]]):
+        cells = " | ".join(f"{rows[c][i]['p50_ms']:.0f} / {rows[c][i]['p90_ms']:.0f} / {rows[c][i]['mean_ms']:.0f}"
+                           for c in configs)  # fmt: skip
+        cached = " / ".join(f"{rows[c][i]['cached_tokens_mean']:.0f}" for c in configs)
+        print(f"| {r['turn'] + 1} | {r['n']} | {r['prompt_tokens_mean']:.0f} | {cells} | {cached} |")
+    print("\nOverall:\n")
+    print("| configuration | requests | TTFT p50 (ms) | TTFT p90 (ms) | TTFT mean (ms) | chat wall (s) | "
+          "prompt tokens not computed | connector hits | daemon block hits |")  # fmt: skip
+    print("| --- " * 9 + "|")
+    for c in configs:
+        s = results["summary"]["chat"][c]
+        print(f"| {DISK_LABELS[c]} | {s['requests']} | {s['ttft_p50_ms']:.0f} | {s['ttft_p90_ms']:.0f} | "
+              f"{s['ttft_mean_ms']:.0f} | {s['wall_s']:.0f} | {fmt_rate(s['cached_share'])} | "
+              f"{fmt_rate(s['connector_hit_rate'])} | {fmt_rate(s['daemon_hit_rate'])} |")  # fmt: skip
+    print("\nThe daemons after the run (totals over the engine's life, warm-up included; tiers now):\n")
+    keys = (("hit_blocks", "hit blocks"), ("miss_blocks", "miss blocks"), ("disk_hit_blocks", "disk hit blocks"),
+            ("stored_blocks", "stored blocks"), ("stored_bytes", "stored bytes"), ("evicted_blocks", "evicted blocks"),
+            ("dram_shards", "dram shards"), ("dram_capacity_bytes", "dram capacity"),
+            ("disk_shards", "disk shards"), ("disk_bytes", "disk bytes"),
+            ("disk_written_shards", "disk written shards"),
+            ("disk_promotions", "promotions"), ("disk_failed_promotions", "failed promotions"),
+            ("disk_evicted_shards", "disk evicted shards"), ("disk_direct_io", "O_DIRECT"))  # fmt: skip
+    daemons = {c: tier_row(results["daemon_stats"][c]) for c in configs if c in results["daemon_stats"]}
+    print("| daemon | " + " | ".join(label for _, label in keys) + " |")
+    print("| --- " * (1 + len(keys)) + "|")
+    for c, row in daemons.items():
+        print(f"| {DISK_LABELS[c]} | " + " | ".join(str(row.get(k, "-")) for k, _ in keys) + " |")
+
+
+def draw_disk(results: dict, folder: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    configs = [c for c in DISK_CONFIGS if c in results["by_turn"]]
+    w = results["workload"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for config in configs:
+        rows = results["by_turn"][config]
+        turns = [r["turn"] for r in rows]
+        ax.plot(turns, [r["p50_ms"] for r in rows], marker="o", color=DISK_COLORS[config],
+                label=f"{DISK_LABELS[config]}, p50")  # fmt: skip
+        ax.plot(turns, [r["p90_ms"] for r in rows], linestyle="--", color=DISK_COLORS[config], alpha=0.6, label="p90")
+    tokens = [r["prompt_tokens_mean"] for r in results["by_turn"][configs[0]]]
+    ax.set_xticks(turns, [f"{t + 1}\n{tok:.0f}" for t, tok in zip(turns, tokens)])
+    ax.set_xlabel("turn of the conversation / mean prompt tokens")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_ylim(0, 1.3 * max(ax.get_ylim()[1], 1))  # room for the legend above the lines
+    ax.set_title(f"Multi-turn chat, working set {w['working_set_bytes'] / 2**20:.0f} MiB: pool "
+                 f"{w['pool_bytes'] / 2**20:.0f} MiB, + disk {w['disk_bytes'] / 2**20:.0f} MiB\n"
+                 f"(vLLM CPU build, {results['machine']['cores']} cores)", fontsize=10)  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=3, loc="upper left")
+    fig.tight_layout()
+    path = folder / "serving_ttft_disk.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    print(f"plot {path} ({path.stat().st_size >> 10} KiB)", file=sys.stderr)
+    return path

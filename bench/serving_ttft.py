@@ -2,6 +2,8 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/serving_ttft.py [--quick] [--conversations 12] [--turns 8]
         [--system-prompts 4] [--questions 32] [--concurrency 1] [--threads N] [--json PATH] [--plots DIR]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/serving_ttft.py --disk-compare [--quick] [--conversations 10]
+        [--turns 6] [--dram-share 0.33] [--disk-parent DIR] [--json PATH] [--plots DIR]
     .venv/bin/python bench/serving_ttft.py --from-json PATH [--plots DIR]   # tables and plots again
 
 (`pip install -e ".[bench]"` for matplotlib, which draws the plots.)
@@ -63,6 +65,23 @@ p90 per turn and overall, throughput, vLLM's prefix-cache and connector hit rate
 hit rate), writes the JSON (`--json`) and the plots `serving_ttft_chat.png` and
 `serving_ttft_system_prompt.png` (`--plots`, default docs/).
 
+`--disk-compare`: the chat only (10 conversations of 6 turns unless given), in three engine
+processes, each against its own daemon, which starts empty:
+
+  plain:    no connector
+  dram:     KVDepotConnector to a daemon whose pool holds `--dram-share` (default a third) of the
+            chat's working set: the whole blocks of every conversation's final history, computed
+            from the requests and the model's KV block size (the daemon's stored_bytes is in the
+            JSON to check it against)
+  disk:     the same, to a daemon with the same pool and a disk tier (`--disk-dir`, a temporary
+            folder under `--disk-parent`, default the current folder: a real disk, not a tmpfs)
+            of twice the working set
+
+It prints TTFT p50 / p90 / mean by turn and overall, and the daemons' stats after each run (hits,
+misses, disk hits, both tiers), which the JSON keeps (`daemon_stats`); the plot is
+`serving_ttft_disk.png`. Outputs are checked as above. Pool folders and the disk tier's folder are
+removed at the end. About 5 minutes on 2 cores.
+
 `--quick`: the tests' tiny model shape (hidden 256, 2 layers), 3 conversations of 3 turns, 2
 system prompts and 6 questions, shorter texts; about 1.5 minutes. Its vLLM cache holds much of
 that small working set, so it is a smoke test, not a measurement. The default run takes about 9
@@ -89,7 +108,8 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from serving_report import (  # noqa: E402
-    CONFIGS, WORKLOADS, by_turn, draw, pct, print_tables, summarize, system_split,
+    CONFIGS, DISK_CONFIGS, WORKLOADS, by_turn, draw, draw_disk, pct, print_disk_tables, print_tables, summarize,
+    system_split,
 )
 
 BLOCK_SIZE = 32  # vLLM 0.32's CPU attention backend needs a multiple of 32
@@ -105,6 +125,8 @@ FULL = dict(hidden=1024, intermediate=2816, layers=4, heads=16, kv_heads=4,
 QUICK = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2,
              conversations=3, turns=3, first_message=(160, 224), message=(64, 128), answer=16,
              system_prompts=2, system_prompt=512, questions=6, question=(16, 48), system_answer=8)  # fmt: skip
+# --disk-compare serves the chat only, and fewer conversations by default (about 5 minutes on 2 cores).
+DISK_COMPARE = dict(conversations=10, turns=6)
 
 
 def make_spec(shape: dict, vocab: int, seed: int) -> dict:
@@ -257,8 +279,19 @@ def daemon_totals(socket: str | None) -> dict:
 
     with KVDepotClient(socket, name="serving-ttft-stats") as client:
         t = client.connect(10).stats().totals
-        return {k: getattr(t, k) for k in ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks",
-                                           "evicted_blocks", "failed_jobs")}  # fmt: skip
+        keys = ("lookups", "hit_blocks", "miss_blocks", "stored_blocks", "stored_bytes", "loaded_blocks",
+                "evicted_blocks", "failed_jobs", "disk_hit_blocks")  # fmt: skip
+        return {k: getattr(t, k) for k in keys}
+
+
+def daemon_stats(socket: str) -> dict:
+    """The daemon's totals and tiers (`kvdepot stats --json`'s fields of those names)."""
+    from kvdepot.client import KVDepotClient
+    from kvdepot.client.cli import message_to_dict
+
+    with KVDepotClient(socket, name="serving-ttft-stats") as client:
+        stats = client.connect(10).stats()
+        return {"totals": message_to_dict(stats.totals), "tiers": [message_to_dict(t) for t in stats.tiers]}
 
 
 def run_engine(args) -> int:
@@ -313,6 +346,8 @@ def run_engine(args) -> int:
     if args.config != "kvdepot":
         # Only after the restart: the first kvdepot engine must not store these new messages.
         workloads.append(("return", return_requests(spec, history)))
+    if args.workloads:
+        workloads = [w for w in workloads if w[0] in args.workloads.split(",")]
     for workload, requests in workloads:
         before_vllm, before_daemon = vllm_counters(), daemon_totals(args.socket)
         t = time.perf_counter()
@@ -344,6 +379,38 @@ def block_bytes(shape: dict) -> int:
     return shape["layers"] * 2 * shape["kv_heads"] * head_dim * BLOCK_SIZE * 4  # K and V, float32
 
 
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def serve(config: str, model: str, socket: str | None, spec_path: Path, scratch: Path, args,
+          workloads: str | None = None) -> dict:
+    """Runs one engine process (`run_engine`) and returns its results."""
+    from vllm_generate import vllm_env
+
+    out = scratch / f"{config}.json"
+    cmd = [sys.executable, __file__, "--engine", config, "--model", model, "--spec", str(spec_path),
+           "--concurrency", str(args.concurrency), "--out", str(out)]  # fmt: skip
+    if socket:
+        cmd += ["--socket", socket]
+    if workloads:
+        cmd += ["--workloads", workloads]
+    env = vllm_env(scratch / f"vllm-{config}")
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    t = time.monotonic()
+    log_path = scratch / f"{config}.log"
+    with open(log_path, "w") as engine_log:
+        proc = subprocess.run(cmd, env=env, stdout=engine_log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise SystemExit(f"engine process ({config}) failed:\n{log_path.read_text()[-5000:]}")
+    run = json.loads(out.read_text())
+    chat = run["workloads"]["chat"]["requests"]
+    log(f"{config}: {time.monotonic() - t:.0f} s (start-up {run['startup_s']:.0f} s), "
+        f"{run['torch_threads']} torch threads; chat TTFT p50 "
+        f"{pct([r['ttft_s'] * 1e3 for r in chat], 0.5):.0f} ms")  # fmt: skip
+    return run
+
+
 def check_outputs(runs: dict) -> int:
     """The same token ids, request by request, in every configuration; else exits.
     Plain vLLM serves every workload; the others a part of them."""
@@ -361,6 +428,95 @@ def check_outputs(runs: dict) -> int:
                 checked += 1
     return checked
 
+# ---------------------------------------------------------------------------
+# --disk-compare: a working set larger than the daemon's DRAM, with and without the disk tier
+# ---------------------------------------------------------------------------
+
+
+def chat_blocks(spec: dict) -> int:
+    """The chat's working set in the daemon: the whole blocks of every conversation's final history
+    (all its prompts and answers; an earlier turn's blocks are a prefix of it)."""
+    return sum((sum(map(len, c)) + len(c) * spec["chat_answer"]) // BLOCK_SIZE for c in spec["chat"])
+
+
+def disk_compare(args, shape: dict, spec: dict, model: str, spec_path: Path, scratch: Path, started: float) -> int:
+    """The chat in vLLM alone, then against a fresh daemon whose pool holds `--dram-share` of the
+    chat's working set (dram), then against another such daemon with a disk tier that holds all of
+    it twice over (disk)."""
+    import torch
+    import vllm
+
+    import vllm_harness as vh
+    from bench_daemon import Daemon
+
+    slot = 1 << (block_bytes(shape) - 1).bit_length()
+    ws_blocks = chat_blocks(spec)
+    pool_bytes = max(1, round(ws_blocks * args.dram_share)) * slot
+    disk_bytes = -(-max(64 << 20, 2 * ws_blocks * slot) // (1 << 20)) << 20
+    disk_dir = Path(tempfile.mkdtemp(prefix=".kvdepot-bench-disk-", dir=args.disk_parent)).resolve()
+    log(f"chat working set {ws_blocks} blocks ({ws_blocks * slot / 2**20:.0f} MiB in {slot >> 10} KiB slots); pool "
+        f"{pool_bytes / 2**20:.1f} MiB; disk tier {disk_bytes >> 20} MiB in {disk_dir}")  # fmt: skip
+    runs, stats = {}, {}
+    try:
+        runs["plain"] = serve("plain", model, None, spec_path, scratch, args, "chat")
+        for config in ("dram", "disk"):
+            folder = scratch / f"daemon-{config}"
+            folder.mkdir()
+            extra = ("--disk-dir", str(disk_dir), "--disk-size", f"{disk_bytes >> 20}MiB") if config == "disk" else ()
+            daemon = Daemon(folder, f"{pool_bytes >> 10}KiB", f"{slot >> 10}KiB",
+                            "/dev/shm" if os.path.isdir("/dev/shm") else None, extra)  # fmt: skip
+            log(f"kvdepotd ({config}) pid {daemon.proc.pid} on {daemon.socket}")
+            try:
+                runs[config] = serve(config, model, daemon.socket, spec_path, scratch, args, "chat")
+                stats[config] = daemon_stats(daemon.socket)
+            finally:
+                rc = daemon.stop()
+                log(f"kvdepotd ({config}) stopped (exit {rc})")
+    finally:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+
+    threads = {c: runs[c]["torch_threads"] for c in DISK_CONFIGS}
+    if len(set(threads.values())) != 1:
+        raise SystemExit(f"FAIL: the engines ran with different torch thread counts: {threads}")
+    checked = check_outputs(runs)
+    wall = time.monotonic() - started
+    results = {
+        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "vllm": vllm.__version__,
+                    "torch_threads": threads["plain"]},  # fmt: skip
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "model": {k: shape[k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads")}
+        | {"vocab": vh.TINY_MODEL_VOCAB, "dtype": "float32", "block_size": BLOCK_SIZE,
+           "block_bytes": block_bytes(shape)},  # fmt: skip
+        "workload": {k: shape[k] for k in ("conversations", "turns", "first_message", "message", "answer")}
+        | {"concurrency": args.concurrency, "vllm_blocks": spec["vllm_blocks"], "max_model_len": spec["max_model_len"],
+           "working_set_blocks": ws_blocks, "working_set_bytes": ws_blocks * slot, "slot_bytes": slot,
+           "dram_share": args.dram_share, "pool_bytes": pool_bytes, "disk_bytes": disk_bytes,
+           "disk_dir": str(disk_dir)},  # fmt: skip
+        "outputs_identical": checked,
+        "startup_s": {c: runs[c]["startup_s"] for c in DISK_CONFIGS},
+        "summary": {"chat": {c: summarize(runs[c], "chat") for c in DISK_CONFIGS}},
+        "by_turn": {c: by_turn(runs[c]) for c in DISK_CONFIGS},
+        "daemon_stats": stats,
+        "wall_s": wall,
+        "runs": runs,
+    }
+    m = results["model"]
+    print(f"vLLM {vllm.__version__} (CPU), torch {torch.__version__}, Python {platform.python_version()}, "
+          f"{os.cpu_count()} cores ({threads['plain']} torch thread per engine), {results['date']}; "
+          f"`{results['command']}`; total {wall:.0f} s")  # fmt: skip
+    print(f"Model: random-weight Llama, hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads, "
+          f"{m['kv_heads']} KV heads, intermediate {m['intermediate']}, float32, block {BLOCK_SIZE} tokens "
+          f"({m['block_bytes'] >> 10} KiB of KV); vLLM cache {spec['vllm_blocks']} blocks; outputs identical in "
+          f"all three configurations ({checked} requests checked).\n")  # fmt: skip
+    print_disk_tables(results)
+    Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    log(f"results in {args.json}")
+    if args.plots != "none":
+        draw_disk(results, Path(args.plots))
+    return 0
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -375,35 +531,45 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                     help="OpenMP threads of every engine (default: all cores but one, which is the daemon's)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the requests' token ids")
+    ap.add_argument("--disk-compare", action="store_true",
+                    help="the chat only (default 10 conversations of 6 turns), against a pool smaller than its working "
+                    "set: without the disk tier, and with it (see below)")  # fmt: skip
+    ap.add_argument("--dram-share", type=float, default=1 / 3,
+                    help="--disk-compare: the pool's size, a share of the chat's working set (default 1/3)")
+    ap.add_argument("--disk-parent", default=".", metavar="DIR",
+                    help="--disk-compare: where the disk tier's temporary folder goes (default: the current folder; "
+                    "a real disk, not a tmpfs)")  # fmt: skip
     ap.add_argument("--from-json", metavar="PATH", help="only print the tables and draw the plots of an earlier run's JSON")
     ap.add_argument("--keep-scratch", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--json", default="serving_ttft.json", metavar="PATH", help="results (default ./serving_ttft.json)")
+    ap.add_argument("--json", metavar="PATH",
+                    help="results (default ./serving_ttft.json; --disk-compare ./serving_ttft_disk.json)")
     ap.add_argument("--plots", default=str(REPO / "docs"), metavar="DIR", help="where the PNGs go (default docs/); "
                     "'none' for none")  # fmt: skip
     # One engine process (started by this script).
-    ap.add_argument("--engine", choices=CONFIGS, dest="config", help=argparse.SUPPRESS)
+    ap.add_argument("--engine", choices=sorted(set(CONFIGS) | set(DISK_CONFIGS)), dest="config", help=argparse.SUPPRESS)
+    ap.add_argument("--workloads", help=argparse.SUPPRESS)  # comma-separated: only these
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.json = args.json or ("serving_ttft_disk.json" if args.disk_compare else "serving_ttft.json")
     if args.config:
         return run_engine(args)
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
-        print_tables(results)
+        disk = "daemon_stats" in results  # a --disk-compare run
+        (print_disk_tables if disk else print_tables)(results)
         if args.plots != "none":
-            draw(results, Path(args.plots))
+            (draw_disk if disk else draw)(results, Path(args.plots))
         return 0
 
     import vllm_harness as vh
     from bench_daemon import Daemon
-    from vllm_generate import vllm_env
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
     shape = dict(QUICK if args.quick else FULL)
+    if args.disk_compare and not args.quick:
+        shape.update(DISK_COMPARE)
     for key in ("conversations", "turns", "system_prompts", "questions"):
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
@@ -427,8 +593,10 @@ def main() -> int:
             f"{block_bytes(shape) >> 10} KiB, longest request {spec['longest']} tokens")  # fmt: skip
         spec_path = scratch / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        # Room for every block the workloads store, many times over: the daemon never evicts here.
         os.environ["KVDEPOT_METRICS_LISTEN"] = "none"
+        if args.disk_compare:
+            return disk_compare(args, shape, spec, model, spec_path, scratch, started)
+        # Room for every block the workloads store, many times over: the daemon never evicts here.
         pool_mib = max(256, 4 * (len(spec["chat"]) * spec["longest"] + 2 * sum(map(len, spec["system_prompts"])))
                        * slot // BLOCK_SIZE >> 20)  # fmt: skip
         daemon = Daemon(scratch, f"{pool_mib}MiB", f"{slot >> 10}KiB",
@@ -436,22 +604,7 @@ def main() -> int:
         log(f"kvdepotd pid {daemon.proc.pid} on {daemon.socket}, pool {pool_mib} MiB of {slot >> 10} KiB slots")
         try:
             for config in CONFIGS:
-                out = scratch / f"{config}.json"
-                cmd = [sys.executable, __file__, "--engine", config, "--model", model, "--socket", daemon.socket,
-                       "--spec", str(spec_path), "--concurrency", str(args.concurrency), "--out", str(out)]  # fmt: skip
-                env = vllm_env(scratch / f"vllm-{config}")
-                env["OMP_NUM_THREADS"] = str(args.threads)
-                t = time.monotonic()
-                log_path = scratch / f"{config}.log"
-                with open(log_path, "w") as engine_log:
-                    proc = subprocess.run(cmd, env=env, stdout=engine_log, stderr=subprocess.STDOUT)
-                if proc.returncode != 0:
-                    raise SystemExit(f"engine process ({config}) failed:\n{log_path.read_text()[-5000:]}")
-                runs[config] = json.loads(out.read_text())
-                chat = runs[config]["workloads"]["chat"]["requests"]
-                log(f"{config}: {time.monotonic() - t:.0f} s (start-up {runs[config]['startup_s']:.0f} s), "
-                    f"{runs[config]['torch_threads']} torch threads; chat TTFT p50 "
-                    f"{pct([r['ttft_s'] * 1e3 for r in chat], 0.5):.0f} ms")  # fmt: skip
+                runs[config] = serve(config, model, daemon.socket, spec_path, scratch, args)
         finally:
             rc = daemon.stop()
             log(f"kvdepotd stopped (exit {rc})")
