@@ -1,10 +1,10 @@
 """The local disk tier: shards appended as self-describing records to segment files.
 
-A directory holds segments, seg-<sequence>.kvd, of at most `segment_bytes`
-each: a 4 KiB segment header, then records, each a 4 KiB header page (the
-shard's record.pack() and zeros) and its data padded to 4 KiB, so that every
-record can be written and read with O_DIRECT. Space comes back a whole segment
-at a time: the oldest goes when a new one would not fit in the capacity.
+A directory (disk_folder.py: its lock and fingerprint) holds segments of at
+most `segment_bytes` each (segments.py: their format and scan). Space comes
+back a whole segment at a time: the oldest goes when a new one would not fit
+in the capacity. This module is the store over them: the index of records,
+batched writes, checked reads and eviction, which share one lock's state.
 
 Nothing but the files is trusted at start: the scan follows each segment's
 chain of self-hashed record headers (one 4 KiB read a record, no data read),
@@ -18,36 +18,31 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
-import fnmatch
-import json
 import logging
 import mmap
 import os
-import re
-import struct
 import threading
 import time
 
-import xxhash
-
 from kvdepot.server.logsafe import RateLimitedLog
-from kvdepot.server.pool import filesystem_type
-from kvdepot.server.tiers.record import FORMAT_VERSION, RECORD_BYTES, ShardRecord, data_hash, pack, unpack
+from kvdepot.server.tiers.disk_folder import (
+    PAGE,
+    DiskTierError,
+    check_fingerprint,
+    make_directory,
+    probe_direct,
+    take_lock,
+)
+from kvdepot.server.tiers.record import RECORD_BYTES, ShardRecord, data_hash, pack, unpack
+from kvdepot.server.tiers.segments import (
+    SEGMENT_NAME,
+    RecordKey,
+    Segment,
+    page_padded,
+    scan_segment,
+    segment_header,
+)
 
-RecordKey = tuple[bytes, bytes, int]  # (namespace digest, block key, rank)
-
-PAGE = 4096
-SEGMENT_MAGIC = b"KVDSEGM1"
-KIND = "kvdepot disk tier"
-FINGERPRINT = {"format": FORMAT_VERSION, "alignment": PAGE, "kind": KIND}
-LOCK_NAME = "kvdepot-disk.lock"
-FINGERPRINT_NAME = "kvdepot-disk.json"
-PROBE_NAME = "kvdepot-disk.probe"
-_SEGMENT_NAME = re.compile(r"seg-(\d{12})\.kvd(\.partial)?\Z")
-# magic, format, reserved, sequence; then the xxh3 of these.
-_SEGMENT_HEADER = struct.Struct("<8sIIQ")
-_HASH = struct.Struct("<Q")
 # A pwritev gathers up to this much (and IOV_MAX buffers): few, large syscalls.
 FLUSH_BYTES = 32 << 20
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
@@ -55,14 +50,6 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 SLACK = 64 << 10
 _ZEROS = memoryview(bytes(PAGE))
 SEGMENT_BYTES = 256 << 20
-
-
-class DiskTierError(RuntimeError):
-    """The directory cannot be used; the message says what to change."""
-
-
-def _padded(n: int) -> int:
-    return (n + PAGE - 1) & -PAGE
 
 
 def _address(view: memoryview) -> int | None:
@@ -76,24 +63,6 @@ def _address(view: memoryview) -> int | None:
 def _bytes_view(data) -> memoryview:
     view = memoryview(data)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def segment_header(sequence: int) -> bytes:
-    fields = _SEGMENT_HEADER.pack(SEGMENT_MAGIC, FORMAT_VERSION, 0, sequence)
-    return fields + _HASH.pack(xxhash.xxh3_64_intdigest(fields))
-
-
-def _segment_problem(raw, sequence: int) -> str:
-    """Why the segment header in `raw` is not ours for `sequence`; "" when it is."""
-    magic, version, _, found = _SEGMENT_HEADER.unpack_from(raw)
-    if magic != SEGMENT_MAGIC:
-        return "not a kvdepot segment"
-    if version != FORMAT_VERSION:
-        return f"a segment of format {version}, not {FORMAT_VERSION}"
-    (stored,) = _HASH.unpack_from(raw, _SEGMENT_HEADER.size)
-    if stored != xxhash.xxh3_64_intdigest(bytes(raw[: _SEGMENT_HEADER.size])) or found != sequence:
-        return "its segment header is damaged"
-    return ""
 
 
 def _pwritev_all(fd: int, iov: list, offset: int) -> tuple[int, OSError | None]:
@@ -112,14 +81,6 @@ def _pwritev_all(fd: int, iov: list, offset: int) -> tuple[int, OSError | None]:
         if n:
             iov[0] = iov[0][n:]
     return done, None
-
-
-class _Segment:
-    __slots__ = ("seq", "path", "physical", "keys", "fd", "end")
-
-    def __init__(self, seq: int, path: str, physical: int, fd: int = -1, end: int = PAGE):
-        self.seq, self.path, self.physical, self.fd, self.end = seq, path, physical, fd, end
-        self.keys: list[RecordKey] = []
 
 
 class _Batch:
@@ -162,8 +123,8 @@ class DiskTier:
         self._write_lock = threading.Lock()  # one writer at a time; the current segment and the bounce buffer
         self._local = threading.local()
         self._index: dict[RecordKey, tuple[int, int, ShardRecord]] = {}  # key -> (sequence, offset, record)
-        self._segments: dict[int, _Segment] = {}  # in sequence order: oldest first
-        self._current: _Segment | None = None
+        self._segments: dict[int, Segment] = {}  # in sequence order: oldest first
+        self._current: Segment | None = None
         self._next_seq = 1
         self._lock_fd = -1
         self._bounce: mmap.mmap | None = None
@@ -174,11 +135,11 @@ class DiskTier:
         self._scan: dict[str, int] = {}
         # Called (on the writing thread) with the keys each evicted segment held.
         self.on_evict = None
-        self._make_directory()
-        self._take_lock()
+        make_directory(self.directory)
+        self._lock_fd = take_lock(self.directory)
         try:
-            self._check_fingerprint(fresh)
-            self._direct = self._probe_direct(direct)
+            check_fingerprint(self.directory, fresh, log)
+            self._direct = probe_direct(self.directory, direct, log)
             self._bounce = mmap.mmap(-1, FLUSH_BYTES + PAGE)
             self.scan()
             try:
@@ -194,95 +155,6 @@ class DiskTier:
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
 
-    def _make_directory(self) -> None:
-        try:
-            if not os.path.isdir(self.directory):
-                os.makedirs(self.directory, 0o700)
-                os.chmod(self.directory, 0o700)  # whatever the umask
-        except OSError as e:
-            raise DiskTierError(f"cannot create the disk tier's directory {self.directory}: {e.strerror}") from e
-
-    def _take_lock(self) -> None:
-        path = self._path(LOCK_NAME)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise DiskTierError(f"cannot write in the disk tier's directory {self.directory}: {e.strerror}") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise DiskTierError(
-                f"{self.directory} is in use by another kvdepot disk tier (pid {holder} holds {path}): "
-                "give each daemon a directory of its own"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
-
-    def _check_fingerprint(self, fresh: bool) -> None:
-        path = self._path(FINGERPRINT_NAME)
-        try:
-            with open(path, encoding="utf-8") as f:
-                found = json.load(f)
-        except FileNotFoundError:
-            found = None
-        except (OSError, ValueError) as e:
-            found = f"an unreadable fingerprint ({e})"
-        if isinstance(found, dict):
-            found = {k: found.get(k) for k in FINGERPRINT}
-        if found not in (None, FINGERPRINT) and not fresh:
-            what = f"a fingerprint of format {found['format']}, kind {found['kind']!r}" if isinstance(found, dict) else found
-            raise DiskTierError(
-                f"{self.directory} holds {what} ({path}), and this kvdepot's disk tier is format "
-                f"{FORMAT_VERSION}: start with a fresh disk tier to discard its segments, or choose another directory"
-            )
-        if fresh:
-            names = [n for n in os.listdir(self.directory) if fnmatch.fnmatch(n, "seg-*.kvd")]
-            for name in names:
-                if os.path.isfile(self._path(name)):
-                    os.unlink(self._path(name))
-            self._log.info("disk tier at %s started fresh: %d segments deleted", self.directory, len(names))
-        if fresh or found != FINGERPRINT:
-            fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                os.fchmod(fd, 0o600)
-                json.dump(FINGERPRINT, f)
-                f.flush()
-                os.fsync(fd)
-            os.replace(path + ".new", path)
-
-    def _probe_direct(self, mode: str) -> bool:
-        if mode == "off":
-            return False
-        path = self._path(PROBE_NAME)
-        page = mmap.mmap(-1, PAGE)  # page aligned
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_DIRECT, 0o600)
-            try:
-                os.pwrite(fd, page, 0)
-            finally:
-                os.close(fd)
-            return True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise DiskTierError(f"cannot write in the disk tier's directory {self.directory}: {e.strerror}") from e
-            fs = filesystem_type(self.directory)
-            if mode == "on":
-                raise DiskTierError(
-                    f"direct I/O (O_DIRECT) is not supported in {self.directory} (a {fs} filesystem): "
-                    "put the disk tier on a disk's filesystem (ext4, xfs), or set direct to auto or off"
-                ) from e
-            self._log.info("the disk tier's %s (%s) does not support O_DIRECT: buffered I/O", self.directory, fs)
-            return False
-        finally:
-            page.close()
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
     def _pages(self) -> tuple[memoryview, memoryview]:
         """Two page-aligned pages of this thread's (a header, a data tail)."""
         pages = getattr(self._local, "pages", None)
@@ -297,10 +169,10 @@ class DiskTier:
             self._seal()
             counts = dict.fromkeys(("records", "bytes", "format", "torn", "empty", "segments", "segments_skipped"), 0)
             index: dict[RecordKey, tuple[int, int, ShardRecord]] = {}
-            segments: dict[int, _Segment] = {}
+            segments: dict[int, Segment] = {}
             found = []
             for name in os.listdir(self.directory):
-                match = _SEGMENT_NAME.match(name)
+                match = SEGMENT_NAME.match(name)
                 if match and match.group(2):  # a segment whose header was never written
                     os.unlink(self._path(name))
                 elif match:
@@ -308,7 +180,7 @@ class DiskTier:
             found.sort()
             started = last = time.monotonic()
             for i, (seq, name) in enumerate(found):
-                segment = self._scan_segment(seq, self._path(name), index, counts)
+                segment = scan_segment(seq, self._path(name), index, counts, self._pages()[0], self._direct, self._log)
                 if segment is not None:
                     segments[seq] = segment
                 if time.monotonic() - last >= 1.0:
@@ -328,49 +200,6 @@ class DiskTier:
                 time.monotonic() - started, f"; {problems}" if problems else "",
                 "direct" if self._direct else "buffered")
             return dict(counts)
-
-    def _scan_segment(self, seq: int, path: str, index: dict, counts: dict) -> _Segment | None:
-        page = self._pages()[0]
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self._direct else 0))
-        except OSError as e:
-            self._log.warning("skipping disk tier segment %s: %s", path, e.strerror)
-            counts["segments_skipped"] += 1
-            return None
-        try:
-            st = os.fstat(fd)
-            size = st.st_size
-            why = "it is too short" if size < PAGE or os.preadv(fd, [page], 0) < PAGE else _segment_problem(page, seq)
-            if why:
-                self._log.warning("skipping %s, %s: left in place, its space not counted", path, why)
-                counts["segments_skipped"] += 1
-                return None
-            segment = _Segment(seq, path, st.st_blocks * 512)
-            offset = PAGE
-            while offset < size:
-                if offset + PAGE > size or os.preadv(fd, [page], offset) < PAGE:
-                    counts["torn"] += 1
-                    break
-                record, why = unpack(page)
-                if record is None:
-                    counts[why] += 1
-                    break
-                end = offset + PAGE + _padded(record.length)
-                if end > size:
-                    counts["torn"] += 1
-                    break
-                key = (record.ns, record.key, record.rank)
-                index[key] = (seq, offset, record)  # a later copy of a key wins
-                segment.keys.append(key)
-                offset = end
-            counts["segments"] += 1
-            return segment
-        except OSError as e:
-            self._log.warning("reading disk tier segment %s failed (%s): skipped", path, e.strerror)
-            counts["segments_skipped"] += 1
-            return None
-        finally:
-            os.close(fd)
 
     # ------------------------------------------------------------ queries
 
@@ -432,7 +261,7 @@ class DiskTier:
                     if known or key in seen:
                         continue
                     seen.add(key)
-                    size = PAGE + _padded(record.length)
+                    size = PAGE + page_padded(record.length)
                     if max(self.segment_bytes, PAGE + size) + SLACK > self.capacity:
                         with self._lock:
                             self._counts["too_large"] += 1
@@ -445,7 +274,7 @@ class DiskTier:
                         self._flush(batch, written)
                         self._roll(size)
                         batch = None
-                    if batch is None or batch.bounce_used + PAGE + _padded(record.length) > len(self._bounce) \
+                    if batch is None or batch.bounce_used + PAGE + page_padded(record.length) > len(self._bounce) \
                             or len(batch.iov) + 3 > _IOV_MAX:
                         self._flush(batch, written)
                         batch = _Batch(self._current.end)
@@ -466,7 +295,7 @@ class DiskTier:
         header[RECORD_BYTES:] = _ZEROS[RECORD_BYTES:]
         batch.bounce_used += PAGE
         batch.iov.append(header)
-        length, padded = record.length, _padded(record.length)
+        length, padded = record.length, page_padded(record.length)
         if length:
             address = _address(view) if self._direct else None
             if not self._direct:
@@ -571,7 +400,7 @@ class DiskTier:
             except OSError:
                 pass
             raise
-        segment = _Segment(seq, path, physical, fd)
+        segment = Segment(seq, path, physical, fd)
         with self._lock:
             self._segments[seq] = segment
         self._current = segment
@@ -649,7 +478,7 @@ class DiskTier:
             floor = length & -PAGE
             tail = length - floor
             iov = [header] + ([into[:floor]] if floor else []) + ([tail_page] if tail else [])
-            expect, flags = PAGE + _padded(length), os.O_DIRECT
+            expect, flags = PAGE + page_padded(length), os.O_DIRECT
         else:
             iov = [header] + ([into[:length]] if length else [])
             expect, flags = PAGE + length, 0

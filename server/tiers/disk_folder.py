@@ -1,0 +1,122 @@
+"""The disk tier's folder: its lock, its fingerprint and whether O_DIRECT works there.
+
+A folder holds one daemon's disk tier of one format: the lock (held for the
+tier's life, released by the kernel when the process dies) keeps a second
+daemon out, and the fingerprint a daemon of another format.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import fnmatch
+import json
+import logging
+import mmap
+import os
+
+from kvdepot.server.pool import filesystem_type
+from kvdepot.server.tiers.record import FORMAT_VERSION
+
+PAGE = 4096
+KIND = "kvdepot disk tier"
+FINGERPRINT = {"format": FORMAT_VERSION, "alignment": PAGE, "kind": KIND}
+LOCK_NAME = "kvdepot-disk.lock"
+FINGERPRINT_NAME = "kvdepot-disk.json"
+PROBE_NAME = "kvdepot-disk.probe"
+
+
+class DiskTierError(RuntimeError):
+    """The directory cannot be used; the message says what to change."""
+
+
+def make_directory(directory: str) -> None:
+    try:
+        if not os.path.isdir(directory):
+            os.makedirs(directory, 0o700)
+            os.chmod(directory, 0o700)  # whatever the umask
+    except OSError as e:
+        raise DiskTierError(f"cannot create the disk tier's directory {directory}: {e.strerror}") from e
+
+def take_lock(directory: str) -> int:
+    """Locks the folder for this process's life; the lock's descriptor."""
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise DiskTierError(f"cannot write in the disk tier's directory {directory}: {e.strerror}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DiskTierError(
+            f"{directory} is in use by another kvdepot disk tier (pid {holder} holds {path}): "
+            "give each daemon a directory of its own"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+def check_fingerprint(directory: str, fresh: bool, log: logging.Logger) -> None:
+    path = os.path.join(directory, FINGERPRINT_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = json.load(f)
+    except FileNotFoundError:
+        found = None
+    except (OSError, ValueError) as e:
+        found = f"an unreadable fingerprint ({e})"
+    if isinstance(found, dict):
+        found = {k: found.get(k) for k in FINGERPRINT}
+    if found not in (None, FINGERPRINT) and not fresh:
+        what = f"a fingerprint of format {found['format']}, kind {found['kind']!r}" if isinstance(found, dict) else found
+        raise DiskTierError(
+            f"{directory} holds {what} ({path}), and this kvdepot's disk tier is format "
+            f"{FORMAT_VERSION}: start with a fresh disk tier to discard its segments, or choose another directory"
+        )
+    if fresh:
+        names = [n for n in os.listdir(directory) if fnmatch.fnmatch(n, "seg-*.kvd")]
+        for name in names:
+            if os.path.isfile(os.path.join(directory, name)):
+                os.unlink(os.path.join(directory, name))
+        log.info("disk tier at %s started fresh: %d segments deleted", directory, len(names))
+    if fresh or found != FINGERPRINT:
+        fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(fd, 0o600)
+            json.dump(FINGERPRINT, f)
+            f.flush()
+            os.fsync(fd)
+        os.replace(path + ".new", path)
+
+def probe_direct(directory: str, mode: str, log: logging.Logger) -> bool:
+    """Whether O_DIRECT works in the folder (mode auto), or must (on)."""
+    if mode == "off":
+        return False
+    path = os.path.join(directory, PROBE_NAME)
+    page = mmap.mmap(-1, PAGE)  # page aligned
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_DIRECT, 0o600)
+        try:
+            os.pwrite(fd, page, 0)
+        finally:
+            os.close(fd)
+        return True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise DiskTierError(f"cannot write in the disk tier's directory {directory}: {e.strerror}") from e
+        fs = filesystem_type(directory)
+        if mode == "on":
+            raise DiskTierError(
+                f"direct I/O (O_DIRECT) is not supported in {directory} (a {fs} filesystem): "
+                "put the disk tier on a disk's filesystem (ext4, xfs), or set direct to auto or off"
+            ) from e
+        log.info("the disk tier's %s (%s) does not support O_DIRECT: buffered I/O", directory, fs)
+        return False
+    finally:
+        page.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
