@@ -118,6 +118,28 @@ def test_flipped_header_byte_is_skipped_at_restart(tmp_path):
         assert read_back(tier, items[0][0]) == items[0][1]
 
 
+def test_a_record_a_tenant_forged_in_its_data_is_never_indexed(tmp_path):
+    """A tenant chooses its blocks' bytes: one whose data is a well-formed record
+    header (its own hash right) of another namespace, with data after it, must
+    never become that namespace's record, even when the chain of real headers
+    breaks just before it (a torn write, a flipped bit)."""
+    rng = random.Random(6)
+    victim_ns = b"V" * 16
+    forged_data = rng.randbytes(PAGE)
+    forged = ShardRecord(victim_ns, b"K" * 32, 0, 1, PAGE, data_hash(forged_data))
+    from kvdepot.server.tiers.record import pack
+
+    payload = pack(forged).ljust(PAGE, b"\0") + forged_data  # a header page, then its data page
+    honest, data = make(1, 5000, rng)
+    tenant = ShardRecord(NS, (2).to_bytes(32, "little"), 0, 2, len(payload), data_hash(payload))
+    with DiskTier(str(tmp_path), 4 << 20, segment_bytes=SEGMENT) as tier:
+        tier.write([(honest, memoryview(data)), (tenant, memoryview(payload))])
+    flip(segment_files(tmp_path)[0], PAGE + 3 * PAGE + 100)  # the tenant's record header
+    with DiskTier(str(tmp_path), 4 << 20, segment_bytes=SEGMENT) as tier:
+        assert (victim_ns, b"K" * 32, 0) not in tier.keys()
+        assert tier.keys() == [key(honest)]
+
+
 def test_segment_of_another_format_is_skipped_and_left_alone(tmp_path):
     foreign = tmp_path / "seg-000000000007.kvd"
     foreign.write_bytes(b"not a segment".ljust(3 * PAGE, b"\xff"))

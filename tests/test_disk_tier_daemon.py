@@ -4,6 +4,7 @@ survives restarts within its size."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -206,3 +207,20 @@ def test_stats_and_metrics_show_each_tier(start_daemon, client_factory, tmp_path
     assert value(samples, "kvdepot_tier_capacity_bytes", tier="disk") == 32 << 20
     assert value(samples, "kvdepot_tier_capacity_bytes", tier="dram") == 4 << 20
     assert value(samples, "kvdepot_lookup_blocks_total", result="disk_hit") == NUM_BLOCKS
+
+
+def test_a_disk_folder_others_can_write_is_refused(tmp_path):
+    """Anyone can compute a record's hashes: records planted in a folder another
+    user can write would reach the GPUs, so the daemon will not start on one."""
+    folder = tmp_path / "shared-disk"
+    folder.mkdir()
+    os.chmod(folder, 0o777)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdepot.server", "--listen", str(tmp_path / "d.sock"), "--pool-size", "4MiB",
+         "--slot-size", "16KiB", "--pin", "off", "--pool-dir", str(tmp_path), "--disk-dir", str(folder),
+         "--disk-size", "16MiB"],
+        capture_output=True, text=True, env=subprocess_env(), timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "writable by it alone" in proc.stderr and "mode 777" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -191,6 +191,23 @@ def test_a_pool_file_others_could_write_is_not_adopted(start_daemon, client_fact
     assert new.stat().st_mode & 0o777 == 0o600
 
 
+def test_a_namespace_catalog_others_could_write_is_not_trusted(start_daemon, client_factory):
+    daemon = start_daemon()
+    client = client_factory(daemon, backoff_max=0.5)
+    worker, engine, tensors = attach_worker(client, seed=9)
+    store(client, worker, prompt_keys(8, prompt=8))
+    sealed(client, 8)
+    assert daemon.stop() == 0
+    [catalog] = daemon.folder.glob("*.namespaces.json")
+    os.chmod(catalog, 0o666)  # as one another user put in a shared /dev/shm first
+    daemon.start()
+    assert "is not this user's alone" in daemon.log()
+    assert client.wait_connected(15)
+    tier = dram(client.stats())
+    assert tier.recovered_shards == 0 and dict(tier.discarded) == {"unknown_namespace": 8}
+    assert client.stats().used_slots == 0
+
+
 def test_a_pool_file_of_another_uid_is_not_adopted(start_daemon, client_factory):
     if os.geteuid() != 0:
         pytest.skip("needs root to give a file to another uid")

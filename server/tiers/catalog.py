@@ -39,7 +39,13 @@ class Catalog:
     def load(self) -> str:
         """Reads the file; '' when loaded (or absent), else why it was ignored."""
         try:
-            with open(self.path, encoding="utf-8") as f:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                os.close(fd)
+                # In /dev/shm anyone may have put it there first.
+                return f"{self.path} is not this user's alone (uid {st.st_uid}, mode {st.st_mode & 0o777:o})"
+            with os.fdopen(fd, encoding="utf-8") as f:
                 raw = json.load(f)
             entries = {}
             for digest_hex, entry in raw["namespaces"].items():
@@ -87,8 +93,13 @@ class Catalog:
             }
         }
         temporary = f"{self.path}.{os.getpid()}.tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            # Never through a name someone else put there first (a shared /dev/shm).
+            try:
+                os.unlink(temporary)
+            except FileNotFoundError:
+                pass
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(body, f)
             os.replace(temporary, self.path)
@@ -100,9 +111,3 @@ class Catalog:
                 os.unlink(temporary)
             except OSError:
                 pass
-
-    def remove_file(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass

@@ -37,6 +37,14 @@ def make_directory(directory: str) -> None:
             os.chmod(directory, 0o700)  # whatever the umask
     except OSError as e:
         raise DiskTierError(f"cannot create the disk tier's directory {directory}: {e.strerror}") from e
+    # Records are checked by hashes anyone can compute: a folder another user
+    # can write could hold records they forged, which would reach the GPUs.
+    st = os.stat(directory)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise DiskTierError(
+            f"the disk tier's directory {directory} belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:o}: "
+            "it must be this user's and writable by it alone (chown it, chmod go-w, or choose another)"
+        )
 
 def take_lock(directory: str) -> int:
     """Locks the folder for this process's life; the lock's descriptor."""
