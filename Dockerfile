@@ -23,6 +23,7 @@ RUN python3 -m pip install --no-cache-dir --no-deps /opt/kvdepot-src \
         "grpcio-reflection>=1.84.0" \
         "prometheus-client>=0.20" \
         "uvloop>=0.19" \
+        "xxhash>=3.0" \
     && rm -rf /opt/kvdepot-src \
     && kvdepotd --help > /dev/null
 

@@ -264,10 +264,13 @@ class HostPool:
         chunks = [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
         done = 0
         # MiB for small pools, which would read "0.0 of 0.0 GiB".
-        unit, scale = ("GiB", 2**30) if total >= 2**30 else ("MiB", 2**20)
+        unit, scale = ("GiB", 2**30) if self.size >= 2**30 else ("MiB", 2**20)
 
         def report() -> None:
-            self._progress(f"{what}: {done / scale:.1f} of {total / scale:.1f} {unit} ({100 * done / total:.0f}%)")
+            # In the pool's bytes, as configured: the file's records and header
+            # (under 1% of it) would make 64 GiB read 64.5.
+            shown = done * self.size / total
+            self._progress(f"{what}: {shown / scale:.1f} of {self.size / scale:.1f} {unit} ({100 * done / total:.0f}%)")
 
         # At once, so that an operator waiting on a large pool sees what it does.
         report()
