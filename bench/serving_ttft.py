@@ -502,6 +502,19 @@ def disk_compare(args, shape: dict, spec: dict, model: str, spec_path: Path, scr
         "wall_s": wall,
         "runs": runs,
     }
+    print_setting(results, threads, spec, checked, wall)
+    print_disk_tables(results)
+    Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    log(f"results in {args.json}")
+    if args.plots != "none":
+        draw_disk(results, Path(args.plots))
+    return 0
+
+
+def print_setting(results: dict, threads: dict, spec: dict, checked: int, wall: float) -> None:
+    import torch
+    import vllm
+
     m = results["model"]
     print(f"vLLM {vllm.__version__} (CPU), torch {torch.__version__}, Python {platform.python_version()}, "
           f"{os.cpu_count()} cores ({threads['plain']} torch thread per engine), {results['date']}; "
@@ -510,12 +523,6 @@ def disk_compare(args, shape: dict, spec: dict, model: str, spec_path: Path, scr
           f"{m['kv_heads']} KV heads, intermediate {m['intermediate']}, float32, block {BLOCK_SIZE} tokens "
           f"({m['block_bytes'] >> 10} KiB of KV); vLLM cache {spec['vllm_blocks']} blocks; outputs identical in "
           f"all three configurations ({checked} requests checked).\n")  # fmt: skip
-    print_disk_tables(results)
-    Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    log(f"results in {args.json}")
-    if args.plots != "none":
-        draw_disk(results, Path(args.plots))
-    return 0
 
 
 def main() -> int:
@@ -642,14 +649,7 @@ def main() -> int:
         "wall_s": wall,
         "runs": runs,
     }
-    m = results["model"]
-    print(f"vLLM {vllm.__version__} (CPU), torch {torch.__version__}, Python {platform.python_version()}, "
-          f"{os.cpu_count()} cores ({threads['plain']} torch thread per engine), {results['date']}; "
-          f"`{results['command']}`; total {wall:.0f} s")  # fmt: skip
-    print(f"Model: random-weight Llama, hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads, "
-          f"{m['kv_heads']} KV heads, intermediate {m['intermediate']}, float32, block {BLOCK_SIZE} tokens "
-          f"({m['block_bytes'] >> 10} KiB of KV); vLLM cache {spec['vllm_blocks']} blocks; outputs identical in "
-          f"all three configurations ({checked} requests checked).\n")  # fmt: skip
+    print_setting(results, threads, spec, checked, wall)
     print_tables(results)
     Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     log(f"results in {args.json}")

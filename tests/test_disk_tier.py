@@ -4,6 +4,7 @@ a restart, what is refused, and that the capacity holds."""
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import random
@@ -17,6 +18,7 @@ import pytest
 from kvdepot.server.pool import filesystem_type
 from kvdepot.server.tiers import disk as disk_module
 from kvdepot.server.tiers.disk import PAGE, DiskTier, DiskTierError, segment_header
+from kvdepot.server.tiers.disk_folder import probe_direct
 from kvdepot.server.tiers.record import ShardRecord, data_hash
 
 NS = bytes(range(16))
@@ -262,22 +264,7 @@ def test_files_are_0600_and_the_directory_0700(tmp_path):
 
 
 def supports_o_direct(folder) -> bool:
-    path = os.path.join(folder, "probe")
-    page = mmap.mmap(-1, PAGE)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-        try:
-            os.pwrite(fd, page, 0)
-        finally:
-            os.close(fd)
-        return True
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        return False
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
+    return probe_direct(str(folder), "auto", logging.getLogger("test"))
 
 
 @pytest.fixture

@@ -43,6 +43,17 @@ def sealed(client, n):
     wait_until(lambda: dram(client.stats()).written_shards >= n, what=f"{n} records sealed")
 
 
+def stored_and_stopped(start_daemon, client_factory, seed: int, prompt: int):
+    """A daemon that stored 8 blocks, sealed them and stopped; and its client."""
+    daemon = start_daemon()
+    client = client_factory(daemon, backoff_max=0.5)
+    worker, engine, tensors = attach_worker(client, seed=seed)
+    store(client, worker, prompt_keys(8, prompt=prompt))
+    sealed(client, 8)
+    assert daemon.stop() == 0
+    return daemon, client
+
+
 def slot_of(pool: Path, key: bytes) -> int:
     """The slot whose record names `key` (record: 8+4+4+8+16 bytes, then the key)."""
     data = pool.read_bytes()
@@ -173,12 +184,7 @@ def test_a_pool_of_another_layout_or_fresh_starts_empty_and_says_why(start_daemo
 
 
 def test_a_pool_file_others_could_write_is_not_adopted(start_daemon, client_factory):
-    daemon = start_daemon()
-    client = client_factory(daemon, backoff_max=0.5)
-    worker, engine, tensors = attach_worker(client, seed=7)
-    store(client, worker, prompt_keys(8, prompt=6))
-    sealed(client, 8)
-    assert daemon.stop() == 0
+    daemon, client = stored_and_stopped(start_daemon, client_factory, seed=7, prompt=6)
     [pool] = daemon.folder.glob("*.pool")
     # As a file another user planted, or one whose mode was opened up: its
     # bytes could have been written by anyone, and would reach the GPUs.
@@ -192,12 +198,7 @@ def test_a_pool_file_others_could_write_is_not_adopted(start_daemon, client_fact
 
 
 def test_a_namespace_catalog_others_could_write_is_not_trusted(start_daemon, client_factory):
-    daemon = start_daemon()
-    client = client_factory(daemon, backoff_max=0.5)
-    worker, engine, tensors = attach_worker(client, seed=9)
-    store(client, worker, prompt_keys(8, prompt=8))
-    sealed(client, 8)
-    assert daemon.stop() == 0
+    daemon, client = stored_and_stopped(start_daemon, client_factory, seed=9, prompt=8)
     [catalog] = daemon.folder.glob("*.namespaces.json")
     os.chmod(catalog, 0o666)  # as one another user put in a shared /dev/shm first
     daemon.start()
@@ -211,12 +212,7 @@ def test_a_namespace_catalog_others_could_write_is_not_trusted(start_daemon, cli
 def test_a_pool_file_of_another_uid_is_not_adopted(start_daemon, client_factory):
     if os.geteuid() != 0:
         pytest.skip("needs root to give a file to another uid")
-    daemon = start_daemon()
-    client = client_factory(daemon, backoff_max=0.5)
-    worker, engine, tensors = attach_worker(client, seed=8)
-    store(client, worker, prompt_keys(8, prompt=7))
-    sealed(client, 8)
-    assert daemon.stop() == 0
+    daemon, client = stored_and_stopped(start_daemon, client_factory, seed=8, prompt=7)
     [pool] = daemon.folder.glob("*.pool")
     os.chown(pool, 65534, 65534)  # mode 0600 still, but nobody's
     daemon.start()
