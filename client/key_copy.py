@@ -68,6 +68,7 @@ class EngineHandle:
             ready.add(key)
         for key in message.lower:
             storing.discard(key)
+            asked.discard(key)  # on disk anew: worth asking for again
             lower.add(key)
             self._unready(key)
         for key in message.dropped:

@@ -45,11 +45,12 @@ class Promoter:
             run.append(key)
         if not run:
             return
+        engine.asked.update(run)  # before the thread may answer for them
         try:
             self._queue.put_nowait((engine, run))
         except queue.Full:
+            engine.asked.difference_update(run)
             return
-        engine.asked.update(run)
         self._ensure_thread()
 
     def _ensure_thread(self) -> None:
@@ -66,8 +67,9 @@ class Promoter:
             engine, keys = item
             try:
                 answer = self._lookup(engine, keys)
-            except KVDepotError as e:
-                log.debug("asking for blocks on disk failed: %s", e)
+            except Exception as e:  # noqa: BLE001 - the thread must outlive any one call
+                if not isinstance(e, KVDepotError):
+                    log.warning("asking for blocks on disk failed", exc_info=True)
                 engine.asked.difference_update(keys)
                 continue
             # Keys past those ready or being promoted now were not started (the

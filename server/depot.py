@@ -264,6 +264,8 @@ class Depot:
         ns = self._engine(session, engine_id)
         keys = self._check_keys(keys)
         result = self.index.lookup(ns, keys)
+        # Promotions it started, and blocks their slots evicted, go to engines now.
+        self.changes.send()
         if result.status == pb.LookupResponse.READY:
             self._count(session, ns, lookups=1, hit_blocks=result.ready, miss_blocks=len(keys) - result.ready)
         return pb.LookupResponse(
@@ -362,7 +364,7 @@ class Depot:
         session, worker, keys, block_ids, state = self._job_request(request, "load")
         if len(set(block_ids)) != len(block_ids):
             raise InvalidArgument("a load writes each block id once; the request repeats some")
-        blocks = self.index.reserve_load(worker.ns, keys)
+        blocks = self.index.reserve_load(worker.ns, keys, worker.rank, worker.layout.block_bytes)
         from_disk = self.index.take_promoted(blocks)
         if from_disk:
             self._count(session, worker.ns, disk_hit_blocks=from_disk)

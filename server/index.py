@@ -25,7 +25,7 @@ from kvdepot.server.tiers.stack import TierStack
 
 
 class Block:
-    __slots__ = ("ns", "key", "slots", "committed", "writers", "pins", "loading", "ready", "promoted")
+    __slots__ = ("ns", "key", "slots", "committed", "writers", "pins", "loading", "ready", "promoted", "lengths")
 
     def __init__(self, ns: Namespace, key: bytes):
         self.ns = ns
@@ -39,6 +39,10 @@ class Block:
         # Brought up from a lower tier and not looked up since: its next hit
         # counts as that tier's.
         self.promoted = False
+        # Each rank's bytes, for a block a tier gave back (kept pool, disk):
+        # a load checks them against its worker's layout, which the namespace
+        # no longer knows once it was freed or the daemon restarted.
+        self.lengths: tuple | None = None
 
     @property
     def index_key(self) -> tuple[int, bytes]:
@@ -162,11 +166,14 @@ class BlockIndex:
 
     # ------------------------------------------------------------ stores
 
-    def reserve_promotion(self, ns: Namespace, key: bytes) -> Block | None:
+    def reserve_promotion(self, ns: Namespace, key: bytes, lengths: tuple) -> Block | None:
         """A new block whose every rank a lower tier will write, its slots
         taken and pinned; None when no slot can be had (every one pinned)."""
+        if self._storing_room(ns.scope) < ns.tp_size:  # a tenant's share, as for its stores
+            return None
         index_key = (ns.id, key)
         block = Block(ns, key)
+        block.lengths = lengths
         self._pin(block)
         for rank in range(ns.tp_size):
             slot = self._allocate_slot(index_key, ns.scope)
@@ -175,6 +182,7 @@ class BlockIndex:
                     self.pool.release(taken)
                     ns.used_slots -= 1
                     self._held[ns.scope] -= 1
+                    self._storing[ns.scope] -= 1
                 self._unpin(block)
                 return None
             block.slots[rank] = slot
@@ -237,11 +245,12 @@ class BlockIndex:
         if ok and blocks:
             self.tiers.committed(blocks[0].ns, rank, blocks, length)
 
-    def restore(self, ns: Namespace, key: bytes, slots: list[int]) -> None:
+    def restore(self, ns: Namespace, key: bytes, slots: list[int], lengths: tuple) -> None:
         """A ready block adopted from the kept pool, its slots already taken
         (tiers/warm.py); restored oldest first, so the eviction order holds."""
         block = Block(ns, key)
         block.slots = list(slots)
+        block.lengths = lengths
         block.committed = set(range(ns.tp_size))
         block.ready = True
         self._blocks[block.index_key] = block
@@ -284,7 +293,7 @@ class BlockIndex:
 
     # ------------------------------------------------------------ loads
 
-    def reserve_load(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
+    def reserve_load(self, ns: Namespace, keys: list[bytes], rank: int, block_bytes: int) -> list[Block]:
         blocks = []
         for position, key in enumerate(keys):
             block = self._blocks.get((ns.id, key))
@@ -293,6 +302,16 @@ class BlockIndex:
                     f"key {position} of {len(keys)} ({key.hex()[:16]}...) is not stored in "
                     f"namespace {ns.name} (never stored, still being stored, or evicted); "
                     "look it up again"
+                )
+            if block.lengths is not None and block.lengths[rank] != block_bytes:
+                kept = block.lengths[rank]
+                if block.pins == 0:  # no worker of this layout can use it: it goes
+                    self.evictions.of(ns.scope).remove(block.index_key)
+                    self._drop(block)
+                    self._on_change(block, "dropped")
+                raise FailedPrecondition(
+                    f"key {position} of {len(keys)} was kept with {kept} bytes for rank {rank}, and this "
+                    f"worker's blocks have {block_bytes}: the namespace's layout changed since it was stored"
                 )
             blocks.append(block)
         for block in blocks:

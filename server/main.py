@@ -321,9 +321,9 @@ async def serve(config: DaemonConfig) -> int:
     housekeeping.cancel()
     metrics.close()
     depot.shutdown()  # copies still on the GPU end before the pool is unpinned
+    await tiers.close()  # the disk's write and promotions in flight end, their blocks sealed
     await warm.flush()  # every committed shard sealed, for the next daemon
     warm.close()
-    tiers.close()
     pool.close()
     guard.release()
     log.info("kvdepotd stopped")

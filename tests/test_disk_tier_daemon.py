@@ -224,3 +224,33 @@ def test_a_disk_folder_others_can_write_is_refused(tmp_path):
     assert proc.returncode == 1
     assert "writable by it alone" in proc.stderr and "mode 777" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_block_from_disk_never_loads_into_a_worker_of_another_layout(start_daemon, client_factory, tmp_path):
+    """The disk keeps no layout: after a restart that lost DRAM, a worker of the
+    same namespace with smaller blocks (2 layers instead of 4) gets the block
+    promoted, but its load fails with the reason, writes nothing, and the block
+    goes; it never gets half a block of other bytes."""
+    from kvcache import BLOCK_SIZE, HEAD_DIM, KV_HEADS, namespace
+
+    daemon = start(start_daemon, tmp_path)
+    client = client_factory(daemon, backoff_max=0.5)
+    worker, engine, tensors = attach_worker(client, seed=8)
+    fill_round(client, worker, tensors, 0, 1)
+    wait_until(lambda: disk(client.stats()).written_shards >= NUM_BLOCKS, what="the blocks on disk")
+    client.close()
+    assert daemon.stop() == 0
+    for pool in daemon.folder.glob("*.pool"):
+        pool.unlink()
+    daemon.start()
+    small = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
+    other = client_factory(daemon, name="other-layout")
+    worker = other.register_worker(namespace("per_layer"), rank=0, tensors=small, block_dim=1)
+    engine = other.register_engine(namespace("per_layer"))
+    keys = prompt_keys(NUM_BLOCKS, prompt=0)
+    assert wait_ready(other, engine, keys[:4]) == 4
+    job = other.submit_load(worker, 2, keys[:1], [0])
+    result = other.wait([job], 10)[job]
+    assert not result.ok and "layout changed" in result.error
+    assert all(not t.any() for t in small)
+    assert other.lookup(engine, keys[:1]).ready_blocks == 0

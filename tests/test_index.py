@@ -48,3 +48,26 @@ def test_a_failed_shard_never_exposes_the_block_and_frees_its_slot(pool):
     for _, block in reservation.writes:
         index.finish_store(block, 1, ok=True)
     assert index.lookup(ns, keys).ready == 4 and pool.used_slots == 8
+
+
+def test_a_promotion_that_finds_no_slot_leaves_the_tenants_room_to_store(pool):
+    """A TP-2 promotion that gets one slot and not the second gives back all it took,
+    the count of slots being filled included: else every such miss shrank the
+    tenant's room for stores in flight, until its stores were all refused."""
+    index = BlockIndex(pool, ScopedEviction("lru", pool.num_slots), lambda b: None)
+    ns = Namespace(id=1, name="tp2", tp_size=2, scope="t")
+    # 63 of 64 slots hold ready blocks that loads in flight pin: one free slot,
+    # none evictable, and the tenant has no store in flight.
+    other = Namespace(id=2, name="one", tp_size=1, scope="t")
+    keys = [bytes([1, i]) * 16 for i in range(63)]
+    for _, block in index.reserve_store(other, 0, keys, job_id=1).writes:
+        index.finish_store(block, 0, ok=True)
+    loading = index.reserve_load(other, keys, 0, 4096)
+    room = index._storing_room("t")
+    for attempt in range(5):
+        assert index.reserve_promotion(ns, bytes([2, attempt]) * 16, (4096, 4096)) is None
+    assert index._storing_room("t") == room and pool.used_slots == 63
+    for block in loading:
+        index.finish_load(block)
+    reservation = index.reserve_store(ns, 0, [bytes([3, i]) * 16 for i in range(8)], job_id=2)
+    assert reservation.not_stored == 0

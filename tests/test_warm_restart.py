@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import subprocess_env, wait_until
-from kvcache import attach_worker, block_of, prompt_keys
+from kvcache import NUM_BLOCKS, attach_worker, block_of, prompt_keys
 
 WORKER = str(Path(__file__).resolve().parent / "worker_proc.py")
 RECORD_BYTES = 128
@@ -229,3 +229,18 @@ def test_the_header_names_format_slot_size_and_slots(daemon):
         magic, version, key_version, slot_bytes, num_slots, size = struct.unpack("<8sIIQQQ", f.read(40))
     assert (magic, slot_bytes, num_slots, size) == (b"KVDPOOL1", SLOT_BYTES, 256, pool.stat().st_size)
     daemon.start()
+
+
+def test_a_kept_block_never_loads_into_a_worker_of_another_layout(start_daemon, client_factory):
+    """The kept pool's catalog remembers each rank's layout: after the restart a
+    worker of the same namespace with smaller blocks (2 layers instead of 4) is
+    refused at registration, as it would have been before the restart."""
+    from kvdepot.errors import InvalidArgument
+    from kvcache import BLOCK_SIZE, HEAD_DIM, KV_HEADS, namespace
+
+    daemon, client = stored_and_stopped(start_daemon, client_factory, seed=10, prompt=9)
+    daemon.start()
+    assert client.wait_connected(15)
+    tensors = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(InvalidArgument, match="registered with another layout"):
+        client.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=1)

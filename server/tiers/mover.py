@@ -20,6 +20,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import time
 
 from kvdepot.server.tiers.record import ShardRecord, data_hash
 
@@ -43,7 +44,9 @@ class DiskMover:
         # the most that can wait (an older entry's block has left DRAM).
         self._queue: collections.deque = collections.deque(maxlen=pool.num_slots)
         self._writing = False
+        # Slots being filled from disk at once, at most.
         self.max_promotions = max_promotions
+        self.closing = False
         self.promoting = 0
         self.promotions = 0
         self.failed_promotions = 0
@@ -101,7 +104,7 @@ class DiskMover:
             held.append(block)
             batch.append((key, block.ns.tp_size, slot, length))
             size += length
-        if not batch:
+        if not batch or self.closing:
             self._writing = False
             return
         self._writing = True
@@ -119,6 +122,9 @@ class DiskMover:
     def _written(self, future, held: list) -> None:
         for block in held:
             self.index.let_go(block)
+        if future.cancelled():
+            self._writing = False
+            return
         if future.exception() is not None:
             log.warning("writing blocks to disk failed: %s", future.exception())
         else:
@@ -130,16 +136,16 @@ class DiskMover:
     def promote(self, ns, key: bytes) -> bool:
         """Starts promoting `ns`'s block `key` if the disk holds every rank of
         it; False if it does not, or no promotion can start now."""
-        if self.promoting >= self.max_promotions:
+        if self.closing or self.promoting + ns.tp_size > self.max_promotions:
             return False
         digest = ns.digest
         records = [self.disk.record((digest, key, rank)) for rank in range(ns.tp_size)]
         if any(r is None or r.length > self.pool.slot_bytes for r in records):
             return False
-        block = self.index.reserve_promotion(ns, key)
+        block = self.index.reserve_promotion(ns, key, tuple(r.length for r in records))
         if block is None:
             return False
-        self.promoting += 1
+        self.promoting += ns.tp_size
         slots = list(block.slots)
         future = self._readers.submit(self._read, digest, key, slots)
         future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._read_done, f, block, records))
@@ -150,12 +156,13 @@ class DiskMover:
         return all(self.disk.read((digest, key, rank), view(slot, size)) for rank, slot in enumerate(slots))
 
     def _read_done(self, future, block, records) -> None:
-        self.promoting -= 1
-        ok = future.exception() is None and future.result()
+        self.promoting -= block.ns.tp_size
+        error = future.exception() if not future.cancelled() else "cancelled at shutdown"
+        ok = error is None and future.result()
         if not ok:
             self.failed_promotions += 1
-            if future.exception() is not None:
-                log.warning("promoting a block from disk failed: %s", future.exception())
+            if error is not None:
+                log.warning("promoting a block from disk failed: %s", error)
         else:
             self.promotions += 1
         index = self.index
@@ -166,10 +173,17 @@ class DiskMover:
             index.tiers.promoted(block, records)
         self.after_change()
 
-    def close(self) -> None:
+    async def close(self, timeout: float = 30.0) -> None:
+        """Stops taking work, lets the write and promotions in flight end (their
+        pins released, on the loop), then closes the disk."""
+        self.closing = True
         self._queue.clear()
-        self._writer.shutdown(wait=True, cancel_futures=True)
-        self._readers.shutdown(wait=True, cancel_futures=True)
+        deadline = time.monotonic() + timeout
+        while (self._writing or self.promoting) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self.disk.close()
 
     def stats(self):
         from kvdepot.proto import kvdepot_pb2 as pb

@@ -98,6 +98,6 @@ class TierStack:
             tiers.append(self.mover.stats())
         return tiers
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self.mover is not None:
-            self.mover.close()
+            await self.mover.close()

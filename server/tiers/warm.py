@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import mmap
 import os
 import time
 from dataclasses import dataclass, field
 
-from kvdepot.server.pool import HostPool, read_header
+from kvdepot.server.pool import HostPool, huge_page_bytes, pool_file_bytes, read_header
 from kvdepot.server.tiers.catalog import Catalog
 from kvdepot.server.tiers.record import FORMAT_VERSION, RECORD_BYTES, ShardRecord, data_hash, pack, unpack
 
@@ -45,7 +46,8 @@ def pick_pool_file(directory: str, prefix: str, slot_bytes: int, num_slots: int,
         path = os.path.join(directory, name)
         header, reason = read_header(path)
         if header is not None and not reason:
-            reason = _incompatible(header, slot_bytes, num_slots)
+            page = huge_page_bytes(directory) or mmap.PAGESIZE
+            reason = _incompatible(header, slot_bytes, num_slots, pool_file_bytes(num_slots, slot_bytes, page))
         if fresh and not reason:
             reason = "--fresh was given"
         if reason:
@@ -60,13 +62,15 @@ def pick_pool_file(directory: str, prefix: str, slot_bytes: int, num_slots: int,
     return candidates[-1][1][: -len(".pool")]
 
 
-def _incompatible(header: dict, slot_bytes: int, num_slots: int) -> str:
+def _incompatible(header: dict, slot_bytes: int, num_slots: int, file_bytes: int) -> str:
     if header["format"] != FORMAT_VERSION:
         return f"it is of record format {header['format']}, this daemon writes {FORMAT_VERSION}"
     if header["slot_bytes"] != slot_bytes:
         return f"its slots have {header['slot_bytes']} bytes, --slot-size asks for {slot_bytes}"
     if header["num_slots"] != num_slots:
         return f"it has {header['num_slots']} slots, --pool-size asks for {num_slots}"
+    if header["file_size"] != file_bytes:
+        return f"it has {header['file_size']} bytes where this folder's pages make {file_bytes} (huge pages changed?)"
     return ""
 
 
@@ -85,8 +89,8 @@ def _remove(path: str, reason: str) -> None:
 class Adopted:
     """What adoption found: blocks to restore and the records it discarded."""
 
-    # (namespace identity, rank signatures, key, slots by rank, generation)
-    blocks: list[tuple[tuple, dict, bytes, list[int], int]] = field(default_factory=list)
+    # (namespace identity, rank signatures, key, slots by rank, generation, lengths by rank)
+    blocks: list[tuple[tuple, dict, bytes, list[int], int, tuple]] = field(default_factory=list)
     discarded: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -121,8 +125,10 @@ class WarmPool:
         hashing and packing happen on a thread, in batches a few ms apart."""
         digest = self._noted.get((ns.id, rank))
         if digest is None:
-            digest = self.catalog.note(ns.identity, {rank: ns.rank_signatures.get(rank)})
-            self._noted[(ns.id, rank)] = digest
+            signature = ns.rank_signatures.get(rank)
+            digest = self.catalog.note(ns.identity, {rank: signature} if signature is not None else {})
+            if signature is not None:  # else noted again once a worker of the rank has fixed it
+                self._noted[(ns.id, rank)] = digest
         epochs, pending = self.pool.epochs, self._pending
         if self.unsealed + len(shards) > self.pool.num_slots:
             # Stores outrun the hashing (which does about 20 GB/s): these are
@@ -211,14 +217,15 @@ class WarmPool:
         for (digest, key), parts in blocks.items():
             identity = catalog.identity(digest)
             tp_size = identity[6]
-            by_rank = {r.rank: slot for slot, r in parts if r.tp_size == tp_size}
+            by_rank = {r.rank: (slot, r.length) for slot, r in parts if r.tp_size == tp_size}
             if len(by_rank) != tp_size or len(parts) != tp_size:
                 found.discard("incomplete", len(parts))
                 continue
             generation = max(r.generation for _, r in parts)
             self.generation = max(self.generation, generation)
-            slots = [by_rank[r] for r in range(tp_size)]
-            found.blocks.append((identity, catalog.signatures(digest), key, slots, generation))
+            slots = [by_rank[r][0] for r in range(tp_size)]
+            lengths = tuple(by_rank[r][1] for r in range(tp_size))
+            found.blocks.append((identity, catalog.signatures(digest), key, slots, generation, lengths))
         found.blocks.sort(key=lambda b: b[4])
         found.seconds = time.monotonic() - started
         return found
@@ -238,7 +245,7 @@ def restore(found: Adopted, namespaces, index, pool: HostPool) -> int:
 
     used: set[int] = set()
     restored = 0
-    for identity, signatures, key, slots, _ in found.blocks:
+    for identity, signatures, key, slots, _, lengths in found.blocks:
         fields = dict(zip(IDENTITY_FIELDS, identity))
         scope = fields.pop("scope")
         try:
@@ -250,7 +257,7 @@ def restore(found: Adopted, namespaces, index, pool: HostPool) -> int:
         for rank, signature in signatures.items():
             if signature is not None:
                 ns.rank_signatures.setdefault(rank, signature)
-        index.restore(ns, key, slots)
+        index.restore(ns, key, slots, lengths)
         used.update(slots)
         restored += 1
     pool.keep_only(used)
