@@ -254,3 +254,30 @@ def test_a_block_from_disk_never_loads_into_a_worker_of_another_layout(start_dae
     assert not result.ok and "layout changed" in result.error
     assert all(not t.any() for t in small)
     assert other.lookup(engine, keys[:1]).ready_blocks == 0
+
+
+def test_kvdepot_clear_empties_the_disk_too_and_stays_cleared_after_a_restart(start_daemon, client_factory, tmp_path):
+    daemon = start(start_daemon, tmp_path)
+    client = client_factory(daemon, backoff_max=0.5)
+    worker, engine, tensors = attach_worker(client, seed=9)
+    for r in range(3):
+        fill_round(client, worker, tensors, r, 1 + r)
+    wait_until(lambda: disk(client.stats()).written_shards >= NUM_BLOCKS, what="the blocks on disk")
+    time.sleep(0.5)  # the writer has caught up with what it could still write
+    [ns] = client.stats().namespaces
+    written = disk(client.stats()).written_shards
+    assert client.clear(ns.name).cleared_blocks > 0
+    for r in range(3):
+        assert wait_ready(client, engine, prompt_keys(NUM_BLOCKS, prompt=r)) == 0
+    after = fill_round(client, worker, tensors, 7, 10)  # stored after the clear: kept
+    wait_until(lambda: disk(client.stats()).written_shards >= written + NUM_BLOCKS, what="the new blocks on disk")
+    assert daemon.stop() == 0
+    for pool in daemon.folder.glob("*.pool"):
+        pool.unlink()  # only the disk can bring anything back
+    daemon.start()
+    assert client.wait_connected(15)
+    for r in range(3):
+        assert wait_ready(client, engine, prompt_keys(NUM_BLOCKS, prompt=r)) == 0, f"round {r} came back"
+    keys = prompt_keys(NUM_BLOCKS, prompt=7)
+    assert wait_ready(client, engine, keys) == NUM_BLOCKS
+    load_and_check(client, worker, tensors, keys, after, 300)

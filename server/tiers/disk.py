@@ -29,8 +29,10 @@ from kvdepot.server.tiers.disk_folder import (
     PAGE,
     DiskTierError,
     check_fingerprint,
+    load_cleared,
     make_directory,
     probe_direct,
+    save_cleared,
     take_lock,
 )
 from kvdepot.server.tiers.record import RECORD_BYTES, ShardRecord, data_hash, pack, unpack
@@ -140,6 +142,7 @@ class DiskTier:
         try:
             check_fingerprint(self.directory, fresh, log)
             self._direct = probe_direct(self.directory, direct, log)
+            self._cleared = load_cleared(self.directory)
             self._bounce = mmap.mmap(-1, FLUSH_BYTES + PAGE)
             self.scan()
             try:
@@ -167,7 +170,8 @@ class DiskTier:
         """Rebuilds the index from the segment files; returns what it found."""
         with self._write_lock:
             self._seal()
-            counts = dict.fromkeys(("records", "bytes", "format", "torn", "empty", "segments", "segments_skipped"), 0)
+            counts = dict.fromkeys(
+                ("records", "bytes", "format", "torn", "empty", "segments", "segments_skipped", "cleared"), 0)
             index: dict[RecordKey, tuple[int, int, ShardRecord]] = {}
             segments: dict[int, Segment] = {}
             found = []
@@ -187,6 +191,7 @@ class DiskTier:
                     last = time.monotonic()
                     self._log.info("scanning the disk tier: %d of %d segments, %d records", i + 1, len(found),
                                    len(index))
+            self._drop_cleared(index, segments, counts)
             counts["records"] = len(index)
             counts["bytes"] = sum(loc[2].length for loc in index.values())
             with self._lock:
@@ -219,6 +224,35 @@ class DiskTier:
         with self._lock:
             loc = self._index.get(key)
         return None if loc is None else loc[2]
+
+    def _drop_cleared(self, index: dict, segments: dict, counts: dict) -> None:
+        """Leaves out the records of namespaces cleared after they were written."""
+        if not self._cleared:
+            return
+        everything = self._cleared.get("*", 0)
+        for key, (seq, _, _) in list(index.items()):
+            if seq <= max(everything, self._cleared.get(key[0].hex(), 0)):
+                del index[key]
+                counts["cleared"] += 1
+        # A clear older than every segment left has nothing more to hide.
+        oldest = min(segments, default=None)
+        kept = {n: seq for n, seq in self._cleared.items() if oldest is not None and seq >= oldest}
+        if kept != self._cleared:
+            self._cleared = kept
+            save_cleared(self.directory, kept)
+
+    def forget(self, digest: bytes | None) -> None:
+        """`kvdepot clear`: the namespace's records (all when None) leave the
+        index now, and stay out at the next start (blocking: a thread's job)."""
+        with self._write_lock:
+            self._seal()  # later records go to newer segments, which the clear spares
+            with self._lock:
+                name = "*" if digest is None else digest.hex()
+                self._cleared[name] = self._next_seq - 1
+                for key in [k for k in self._index if digest is None or k[0] == digest]:
+                    del self._index[key]
+                cleared = dict(self._cleared)
+            save_cleared(self.directory, cleared)
 
     def discard(self, key: RecordKey) -> None:
         """Forgets one record; its space comes back with its segment."""

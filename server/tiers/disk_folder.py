@@ -24,6 +24,9 @@ FINGERPRINT = {"format": FORMAT_VERSION, "alignment": PAGE, "kind": KIND}
 LOCK_NAME = "kvdepot-disk.lock"
 FINGERPRINT_NAME = "kvdepot-disk.json"
 PROBE_NAME = "kvdepot-disk.probe"
+# Which namespaces were cleared (`kvdepot clear`), up to which segment: their
+# records in older segments are not indexed again at the next start.
+CLEARED_NAME = "kvdepot-disk-cleared.json"
 
 
 class DiskTierError(RuntimeError):
@@ -89,6 +92,7 @@ def check_fingerprint(directory: str, fresh: bool, log: logging.Logger) -> None:
             if os.path.isfile(os.path.join(directory, name)):
                 os.unlink(os.path.join(directory, name))
         log.info("disk tier at %s started fresh: %d segments deleted", directory, len(names))
+        save_cleared(directory, {})
     if fresh or found != FINGERPRINT:
         fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -128,3 +132,29 @@ def probe_direct(directory: str, mode: str, log: logging.Logger) -> bool:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def load_cleared(directory: str) -> dict[str, int]:
+    """{namespace digest in hex, or "*" for all: the last segment cleared}."""
+    path = os.path.join(directory, CLEARED_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            cleared = json.load(f)
+        if not isinstance(cleared, dict) or not all(isinstance(v, int) for v in cleared.values()):
+            raise ValueError("not a map of segment numbers")
+        return cleared
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        # Forgetting a clear would serve what an operator removed: refuse.
+        raise DiskTierError(f"cannot read {path} ({e}): fix or remove it, or start with a fresh disk tier") from e
+
+
+def save_cleared(directory: str, cleared: dict[str, int]) -> None:
+    path = os.path.join(directory, CLEARED_NAME)
+    fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(cleared, f)
+        f.flush()
+        os.fsync(fd)
+    os.replace(path + ".new", path)

@@ -29,6 +29,9 @@ log = logging.getLogger("kvdepot.tiers")
 # Bytes the writer gathers into one disk write (and pins meanwhile).
 DEMOTE_BATCH_BYTES = 64 << 20
 READ_THREADS = 4
+# Keys on disk an engine's registration snapshot lists, at most (8 MiB of
+# keys; the newest): half of what a session may have queued by default.
+MAX_LOWER_KEYS = 1 << 18
 
 
 class DiskMover:
@@ -54,27 +57,58 @@ class DiskMover:
         self.not_demoted = 0
         self.read_shards = 0
         disk.on_evict = lambda keys: loop.call_soon_threadsafe(self._disk_evicted, keys)
+        # What the disk holds, by namespace digest and key: a mask of the
+        # ranks held. Kept on the loop, so that lookups and registrations ask
+        # it (per namespace) instead of the disk's whole index under its lock.
+        # Records too large for a slot (a smaller --slot-size since) are left
+        # out: they can never be promoted.
+        self._held: dict[bytes, dict[bytes, int]] = {}
+        for digest, key, rank in disk.keys():
+            record = disk.record((digest, key, rank))
+            if record is not None and record.length <= pool.slot_bytes:
+                self._add(digest, key, rank)
+
+    def _add(self, digest: bytes, key: bytes, rank: int) -> None:
+        keys = self._held.setdefault(digest, {})
+        keys[key] = keys.get(key, 0) | 1 << rank
+
+    def _remove(self, digest: bytes, key: bytes, rank: int | None = None) -> None:
+        keys = self._held.get(digest)
+        if keys is None or key not in keys:
+            return
+        mask = 0 if rank is None else keys[key] & ~(1 << rank)
+        if mask:
+            keys[key] = mask
+        else:
+            del keys[key]
+            if not keys:
+                del self._held[digest]
 
     def holds(self, ns, key: bytes) -> bool:
-        contains = self.disk.contains
-        return all(contains((ns.digest, key, rank)) for rank in range(ns.tp_size))
+        return self._held.get(ns.digest, {}).get(key, 0) == (1 << ns.tp_size) - 1
 
     def keys_of(self, ns, exclude: set) -> list[bytes]:
-        ranks: dict[bytes, int] = {}
-        for digest, key, _ in self.disk.keys():
-            if digest == ns.digest and key not in exclude:
-                ranks[key] = ranks.get(key, 0) + 1
-        return [key for key, n in ranks.items() if n == ns.tp_size]
+        """The keys whose every rank the disk holds, newest first written last,
+        at most MAX_LOWER_KEYS: what an engine's registration snapshot lists,
+        which must stay within what a session may have queued."""
+        whole = (1 << ns.tp_size) - 1
+        keys = [k for k, mask in self._held.get(ns.digest, {}).items() if mask == whole and k not in exclude]
+        return keys[-MAX_LOWER_KEYS:]
 
     def clear(self, ns) -> None:
-        gone = [k for k in self.disk.keys() if ns is None or k[0] == ns.digest]
-        for key in gone:
-            self.disk.discard(key)
+        digests = list(self._held) if ns is None else [ns.digest]
+        gone = []
+        for digest in digests:
+            for key, mask in self._held.get(digest, {}).items():
+                gone.extend((digest, key, rank) for rank in range(mask.bit_length()) if mask >> rank & 1)
+        self.disk.forget(None if ns is None else ns.digest)
         self._disk_evicted(gone)
 
     def _disk_evicted(self, keys) -> None:
         """Blocks gone from the disk with their segment: engines that saw them
         there (lower) must not wait for them."""
+        for digest, key, rank in keys:
+            self._remove(digest, key, rank)
         if self.index is None:
             return
         self.index.lower_gone(self.namespaces, {(digest, key) for digest, key, _ in keys})
@@ -111,13 +145,13 @@ class DiskMover:
         future = self._writer.submit(self._write, batch)
         future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._written, f, held))
 
-    def _write(self, batch) -> int:
+    def _write(self, batch) -> list:
         view = self.pool.slot_view
         items = []
         for (digest, key, rank), tp_size, slot, length in batch:
             data = view(slot, length)
             items.append((ShardRecord(digest, key, rank, tp_size, length, data_hash(data)), data))
-        return len(self.disk.write(items))
+        return self.disk.write(items)
 
     def _written(self, future, held: list) -> None:
         for block in held:
@@ -128,7 +162,10 @@ class DiskMover:
         if future.exception() is not None:
             log.warning("writing blocks to disk failed: %s", future.exception())
         else:
-            self.demoted_shards += future.result()
+            written = future.result()
+            self.demoted_shards += len(written)
+            for digest, key, rank in written:
+                self._add(digest, key, rank)
         self._write_next()
 
     # ------------------------------------------------------------ promotion
@@ -160,6 +197,7 @@ class DiskMover:
         error = future.exception() if not future.cancelled() else "cancelled at shutdown"
         ok = error is None and future.result()
         if not ok:
+            self._remove(block.ns.digest, block.key)  # the disk dropped what it could not read
             self.failed_promotions += 1
             if error is not None:
                 log.warning("promoting a block from disk failed: %s", error)
