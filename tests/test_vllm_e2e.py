@@ -22,6 +22,7 @@ from conftest import REPO, subprocess_env, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_generate import kvdepot_kv_transfer_config, make_prompts, openai_server_argv, vllm_env
 
+import kvcache
 import vllm_harness as h
 from kvdepot.client import KVDepotClient
 
@@ -163,6 +164,60 @@ def test_a_new_engine_process_gets_the_blocks_across_a_daemon_restart(
     stats = totals(daemon)
     assert stats.hit_blocks > 0 and stats.stored_blocks == 0
     assert stats.loaded_blocks >= 4 * 6 - 2 * 3  # the shared 2 blocks may come from vLLM's own cache
+
+
+def tier(daemon, name: str):
+    with KVDepotClient(daemon.socket, name="test-stats") as client:
+        [found] = [t for t in client.connect(10).stats().tiers if t.name == name]
+        return found
+
+
+# 32 slots of 64 KiB (one block of the tiny model each): room for a step's
+# store job (24 blocks: each prompt's 6, the shared 2 among them) and the 18
+# blocks the prompts store, which other blocks then push out to disk.
+SMALL_POOL_SLOTS = 32
+
+
+def ready_blocks_of_the_model(daemon, model: str) -> int:
+    """Blocks of the model's namespace in DRAM (a namespace that holds none
+    and no engine uses is gone from the stats)."""
+    name = f"/{Path(model).name}@"
+    with KVDepotClient(daemon.socket, name="test-stats") as client:
+        return sum(ns.ready_blocks for ns in client.connect(10).stats().namespaces if name in ns.name)
+
+
+def test_a_new_engine_process_gets_the_blocks_back_from_disk(model, prompts, baseline, start_daemon, tmp_path):
+    daemon = start_daemon(
+        pool_size=f"{SMALL_POOL_SLOTS * 64}KiB", slot_size="64KiB", disk_dir=str(tmp_path / "disk"), disk_size="64MiB"
+    )
+    first = generate(model, prompts, tmp_path / "first", *with_kvdepot(daemon))
+    assert first["rounds"][0]["outputs"] == baseline
+    stored = totals(daemon).stored_blocks
+    assert stored == 2 + 4 * 4  # 6 whole blocks a prompt, the first 2 shared
+    assert ready_blocks_of_the_model(daemon, model) == stored
+    # Written behind to disk, every one; then a pool's worth of another
+    # model's blocks evicts them all from DRAM.
+    wait_until(lambda: tier(daemon, "disk").written_shards >= stored, what=f"{stored} blocks on disk")
+    with KVDepotClient(daemon.socket, name="test-filler") as client:
+        worker, _, _ = kvcache.attach_worker(client.connect(10), seed=1)
+        keys = kvcache.prompt_keys(SMALL_POOL_SLOTS, prompt=99)
+        job = client.submit_store(worker, 1, keys, list(range(SMALL_POOL_SLOTS)))
+        assert client.wait([job], 30)[job].ok
+    assert ready_blocks_of_the_model(daemon, model) == 0
+    assert tier(daemon, "disk").shards >= stored
+    second = generate(model, prompts, tmp_path / "second", *with_kvdepot(daemon))
+    assert second["rounds"][0]["outputs"] == baseline
+    # Every prompt's 6 whole blocks were served, promoted from disk while the
+    # requests waited ("not yet"), none computed again.
+    assert second["rounds"][0]["num_cached_tokens"] == [192] * 4
+    with KVDepotClient(daemon.socket, name="test-stats") as client:
+        stats = client.connect(10).stats()
+    [disk] = [t for t in stats.tiers if t.name == "disk"]
+    summary = f"disk {disk}totals {stats.totals}"
+    assert disk.promotions >= stored and disk.failed_promotions == 0, summary
+    # DRAM held none of them: every block loaded came up from disk, once.
+    assert stats.totals.disk_hit_blocks == stored, summary
+    assert stats.totals.failed_jobs == 0, summary
 
 
 def test_a_run_whose_last_step_completes_a_block_leaves_it_stored_at_exit(model, prompts, start_daemon, tmp_path):
