@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -22,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 import kvdepot
 from kvdepot.defaults import grpc_target
-from kvdepot.server import job_socket
+from kvdepot.server import job_socket, pidlock
 from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_config
 from kvdepot.server.depot import Depot
 from kvdepot.server.limits import Limits
@@ -113,20 +111,12 @@ class AddressGuard:
             os.makedirs(directory, mode=0o700, exist_ok=True)
         except OSError as e:
             raise StartupError(f"cannot create the folder {directory}: {e.strerror}") from e
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-                raise
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+        fd, holder = pidlock.take(self.lock_path)
+        if fd < 0:
             raise StartupError(
                 f"another kvdepotd (pid {holder}) is already serving {self.target}; "
                 "stop it first, or give this one another --listen address"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            )
         self._lock_fd = fd
         if self.socket_path and os.path.exists(self.socket_path):
             log.info("removing the stale socket %s left by a daemon that is gone", self.socket_path)

@@ -8,13 +8,13 @@ daemon out, and the fingerprint a daemon of another format.
 from __future__ import annotations
 
 import errno
-import fcntl
 import fnmatch
 import json
 import logging
 import mmap
 import os
 
+from kvdepot.server import pidlock
 from kvdepot.server.pool import filesystem_type
 from kvdepot.server.tiers.record import FORMAT_VERSION
 
@@ -49,25 +49,21 @@ def make_directory(directory: str) -> None:
             "it must be this user's and writable by it alone (chown it, chmod go-w, or choose another)"
         )
 
+
 def take_lock(directory: str) -> int:
     """Locks the folder for this process's life; the lock's descriptor."""
     path = os.path.join(directory, LOCK_NAME)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd, holder = pidlock.take(path)
     except OSError as e:
         raise DiskTierError(f"cannot write in the disk tier's directory {directory}: {e.strerror}") from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
+    if fd < 0:
         raise DiskTierError(
             f"{directory} is in use by another kvdepot disk tier (pid {holder} holds {path}): "
             "give each daemon a directory of its own"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        )
     return fd
+
 
 def check_fingerprint(directory: str, fresh: bool, log: logging.Logger) -> None:
     path = os.path.join(directory, FINGERPRINT_NAME)
@@ -101,6 +97,7 @@ def check_fingerprint(directory: str, fresh: bool, log: logging.Logger) -> None:
             f.flush()
             os.fsync(fd)
         os.replace(path + ".new", path)
+
 
 def probe_direct(directory: str, mode: str, log: logging.Logger) -> bool:
     """Whether O_DIRECT works in the folder (mode auto), or must (on)."""
