@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import subprocess_env
+from conftest import subprocess_env, wait_until
 from kvcache import attach_worker, block_of, prompt_keys
 from raw_client import RawSession
 
@@ -101,6 +101,35 @@ def test_another_tenant_can_neither_read_probe_poison_nor_clear_a_tenants_blocks
     # Root is an admin: it sees both tenants (the other's namespace, while it has blocks).
     names = {ns.name for ns in victim.stats().namespaces}
     assert names == {worker.namespace_name, got["namespace_name"]}
+
+
+@needs_second_uid
+def test_another_tenant_cannot_bring_a_tenants_blocks_up_from_disk(open_folder, start_daemon, client_factory):
+    """The victim's blocks are on disk only (evicted from a small pool): the other
+    uid's lookup of the same keys in the same model's namespace finds nothing
+    and starts no promotion; the victim still gets its blocks back, bit-exact."""
+    daemon = start_shared(start_daemon, open_folder, disk_dir=str(open_folder / "disk"), disk_size="32MiB")
+    victim = client_factory(daemon, name="victim")
+    worker, engine, tensors = attach_worker(victim, seed=41)
+    store_and_check(victim, worker, tensors, prompt=410)
+    saved = [t.clone() for t in tensors]
+    for round_ in range(3):  # 384 blocks through a pool of 256: prompt 410 leaves DRAM
+        job = victim.submit_store(worker, 10 + round_, prompt_keys(128, prompt=420 + round_), list(range(128)))
+        assert victim.wait([job], 10)[job].ok
+    keys = prompt_keys(4, prompt=410)
+    wait_until(lambda: keys[0] in engine.lower, what="the victim's blocks on disk only")
+
+    got = probe(daemon, stored=410, unstored=411, victim_namespace=worker.namespace_name)
+
+    assert got["victim_blocks_seen"] == 0
+    [disk] = [t for t in victim.stats().tiers if t.name == "disk"]
+    assert disk.promotions == 0, "another tenant's lookup promoted the victim's blocks"
+    wait_until(lambda: victim.cached_lookup(engine, keys).ready_blocks == 4, what="the victim's blocks promoted")
+    job = victim.submit_load(worker, 2, keys, [100, 101, 102, 103])
+    assert victim.wait([job], 10)[job].ok
+    for i in range(4):
+        for src, dst in zip(block_of(saved, "per_layer", i), block_of(tensors, "per_layer", 100 + i)):
+            assert torch.equal(src.view(torch.int16), dst.view(torch.int16))
 
 
 @needs_second_uid
