@@ -101,7 +101,10 @@ class DiskMover:
         for digest in digests:
             for key, mask in self._held.get(digest, {}).items():
                 gone.extend((digest, key, rank) for rank in range(mask.bit_length()) if mask >> rank & 1)
-        self.disk.forget(None if ns is None else ns.digest)
+        # On the writer's thread, after any write in flight: it syncs and
+        # rewrites a file. The keys are out of _held now, so none is promoted.
+        forgetting = self._writer.submit(self.disk.forget, None if ns is None else ns.digest)
+        forgetting.add_done_callback(_log_failure("recording a clear of the disk tier"))
         self._disk_evicted(gone)
 
     def _disk_evicted(self, keys) -> None:
@@ -174,6 +177,8 @@ class DiskMover:
         """Starts promoting `ns`'s block `key` if the disk holds every rank of
         it; False if it does not, or no promotion can start now."""
         if self.closing or self.promoting + ns.tp_size > self.max_promotions:
+            return False
+        if not self.holds(ns, key):
             return False
         digest = ns.digest
         records = [self.disk.record((digest, key, rank)) for rank in range(ns.tp_size)]
@@ -250,3 +255,12 @@ class DiskMover:
         if self.not_demoted:
             tier.discarded["evicted_before_written"] = self.not_demoted
         return tier
+
+
+def _log_failure(what: str):
+    def done(future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.error("%s failed: %s", what, future.exception())
+
+    return done
+
