@@ -93,6 +93,8 @@ class TierStack:
             recovered_shards=self.counters.adopted_shards,
         )
         dram.discarded.update(self.counters.adopt_discarded)
+        if self.warm is not None and self.warm.skipped:
+            dram.discarded["not_sealed"] = self.warm.skipped
         tiers = [dram]
         if self.mover is not None:
             tiers.append(self.mover.stats())
