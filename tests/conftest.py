@@ -134,6 +134,12 @@ def start_daemon(tmp_path):
     finally:
         for folder in shm_folders:
             shutil.rmtree(folder, ignore_errors=True)
+        # Pools outlive their daemons; pytest keeps the last runs' folders,
+        # where a few hundred test pools would hold a GiB or more.
+        for daemon in daemons:
+            if not daemon.running:
+                for pool in daemon.folder.glob("*.pool"):
+                    pool.unlink(missing_ok=True)
 
 
 @pytest.fixture
