@@ -34,7 +34,10 @@ def message_to_dict(message: Message) -> dict:
     result = {}
     for fd in message.DESCRIPTOR.fields:
         value = getattr(message, fd.name)
-        if fd.message_type is not None:
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            # A map of scalars (TierStats.discarded): a JSON object.
+            result[fd.name] = dict(value)
+        elif fd.message_type is not None:
             if fd.is_repeated:
                 result[fd.name] = [message_to_dict(v) for v in value]
             else:

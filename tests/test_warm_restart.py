@@ -122,6 +122,12 @@ def test_a_corrupted_slot_and_a_torn_record_are_discarded_never_served(start_dae
     tier = dram(client.stats())
     assert dict(tier.discarded) == {"data_hash": 1, "torn": 1}
     assert tier.recovered_shards == 14
+    # And as the operator's CLI shows it.
+    cli = subprocess.run([sys.executable, "-m", "kvdepot.client.cli", "--socket", daemon.socket, "stats", "--json"],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    [shown] = [t for t in json.loads(cli.stdout)["tiers"] if t["name"] == "dram"]
+    assert shown["discarded"] == {"data_hash": 1, "torn": 1} and shown["recovered_shards"] == 14
     assert client.lookup(engine, keys).ready_blocks == 5
     assert client.lookup(engine, keys[6:9]).ready_blocks == 3
     assert client.lookup(engine, keys[9:10]).ready_blocks == 0

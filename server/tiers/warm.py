@@ -29,6 +29,10 @@ log = logging.getLogger("kvdepot.tiers")
 # Shards committed within this long are hashed as one batch (one hand-over
 # to the thread and back): a restart loses at most this much more.
 SEAL_BATCH_SECONDS = 0.002
+# Shards waiting to be sealed, at most (beyond the pool's slots): past it a
+# store's shards are not sealed (not kept across a restart), so that stores
+# outrunning the hashing cannot grow the backlog without bound.
+MAX_UNSEALED = 1 << 16
 
 
 def catalog_path(pool_path: str) -> str:
@@ -130,7 +134,7 @@ class WarmPool:
             if signature is not None:  # else noted again once a worker of the rank has fixed it
                 self._noted[(ns.id, rank)] = digest
         epochs, pending = self.pool.epochs, self._pending
-        if self.unsealed + len(shards) > self.pool.num_slots:
+        if self.unsealed + len(shards) > max(self.pool.num_slots, MAX_UNSEALED):
             # Stores outrun the hashing (which does about 20 GB/s): these are
             # not kept across a restart, rather than the backlog growing.
             self.skipped += len(shards)
