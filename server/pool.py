@@ -48,6 +48,7 @@ class PoolError(RuntimeError):
 
 
 HEADER_BYTES = 4096
+_EMPTY_RECORD = bytes(RECORD_BYTES)
 _HEADER_MAGIC = b"KVDPOOL1"
 # magic, format, key version, slot bytes, slots, file size; then their hash.
 _HEADER = struct.Struct("<8sIIQQQ")
@@ -213,8 +214,8 @@ class HostPool:
         self._progress = progress or log.info
         self._threads = threads or min(16, os.cpu_count() or 1)
         self._free = list(range(self.num_slots - 1, -1, -1))
-        # Bumped whenever a slot is handed out: a record sealed for an older
-        # use of the slot is not written (tiers/warm.py).
+        # Bumped whenever a slot is released: a record sealed for an older use
+        # of the slot is not written (tiers/warm.py).
         self.epochs = [0] * self.num_slots
         if not adopt and self._file_size > _free_bytes(directory):
             what = "huge pages free (HugePages_Free in /proc/meminfo)" if self.huge_pages else "free"
@@ -378,16 +379,15 @@ class HostPool:
     def allocate(self) -> int | None:
         if not self._free:
             return None
-        slot = self._free.pop()
-        # Its old record goes before any new byte arrives: a restart in
-        # between finds an empty slot, never an old record over new bytes.
-        self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = bytes(RECORD_BYTES)
-        self.epochs[slot] += 1
-        return slot
+        # A free slot's record is empty (a new file is zeros, release clears
+        # it, keep_only clears the rest after adoption): a restart while new
+        # bytes arrive finds an empty slot, never an old record over them.
+        return self._free.pop()
 
     def release(self, slot: int) -> None:
-        # A block dropped (evicted, cleared) must not come back at a restart.
-        self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = bytes(RECORD_BYTES)
+        # A block dropped (evicted, cleared) must not come back at a restart,
+        # nor a seal still on its way write its record (tiers/warm.py).
+        self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
         self.epochs[slot] += 1
         self._free.append(slot)
 
@@ -399,9 +399,8 @@ class HostPool:
         """After adoption: `used` hold blocks; every other slot is free and its
         record cleared."""
         self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
-        empty = bytes(RECORD_BYTES)
         for slot in self._free:
-            self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = empty
+            self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
 
     def close(self, discard: bool = False) -> None:
         """Unmaps the pool; the file stays for the next daemon unless `discard`."""

@@ -59,7 +59,7 @@ class TierStack:
 
     def committed(self, ns, rank: int, blocks: list, length: int) -> None:
         if self.warm is not None:
-            self.warm.seal(ns, rank, [(b.key, b.slots[rank]) for b in blocks], length)
+            self.warm.seal(ns, rank, blocks, length)
         if self.mover is not None:
             self.mover.committed(ns, rank, blocks, length)
 
@@ -76,7 +76,7 @@ class TierStack:
     def promoted(self, block, records) -> None:
         if self.warm is not None:
             for rank, record in enumerate(records):
-                self.warm.seal(block.ns, rank, [(block.key, block.slots[rank])], record.length)
+                self.warm.seal(block.ns, rank, [block], record.length)
 
     def adopted(self, blocks: int, shards: int, discarded: dict[str, int]) -> None:
         self.counters.adopted_blocks = blocks

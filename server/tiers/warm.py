@@ -123,8 +123,8 @@ class WarmPool:
 
     # ------------------------------------------------------------ sealing
 
-    def seal(self, ns, rank: int, shards: list[tuple[bytes, int]], length: int) -> None:
-        """Seals (key, slot) shards of `ns`'s rank `rank` once their bytes are
+    def seal(self, ns, rank: int, blocks: list, length: int) -> None:
+        """Seals the rank `rank` shards of `ns`'s `blocks` once their bytes are
         hashed. Runs on the event loop, and costs it an append a shard: the
         hashing and packing happen on a thread, in batches a few ms apart."""
         digest = self._noted.get((ns.id, rank))
@@ -134,15 +134,17 @@ class WarmPool:
             if signature is not None:  # else noted again once a worker of the rank has fixed it
                 self._noted[(ns.id, rank)] = digest
         epochs, pending = self.pool.epochs, self._pending
-        if self.unsealed + len(shards) > max(self.pool.num_slots, MAX_UNSEALED):
+        if self.unsealed + len(blocks) > max(self.pool.num_slots, MAX_UNSEALED):
             # Stores outrun the hashing (which does about 20 GB/s): these are
             # not kept across a restart, rather than the backlog growing.
-            self.skipped += len(shards)
+            self.skipped += len(blocks)
             return
-        for key, slot in shards:
+        for block in blocks:
+            slot = block.slots[rank]
             self.generation += 1
-            pending.append((slot, epochs[slot], ShardRecord(digest, key, rank, ns.tp_size, length, 0, self.generation)))
-        self.unsealed += len(shards)
+            record = ShardRecord(digest, block.key, rank, ns.tp_size, length, 0, self.generation)
+            pending.append((slot, epochs[slot], record))
+        self.unsealed += len(blocks)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_later(SEAL_BATCH_SECONDS, self._flush)
