@@ -117,10 +117,7 @@ def plot(results: dict, folder: Path, title_suffix: str) -> list[Path]:
     ax.set_title(f"Multi-turn chat: TTFT by turn{title_suffix}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=3, loc="upper left")
-    fig.tight_layout()
-    path = folder / "serving_ttft_chat.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    path = _save(fig, folder / "serving_ttft_chat.png")
     written.append(path)
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
@@ -143,10 +140,7 @@ def plot(results: dict, folder: Path, title_suffix: str) -> list[Path]:
     ax.set_title(f"Long shared system prompts, short questions{title_suffix}", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    path = folder / "serving_ttft_system_prompt.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    path = _save(fig, folder / "serving_ttft_system_prompt.png")
     written.append(path)
     return written
 
@@ -283,9 +277,16 @@ def draw_disk(results: dict, folder: Path) -> Path:
                  f"(vLLM CPU build, {results['machine']['cores']} cores)", fontsize=10)  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=3, loc="upper left")
-    fig.tight_layout()
-    path = folder / "serving_ttft_disk.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    path = _save(fig, folder / "serving_ttft_disk.png")
     print(f"plot {path} ({path.stat().st_size >> 10} KiB)", file=sys.stderr)
     return path
+
+
+def _save(fig, path):
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+

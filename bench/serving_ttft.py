@@ -443,10 +443,6 @@ def disk_compare(args, shape: dict, spec: dict, model: str, spec_path: Path, scr
     """The chat in vLLM alone, then against a fresh daemon whose pool holds `--dram-share` of the
     chat's working set (dram), then against another such daemon with a disk tier that holds all of
     it twice over (disk)."""
-    import torch
-    import vllm
-
-    import vllm_harness as vh
     from bench_daemon import Daemon
 
     slot = 1 << (block_bytes(shape) - 1).bit_length()
@@ -475,32 +471,15 @@ def disk_compare(args, shape: dict, spec: dict, model: str, spec_path: Path, scr
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
 
-    threads = {c: runs[c]["torch_threads"] for c in DISK_CONFIGS}
-    if len(set(threads.values())) != 1:
-        raise SystemExit(f"FAIL: the engines ran with different torch thread counts: {threads}")
-    checked = check_outputs(runs)
-    wall = time.monotonic() - started
-    results = {
-        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "vllm": vllm.__version__,
-                    "torch_threads": threads["plain"]},  # fmt: skip
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "model": {k: shape[k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads")}
-        | {"vocab": vh.TINY_MODEL_VOCAB, "dtype": "float32", "block_size": BLOCK_SIZE,
-           "block_bytes": block_bytes(shape)},  # fmt: skip
+    results, threads, checked, wall = common_results(runs, DISK_CONFIGS, shape, started)
+    results |= {
         "workload": {k: shape[k] for k in ("conversations", "turns", "first_message", "message", "answer")}
         | {"concurrency": args.concurrency, "vllm_blocks": spec["vllm_blocks"], "max_model_len": spec["max_model_len"],
            "working_set_blocks": ws_blocks, "working_set_bytes": ws_blocks * slot, "slot_bytes": slot,
            "dram_share": args.dram_share, "pool_bytes": pool_bytes, "disk_bytes": disk_bytes,
            "disk_dir": str(disk_dir)},  # fmt: skip
-        "outputs_identical": checked,
-        "startup_s": {c: runs[c]["startup_s"] for c in DISK_CONFIGS},
         "summary": {"chat": {c: summarize(runs[c], "chat") for c in DISK_CONFIGS}},
-        "by_turn": {c: by_turn(runs[c]) for c in DISK_CONFIGS},
         "daemon_stats": stats,
-        "wall_s": wall,
-        "runs": runs,
     }
     print_setting(results, threads, spec, checked, wall)
     print_disk_tables(results)
@@ -509,6 +488,36 @@ def disk_compare(args, shape: dict, spec: dict, model: str, spec_path: Path, scr
     if args.plots != "none":
         draw_disk(results, Path(args.plots))
     return 0
+
+
+def common_results(runs: dict, configs, shape: dict, started: float) -> tuple[dict, dict, int, float]:
+    """What every mode's results hold, once the engines' thread counts agree and
+    their outputs match: (results, thread counts, requests checked, wall seconds)."""
+    import torch
+    import vllm
+
+    import vllm_harness as vh
+
+    threads = {c: runs[c]["torch_threads"] for c in configs}
+    if len(set(threads.values())) != 1:
+        raise SystemExit(f"FAIL: the engines ran with different torch thread counts: {threads}")
+    checked = check_outputs(runs)
+    wall = time.monotonic() - started
+    results = {
+        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "vllm": vllm.__version__, "torch_threads": threads["plain"]},  # fmt: skip
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "model": {k: shape[k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads")}
+        | {"vocab": vh.TINY_MODEL_VOCAB, "dtype": "float32", "block_size": BLOCK_SIZE,
+           "block_bytes": block_bytes(shape)},  # fmt: skip
+        "outputs_identical": checked,
+        "startup_s": {c: runs[c]["startup_s"] for c in configs},
+        "by_turn": {c: by_turn(runs[c]) for c in configs},
+        "wall_s": wall,
+        "runs": runs,
+    }
+    return results, threads, checked, wall
 
 
 def print_setting(results: dict, threads: dict, spec: dict, checked: int, wall: float) -> None:
@@ -621,33 +630,13 @@ def main() -> int:
         else:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    threads = {c: runs[c]["torch_threads"] for c in CONFIGS}
-    if len(set(threads.values())) != 1:
-        raise SystemExit(f"FAIL: the engines ran with different torch thread counts: {threads}")
-    checked = check_outputs(runs)
-    wall = time.monotonic() - started
-
-    import torch
-    import vllm
-
-    results = {
-        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "vllm": vllm.__version__, "torch_threads": threads["plain"]},  # fmt: skip
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "model": {k: shape[k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads")}
-        | {"vocab": vh.TINY_MODEL_VOCAB, "dtype": "float32", "block_size": BLOCK_SIZE,
-           "block_bytes": block_bytes(shape)},  # fmt: skip
+    results, threads, checked, wall = common_results(runs, CONFIGS, shape, started)
+    results |= {
         "workload": {k: v for k, v in shape.items() if k not in ("hidden", "intermediate", "layers", "heads", "kv_heads")}
         | {"concurrency": args.concurrency, "vllm_blocks": spec["vllm_blocks"], "max_model_len": spec["max_model_len"],
            "daemon_pool_mib": pool_mib, "daemon_slot_kib": slot >> 10},  # fmt: skip
-        "outputs_identical": checked,
-        "startup_s": {c: runs[c]["startup_s"] for c in CONFIGS},
         "summary": {w: {c: summarize(runs[c], w) for c in CONFIGS if w in runs[c]["workloads"]} for w in WORKLOADS},
-        "by_turn": {c: by_turn(runs[c]) for c in CONFIGS},
         "system_split": {c: system_split(runs[c]) for c in CONFIGS},
-        "wall_s": wall,
-        "runs": runs,
     }
     print_setting(results, threads, spec, checked, wall)
     print_tables(results)
