@@ -1,5 +1,5 @@
 import sys
 
-from kvdepot.server.main import main
+from kvdepot.server.daemon.main import main
 
 sys.exit(main())

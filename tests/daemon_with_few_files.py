@@ -6,7 +6,7 @@ import os
 import resource
 import sys
 
-from kvdepot.server import main
+from kvdepot.server.daemon import main
 
 limit = int(os.environ["KVDEPOT_TEST_NOFILE"])
 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from kvdepot.server import main
+from kvdepot.server.daemon import main
 from kvdepot.server.transports import shared_memory
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 

@@ -4,7 +4,7 @@ daemon reaches this; the test injects it here."""
 
 import sys
 
-from kvdepot.server import main
+from kvdepot.server.daemon import main
 from kvdepot.server.transports.cuda import CudaTransport
 
 CudaTransport.wait_for_compute = False

@@ -111,7 +111,7 @@ def test_bad_configuration_is_refused_with_a_clear_message(tmp_path, args, messa
 
 
 def test_configuration_from_toml_and_environment(tmp_path):
-    from kvdepot.server.config import load_config
+    from kvdepot.server.daemon.config import load_config
 
     config_file = tmp_path / "kvdepot.toml"
     config_file.write_text('pool_size = "2GiB"\neviction = "arc"\nslot_size = "1MiB"\n')

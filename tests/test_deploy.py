@@ -26,7 +26,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 from kvdepot.client.cli import build_parser as cli_parser
-from kvdepot.server.config import load_config, parse_size
+from kvdepot.server.daemon.config import load_config, parse_size
 from packaging.requirements import Requirement
 
 if sys.version_info >= (3, 11):

@@ -18,10 +18,10 @@ from kvdepot.client.tensors import tensor_layout, tensor_spec
 from kvdepot.defaults import PROTOCOL_VERSION
 from kvdepot.keys import KEY_VERSION, block_keys
 from kvdepot.proto import kvdepot_pb2 as pb
-from kvdepot.server.depot import Depot
-from kvdepot.server.pool import HostPool
-from kvdepot.server.tenants import Identity
-from kvdepot.server.transports.base import Transport
+from kvdepot.server.core.depot import Depot
+from kvdepot.server.host.pool import HostPool
+from kvdepot.server.core.tenants import Identity
+from kvdepot.server.core.transport import Transport
 
 SLOT = 4096
 

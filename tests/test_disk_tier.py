@@ -15,11 +15,11 @@ import threading
 
 import pytest
 
-from kvdepot.server.pool import filesystem_type
-from kvdepot.server.tiers import disk as disk_module
-from kvdepot.server.tiers.disk import PAGE, DiskTier, DiskTierError, segment_header
+from kvdepot.server.host.pool import filesystem_type
+from kvdepot.server.tiers import disk_store as disk_module
+from kvdepot.server.tiers.disk_store import PAGE, DiskTier, DiskTierError, segment_header
 from kvdepot.server.tiers.disk_folder import probe_direct
-from kvdepot.server.tiers.record import ShardRecord, data_hash
+from kvdepot.server.host.shard_record import ShardRecord, data_hash
 
 NS = bytes(range(16))
 SEGMENT = 256 << 10
@@ -129,7 +129,7 @@ def test_a_record_a_tenant_forged_in_its_data_is_never_indexed(tmp_path):
     victim_ns = b"V" * 16
     forged_data = rng.randbytes(PAGE)
     forged = ShardRecord(victim_ns, b"K" * 32, 0, 1, PAGE, data_hash(forged_data))
-    from kvdepot.server.tiers.record import pack
+    from kvdepot.server.host.shard_record import pack
 
     payload = pack(forged).ljust(PAGE, b"\0") + forged_data  # a header page, then its data page
     honest, data = make(1, 5000, rng)

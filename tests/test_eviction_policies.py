@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvdepot.server.eviction import ARCPolicy, LRUPolicy
+from kvdepot.server.core.eviction import ARCPolicy, LRUPolicy
 
 
 def test_lru_evicts_least_recently_used_and_skips_pinned():

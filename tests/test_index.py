@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvdepot.server.shares import ScopedEviction
-from kvdepot.server.index import BlockIndex, Namespace
-from kvdepot.server.pool import HostPool
+from kvdepot.server.core.shares import ScopedEviction
+from kvdepot.server.core.index import BlockIndex, Namespace
+from kvdepot.server.host.pool import HostPool
 
 
 @pytest.fixture

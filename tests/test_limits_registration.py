@@ -258,7 +258,7 @@ def test_live_namespaces_are_bounded_and_stats_lists_are_capped(start_daemon, cl
 
 
 def test_limits_are_options_that_must_be_positive(tmp_path):
-    from kvdepot.server.config import ConfigError, load_config
+    from kvdepot.server.daemon.config import ConfigError, load_config
 
     config = load_config(["--max-tp-size", "8", "--max-shm-worker-bytes", "1GiB"],
                          environ={"KVDEPOT_MAX_NAMESPACES": "10"})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import re
 
-from kvdepot.server.logsafe import RateLimitedLog
+from kvdepot.logsafe import RateLimitedLog
 from test_limits_connections import Attacker
 
 FORGED = "FAKE kvdepotd 0.1.0 ready on unix:/tmp/elsewhere"

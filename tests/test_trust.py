@@ -285,7 +285,7 @@ def test_a_tenant_at_its_quota_evicts_only_its_own_blocks(open_folder, start_dae
     ],
 )
 def test_a_bad_tenant_table_is_refused_with_a_clear_message(tmp_path, toml, message):
-    from kvdepot.server.config import ConfigError, load_config
+    from kvdepot.server.daemon.config import ConfigError, load_config
 
     path = tmp_path / "kvdepot.toml"
     path.write_text(toml)

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 
-from kvdepot.server.tiers.record import ns_digest
+from kvdepot.server.host.shard_record import ns_digest
 
 log = logging.getLogger("kvdepot.tiers")
 

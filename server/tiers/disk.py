@@ -1,555 +1,266 @@
-"""The local disk tier: shards appended as self-describing records to segment files.
+"""Moves shards between the pool and the disk tier, off the event loop.
 
-A directory (disk_folder.py: its lock and fingerprint) holds segments of at
-most `segment_bytes` each (segments.py: their format and scan). Space comes
-back a whole segment at a time: the oldest goes when a new one would not fit
-in the capacity. This module is the store over them: the index of records,
-batched writes, checked reads and eviction, which share one lock's state.
+Demotion is write-behind: every shard committed to the pool is queued for the
+disk at once, in commit order, and a writer thread writes the queue in large
+batches while the shards' blocks are pinned. So a block is usually on disk
+long before DRAM evicts it, and an eviction burst never waits on the disk; a
+block evicted before its turn (the disk slower than the stores) is not
+written, and neither is one the disk already holds.
 
-Nothing but the files is trusted at start: the scan follows each segment's
-chain of self-hashed record headers (one 4 KiB read a record, no data read),
-and read() checks the data against its record's hash. The chain is never
-resynchronised past a bad header, and a segment is never written again after
-a failed write or a restart: data pages, which tenants choose, are never read
-as headers, so a tenant cannot forge a record of another namespace.
+Promotion starts at a lookup that finds blocks only on disk: the index takes
+their slots and answers NOT_YET, reader threads fill the slots and check each
+record's hash, and the blocks turn ready (or, if any rank's read fails, are
+dropped: a miss and a recompute, never an error). A block is promoted once
+however many lookups ask: the second finds it being stored.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
+import asyncio
+import collections
+import concurrent.futures
 import logging
-import mmap
-import os
-import threading
 import time
 
-from kvdepot.server.logsafe import RateLimitedLog
-from kvdepot.server.tiers.disk_folder import (
-    PAGE,
-    DiskTierError,
-    check_fingerprint,
-    load_cleared,
-    make_directory,
-    probe_direct,
-    save_cleared,
-    take_lock,
-)
-from kvdepot.server.tiers.record import RECORD_BYTES, ShardRecord, data_hash, pack, unpack
-from kvdepot.server.tiers.segments import (
-    SEGMENT_NAME,
-    RecordKey,
-    Segment,
-    page_padded,
-    scan_segment,
-    segment_header,
-)
+from kvdepot.server.host.shard_record import ShardRecord, data_hash
 
-# A pwritev gathers up to this much (and IOV_MAX buffers): few, large syscalls.
-FLUSH_BYTES = 32 << 20
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
-# Kept free beyond a segment's bytes for the filesystem's own blocks of it (extent trees).
-SLACK = 64 << 10
-_ZEROS = memoryview(bytes(PAGE))
-SEGMENT_BYTES = 256 << 20
+log = logging.getLogger("kvdepot.tiers")
+
+# Bytes the writer gathers into one disk write (and pins meanwhile).
+DEMOTE_BATCH_BYTES = 64 << 20
+READ_THREADS = 4
+# Keys on disk an engine's registration snapshot lists, at most (8 MiB of
+# keys; the newest): half of what a session may have queued by default.
+MAX_LOWER_KEYS = 1 << 18
 
 
-def _address(view: memoryview) -> int | None:
-    """The address of a writable buffer; None for a read-only or empty one."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except (TypeError, ValueError):
-        return None
+class DiskMover:
+    def __init__(self, disk, pool, loop: asyncio.AbstractEventLoop, max_promotions: int):
+        self.disk = disk
+        self.pool = pool
+        self.index = None  # set by TierStack.attach
+        self.after_change = lambda: None
+        self._loop = loop
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvdepot-demote")
+        self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvdepot-promote")
+        # (block, rank, length) in commit order; bounded by the pool's slots,
+        # the most that can wait (an older entry's block has left DRAM).
+        self._queue: collections.deque = collections.deque(maxlen=pool.num_slots)
+        self._writing = False
+        # Slots being filled from disk at once, at most.
+        self.max_promotions = max_promotions
+        self.closing = False
+        self.promoting = 0
+        self.promotions = 0
+        self.failed_promotions = 0
+        self.demoted_shards = 0
+        self.not_demoted = 0
+        self.read_shards = 0
+        disk.on_evict = lambda keys: loop.call_soon_threadsafe(self._disk_evicted, keys)
+        # What the disk holds, by namespace digest and key: a mask of the
+        # ranks held. Kept on the loop, so that lookups and registrations ask
+        # it (per namespace) instead of the disk's whole index under its lock.
+        # Records too large for a slot (a smaller --slot-size since) are left
+        # out: they can never be promoted.
+        self._held: dict[bytes, dict[bytes, int]] = {}
+        for digest, key, rank in disk.keys():
+            record = disk.record((digest, key, rank))
+            if record is not None and record.length <= pool.slot_bytes:
+                self._add(digest, key, rank)
 
+    def _add(self, digest: bytes, key: bytes, rank: int) -> None:
+        keys = self._held.setdefault(digest, {})
+        keys[key] = keys.get(key, 0) | 1 << rank
 
-def _bytes_view(data) -> memoryview:
-    view = memoryview(data)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _pwritev_all(fd: int, iov: list, offset: int) -> tuple[int, OSError | None]:
-    """Writes all of `iov` at `offset`: the bytes written, and the error that stopped it."""
-    done = 0
-    while iov:
-        try:
-            n = os.pwritev(fd, iov, offset + done)
-        except OSError as e:
-            return done, e
-        if n == 0:
-            return done, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        done += n
-        while iov and n >= len(iov[0]):
-            n -= len(iov.pop(0))
-        if n:
-            iov[0] = iov[0][n:]
-    return done, None
-
-
-class _Batch:
-    """Records gathered for one pwritev at `start` of the current segment."""
-
-    def __init__(self, start: int):
-        self.start = start
-        self.iov: list = []
-        self.pending: list[tuple[RecordKey, ShardRecord, int, int]] = []  # key, record, offset, end
-        self.nbytes = 0
-        self.bounce_used = 0
-
-
-class DiskTier:
-    def __init__(
-        self,
-        directory: str,
-        capacity: int,
-        *,
-        segment_bytes: int = SEGMENT_BYTES,
-        direct: str = "auto",
-        fresh: bool = False,
-        log: logging.Logger = logging.getLogger("kvdepot.disk"),
-    ):
-        if direct not in ("auto", "on", "off"):
-            raise ValueError(f"direct must be auto, on or off, not {direct!r}")
-        self.directory = os.path.abspath(directory)
-        self.capacity = int(capacity)
-        self.segment_bytes = segment_bytes // PAGE * PAGE
-        self._log = log
-        self._limited = RateLimitedLog(log)
-        if self.segment_bytes < 2 * PAGE:
-            raise DiskTierError(f"segment_bytes ({segment_bytes}) must be at least {2 * PAGE}")
-        if self.capacity < self.segment_bytes + SLACK:
-            raise DiskTierError(
-                f"the disk tier's capacity ({self.capacity / 2**20:.1f} MiB) is smaller than one segment "
-                f"({(self.segment_bytes + SLACK) / 2**20:.1f} MiB): raise the capacity or lower segment_bytes"
-            )
-        self._lock = threading.Lock()  # the index, the segments' table and the counters
-        self._write_lock = threading.Lock()  # one writer at a time; the current segment and the bounce buffer
-        self._local = threading.local()
-        self._index: dict[RecordKey, tuple[int, int, ShardRecord]] = {}  # key -> (sequence, offset, record)
-        self._segments: dict[int, Segment] = {}  # in sequence order: oldest first
-        self._current: Segment | None = None
-        self._next_seq = 1
-        self._lock_fd = -1
-        self._bounce: mmap.mmap | None = None
-        self._direct = False
-        self._counts = dict.fromkeys(
-            ("bytes_written", "bytes_read", "segments_evicted", "records_evicted", "write_errors", "read_errors",
-             "corrupt", "too_large"), 0)
-        self._scan: dict[str, int] = {}
-        # Called (on the writing thread) with the keys each evicted segment held.
-        self.on_evict = None
-        make_directory(self.directory)
-        self._lock_fd = take_lock(self.directory)
-        try:
-            check_fingerprint(self.directory, fresh, log)
-            self._direct = probe_direct(self.directory, direct, log)
-            self._cleared = load_cleared(self.directory)
-            self._bounce = mmap.mmap(-1, FLUSH_BYTES + PAGE)
-            self.scan()
-            try:
-                self._evict_until(0)  # a capacity lowered since the last run
-            except OSError as e:
-                log.warning("could not evict disk tier segments down to its capacity: %s", e)
-        except BaseException:
-            self.close()
-            raise
-
-    # ------------------------------------------------------------ start-up
-
-    def _path(self, name: str) -> str:
-        return os.path.join(self.directory, name)
-
-    def _pages(self) -> tuple[memoryview, memoryview]:
-        """Two page-aligned pages of this thread's (a header, a data tail)."""
-        pages = getattr(self._local, "pages", None)
-        if pages is None:
-            view = memoryview(mmap.mmap(-1, 2 * PAGE))
-            pages = self._local.pages = (view[:PAGE], view[PAGE:])
-        return pages
-
-    def scan(self) -> dict[str, int]:
-        """Rebuilds the index from the segment files; returns what it found."""
-        with self._write_lock:
-            self._seal()
-            counts = dict.fromkeys(
-                ("records", "bytes", "format", "torn", "empty", "segments", "segments_skipped", "cleared"), 0)
-            index: dict[RecordKey, tuple[int, int, ShardRecord]] = {}
-            segments: dict[int, Segment] = {}
-            found = []
-            for name in os.listdir(self.directory):
-                match = SEGMENT_NAME.match(name)
-                if match and match.group(2):  # a segment whose header was never written
-                    os.unlink(self._path(name))
-                elif match:
-                    found.append((int(match.group(1)), name))
-            found.sort()
-            started = last = time.monotonic()
-            for i, (seq, name) in enumerate(found):
-                segment = scan_segment(seq, self._path(name), index, counts, self._pages()[0], self._direct, self._log)
-                if segment is not None:
-                    segments[seq] = segment
-                if time.monotonic() - last >= 1.0:
-                    last = time.monotonic()
-                    self._log.info("scanning the disk tier: %d of %d segments, %d records", i + 1, len(found),
-                                   len(index))
-            self._drop_cleared(index, segments, counts)
-            counts["records"] = len(index)
-            counts["bytes"] = sum(loc[2].length for loc in index.values())
-            with self._lock:
-                self._index, self._segments, self._scan = index, segments, counts
-                self._next_seq = max([seq for seq, _ in found] + [self._next_seq - 1]) + 1
-            problems = ", ".join(f"{v} {k}" for k, v in counts.items() if v and k in ("format", "torn",
-                                                                                        "segments_skipped"))
-            self._log.info(
-                "disk tier at %s: %d records (%.2f GiB) in %d segments, scanned in %.1f s%s (%s I/O)",
-                self.directory, counts["records"], counts["bytes"] / 2**30, counts["segments"],
-                time.monotonic() - started, f"; {problems}" if problems else "",
-                "direct" if self._direct else "buffered")
-            return dict(counts)
-
-    # ------------------------------------------------------------ queries
-
-    @property
-    def direct(self) -> bool:
-        return self._direct
-
-    def contains(self, key: RecordKey) -> bool:
-        with self._lock:
-            return key in self._index
-
-    def keys(self) -> list[RecordKey]:
-        with self._lock:
-            return list(self._index)
-
-    def record(self, key: RecordKey) -> ShardRecord | None:
-        with self._lock:
-            loc = self._index.get(key)
-        return None if loc is None else loc[2]
-
-    def _drop_cleared(self, index: dict, segments: dict, counts: dict) -> None:
-        """Leaves out the records of namespaces cleared after they were written."""
-        if not self._cleared:
+    def _remove(self, digest: bytes, key: bytes, rank: int | None = None) -> None:
+        keys = self._held.get(digest)
+        if keys is None or key not in keys:
             return
-        everything = self._cleared.get("*", 0)
-        for key, (seq, _, _) in list(index.items()):
-            if seq <= max(everything, self._cleared.get(key[0].hex(), 0)):
-                del index[key]
-                counts["cleared"] += 1
-        # A clear older than every segment left has nothing more to hide.
-        oldest = min(segments, default=None)
-        kept = {n: seq for n, seq in self._cleared.items() if oldest is not None and seq >= oldest}
-        if kept != self._cleared:
-            self._cleared = kept
-            save_cleared(self.directory, kept)
-
-    def forget(self, digest: bytes | None) -> None:
-        """`kvdepot clear`: the namespace's records (all when None) leave the
-        index now, and stay out at the next start (blocking: a thread's job)."""
-        with self._write_lock:
-            self._seal()  # later records go to newer segments, which the clear spares
-            with self._lock:
-                name = "*" if digest is None else digest.hex()
-                self._cleared[name] = self._next_seq - 1
-                for key in [k for k in self._index if digest is None or k[0] == digest]:
-                    del self._index[key]
-                cleared = dict(self._cleared)
-            save_cleared(self.directory, cleared)
-
-    def discard(self, key: RecordKey) -> None:
-        """Forgets one record; its space comes back with its segment."""
-        with self._lock:
-            self._index.pop(key, None)
-
-    @property
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            stats = dict(self._counts)
-            stats.update(
-                records=len(self._index), bytes_used=sum(s.physical for s in self._segments.values()),
-                capacity=self.capacity, segments=len(self._segments), direct=int(self._direct))
-            stats.update({f"scan_{k}": v for k, v in self._scan.items()})
-        return stats
-
-    # ------------------------------------------------------------ writing
-
-    def write(self, items: list[tuple[ShardRecord, memoryview]]) -> list[RecordKey]:
-        """Appends records (blocking: call it from a worker thread); returns the keys
-        written. Keys already on disk are skipped. An I/O error stops the write
-        without raising: what landed before it is indexed and returned."""
-        checked = []
-        for record, data in items:
-            view = _bytes_view(data)
-            if len(view) != record.length:
-                raise ValueError(f"a record of {record.length} bytes given {len(view)} bytes of data")
-            checked.append((record, view))
-        written: list[RecordKey] = []
-        with self._write_lock:
-            if self._lock_fd < 0:
-                raise ValueError("the disk tier is closed")
-            batch = None
-            seen = set()
-            try:
-                for record, view in checked:
-                    key = (record.ns, record.key, record.rank)
-                    with self._lock:
-                        known = key in self._index
-                    if known or key in seen:
-                        continue
-                    seen.add(key)
-                    size = PAGE + page_padded(record.length)
-                    if max(self.segment_bytes, PAGE + size) + SLACK > self.capacity:
-                        with self._lock:
-                            self._counts["too_large"] += 1
-                        self._limited.warning("too_large", "a record of %d bytes does not fit in the disk tier's "
-                                              "capacity: not written", record.length)
-                        continue
-                    segment = self._current
-                    end = batch.start + batch.nbytes if batch is not None else segment.end if segment else 0
-                    if segment is None or (end + size > self.segment_bytes and end > PAGE):
-                        self._flush(batch, written)
-                        self._roll(size)
-                        batch = None
-                    if batch is None or batch.bounce_used + PAGE + page_padded(record.length) > len(self._bounce) \
-                            or len(batch.iov) + 3 > _IOV_MAX:
-                        self._flush(batch, written)
-                        batch = _Batch(self._current.end)
-                    self._add(batch, key, record, view)
-                    if batch.nbytes >= FLUSH_BYTES:
-                        self._flush(batch, written)
-                        batch = None
-                self._flush(batch, written)
-            except OSError as e:
-                self._write_failed(e, len(written))
-        return written
-
-    def _add(self, batch: _Batch, key: RecordKey, record: ShardRecord, view: memoryview) -> None:
-        bounce = memoryview(self._bounce)
-        offset = batch.start + batch.nbytes
-        header = bounce[batch.bounce_used : batch.bounce_used + PAGE]
-        header[:RECORD_BYTES] = pack(record)
-        header[RECORD_BYTES:] = _ZEROS[RECORD_BYTES:]
-        batch.bounce_used += PAGE
-        batch.iov.append(header)
-        length, padded = record.length, page_padded(record.length)
-        if length:
-            address = _address(view) if self._direct else None
-            if not self._direct:
-                batch.iov.append(view)
-                if padded > length:
-                    batch.iov.append(_ZEROS[: padded - length])
-            elif address is not None and address % PAGE == 0 and length == padded:
-                batch.iov.append(view)  # zero copy
-            else:  # O_DIRECT needs aligned memory and whole pages
-                if PAGE + padded > len(self._bounce):
-                    copy = memoryview(mmap.mmap(-1, padded))  # larger than the bounce buffer: its own
-                else:
-                    copy = bounce[batch.bounce_used : batch.bounce_used + padded]
-                    batch.bounce_used += padded
-                copy[:length] = view
-                copy[length:] = bytes(padded - length)
-                batch.iov.append(copy)
-        batch.nbytes += PAGE + padded
-        batch.pending.append((key, record, offset, offset + PAGE + padded))
-
-    def _flush(self, batch: _Batch | None, written: list[RecordKey]) -> None:
-        if batch is None or not batch.iov:
-            return
-        segment = self._current
-        done, error = _pwritev_all(segment.fd, batch.iov, batch.start)
-        landed = [p for p in batch.pending if p[3] <= batch.start + done]
-        if landed:
-            segment.end = landed[-1][3]
-        try:
-            physical = os.fstat(segment.fd).st_blocks * 512
-        except OSError:
-            physical = segment.physical
-        with self._lock:
-            for key, record, offset, _ in landed:
-                self._index[key] = (segment.seq, offset, record)
-                segment.keys.append(key)
-                self._counts["bytes_written"] += record.length
-            segment.physical = physical
-        written.extend(p[0] for p in landed)
-        batch.iov.clear()
-        batch.pending.clear()
-        if error is not None:
-            raise error
-
-    def _write_failed(self, error: OSError, landed: int) -> None:
-        with self._lock:
-            self._counts["write_errors"] += 1
-        segment = self._current
-        self._limited.warning("write", "writing to the disk tier failed (%s) in %s; %d records were written",
-                              error.strerror or error, segment.path if segment else self.directory, landed)
-        if segment is not None:
-            # Never written again: a later record must not land on a region that
-            # may hold a part of this write.
-            try:
-                os.ftruncate(segment.fd, segment.end)
-            except OSError:
-                pass
-            self._seal(sync=False)
-
-    def _seal(self, sync: bool = True) -> None:
-        """Closes the current segment; the next write starts a new one."""
-        segment, self._current = self._current, None
-        if segment is None:
-            return
-        try:
-            if sync:
-                os.fdatasync(segment.fd)
-            physical = os.fstat(segment.fd).st_blocks * 512
-            with self._lock:
-                segment.physical = physical
-        except OSError as e:
-            with self._lock:
-                self._counts["write_errors"] += 1
-            self._limited.warning("seal", "syncing disk tier segment %s failed: %s", segment.path, e.strerror)
-        finally:
-            os.close(segment.fd)
-            segment.fd = -1
-
-    def _roll(self, size: int) -> None:
-        self._seal()
-        if not self._evict_until(max(self.segment_bytes, PAGE + size) + SLACK):
-            raise OSError(errno.ENOSPC, "no room in the disk tier's capacity")
-        seq = self._next_seq
-        self._next_seq += 1
-        path = self._path(f"seg-{seq:012d}.kvd")
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if self._direct else 0)
-        fd = os.open(path + ".partial", flags, 0o600)
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask
-            page = self._pages()[0]
-            page[:] = _ZEROS
-            header = segment_header(seq)
-            page[: len(header)] = header
-            if os.pwrite(fd, page, 0) != PAGE:
-                raise OSError(errno.EIO, "short write of a segment header")
-            os.rename(path + ".partial", path)
-            physical = os.fstat(fd).st_blocks * 512
-        except BaseException:
-            os.close(fd)
-            try:
-                os.unlink(path + ".partial")
-            except OSError:
-                pass
-            raise
-        segment = Segment(seq, path, physical, fd)
-        with self._lock:
-            self._segments[seq] = segment
-        self._current = segment
-
-    def _evict_until(self, reserve: int) -> bool:
-        """Unlinks oldest segments until `reserve` more bytes fit; False if they cannot."""
-        while True:
-            with self._lock:
-                if sum(s.physical for s in self._segments.values()) + reserve <= self.capacity:
-                    return True
-                oldest = next((s for s in self._segments.values() if s is not self._current), None)
-                if oldest is None:
-                    return False
-                # Out of the index before the file goes: a reader that finds the
-                # file gone then finds its key gone too, and counts no error.
-                del self._segments[oldest.seq]
-                dropped = [k for k in oldest.keys if self._index.get(k, (None,))[0] == oldest.seq]
-                for key in dropped:
-                    del self._index[key]
-            try:
-                os.unlink(oldest.path)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                with self._lock:  # still there, and still taking its space
-                    self._segments = {oldest.seq: oldest, **self._segments}
-                raise
-            with self._lock:
-                self._counts["segments_evicted"] += 1
-                self._counts["records_evicted"] += len(dropped)
-            if self.on_evict is not None and dropped:
-                self.on_evict(dropped)
-            self._log.debug("evicted disk tier segment %s (%d records)", oldest.path, len(dropped))
-
-    # ------------------------------------------------------------ reading
-
-    def read(self, key: RecordKey, into: memoryview) -> bool:
-        """Reads a record's data into `into` (blocking: call it from a worker thread)
-        and checks it against its record. False, the key dropped, if it is not all there."""
-        with self._lock:
-            loc = self._index.get(key)
-        if loc is None:
-            return False
-        seq, offset, record = loc
-        into = _bytes_view(into)
-        if len(into) < record.length:
-            raise ValueError(f"a record of {record.length} bytes read into {len(into)} bytes")
-        path = self._path(f"seg-{seq:012d}.kvd")
-        try:
-            why = self._read_at(path, offset, record, into)
-            counter = "corrupt"
-        except OSError as e:
-            with self._lock:
-                if self._index.get(key) is not loc:
-                    return False  # evicted or discarded meanwhile
-            why, counter = e.strerror or str(e), "read_errors"
-        with self._lock:
-            if not why:
-                self._counts["bytes_read"] += record.length
-                return True
-            if self._index.get(key) is loc:
-                del self._index[key]
-            self._counts[counter] += 1
-        self._limited.warning(counter, "disk tier record %s rank %d at %d of %s failed (%s): dropped",
-                              key[1][:8].hex(), key[2], offset, path, why)
-        return False
-
-    def _read_at(self, path: str, offset: int, record: ShardRecord, into: memoryview) -> str:
-        """Why the record at `offset` is not `record`; "" when its data, now in `into`, is."""
-        header, tail_page = self._pages()
-        length = record.length
-        tail = 0
-        address = _address(into) if self._direct else None
-        if address is not None and address % PAGE == 0:
-            floor = length & -PAGE
-            tail = length - floor
-            iov = [header] + ([into[:floor]] if floor else []) + ([tail_page] if tail else [])
-            expect, flags = PAGE + page_padded(length), os.O_DIRECT
+        mask = 0 if rank is None else keys[key] & ~(1 << rank)
+        if mask:
+            keys[key] = mask
         else:
-            iov = [header] + ([into[:length]] if length else [])
-            expect, flags = PAGE + length, 0
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
-        try:
-            n = os.preadv(fd, iov, offset)
-        finally:
-            os.close(fd)
-        if n < expect:
-            return "the segment ends inside it"
-        found, why = unpack(header)
-        if found != record:
-            return f"its header changed ({why or 'another record'})"
-        if tail:
-            into[length - tail : length] = tail_page[:tail]
-        if data_hash(into[:length]) != record.data_hash:
-            return "its data does not match its hash"
-        return ""
+            del keys[key]
+            if not keys:
+                del self._held[digest]
 
-    # ------------------------------------------------------------ end
+    def holds(self, ns, key: bytes) -> bool:
+        return self._held.get(ns.digest, {}).get(key, 0) == (1 << ns.tp_size) - 1
 
-    def close(self) -> None:
-        """Syncs and closes the current segment and releases the directory's lock."""
-        with self._write_lock:
-            self._seal()
-            if self._lock_fd >= 0:
-                os.close(self._lock_fd)
-                self._lock_fd = -1
-            if self._bounce is not None:
-                try:
-                    self._bounce.close()
-                except BufferError:  # a view of it outlived a failed write; it goes with the object
-                    pass
-                self._bounce = None
+    def keys_of(self, ns, exclude: set) -> list[bytes]:
+        """The keys whose every rank the disk holds, newest first written last,
+        at most MAX_LOWER_KEYS: what an engine's registration snapshot lists,
+        which must stay within what a session may have queued."""
+        whole = (1 << ns.tp_size) - 1
+        keys = [k for k, mask in self._held.get(ns.digest, {}).items() if mask == whole and k not in exclude]
+        return keys[-MAX_LOWER_KEYS:]
 
-    def __enter__(self) -> DiskTier:
-        return self
+    def clear(self, ns) -> None:
+        digests = list(self._held) if ns is None else [ns.digest]
+        gone = []
+        for digest in digests:
+            for key, mask in self._held.get(digest, {}).items():
+                gone.extend((digest, key, rank) for rank in range(mask.bit_length()) if mask >> rank & 1)
+        # On the writer's thread, after any write in flight: it syncs and
+        # rewrites a file. The keys are out of _held now, so none is promoted.
+        forgetting = self._writer.submit(self.disk.forget, None if ns is None else ns.digest)
+        forgetting.add_done_callback(_log_failure("recording a clear of the disk tier"))
+        self._disk_evicted(gone)
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _disk_evicted(self, keys) -> None:
+        """Blocks gone from the disk with their segment: engines that saw them
+        there (lower) must not wait for them."""
+        for digest, key, rank in keys:
+            self._remove(digest, key, rank)
+        if self.index is None:
+            return
+        self.index.lower_gone(self.namespaces, {(digest, key) for digest, key, _ in keys})
+        self.after_change()
+
+    # ------------------------------------------------------------ demotion
+
+    def committed(self, ns, rank: int, blocks: list, length: int) -> None:
+        for block in blocks:
+            self._queue.append((block, rank, length))
+        if not self._writing:
+            self._write_next()
+
+    def _write_next(self) -> None:
+        batch, held, size = [], [], 0
+        index, disk = self.index, self.disk
+        while self._queue and size < DEMOTE_BATCH_BYTES:
+            block, rank, length = self._queue.popleft()
+            slot = block.slots[rank]
+            key = (block.ns.digest, block.key, rank)
+            if slot is None or not index.holds(block) or rank not in block.committed:
+                self.not_demoted += 1
+                continue
+            if disk.contains(key):
+                continue
+            index.hold(block)
+            held.append(block)
+            batch.append((key, block.ns.tp_size, slot, length))
+            size += length
+        if not batch or self.closing:
+            self._writing = False
+            return
+        self._writing = True
+        future = self._writer.submit(self._write, batch)
+        future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._written, f, held))
+
+    def _write(self, batch) -> list:
+        view = self.pool.slot_view
+        items = []
+        for (digest, key, rank), tp_size, slot, length in batch:
+            data = view(slot, length)
+            items.append((ShardRecord(digest, key, rank, tp_size, length, data_hash(data)), data))
+        return self.disk.write(items)
+
+    def _written(self, future, held: list) -> None:
+        for block in held:
+            self.index.let_go(block)
+        if future.cancelled():
+            self._writing = False
+            return
+        if future.exception() is not None:
+            log.warning("writing blocks to disk failed: %s", future.exception())
+        else:
+            written = future.result()
+            self.demoted_shards += len(written)
+            for digest, key, rank in written:
+                self._add(digest, key, rank)
+        self._write_next()
+
+    # ------------------------------------------------------------ promotion
+
+    def promote(self, ns, key: bytes) -> bool:
+        """Starts promoting `ns`'s block `key` if the disk holds every rank of
+        it; False if it does not, or no promotion can start now."""
+        if self.closing or self.promoting + ns.tp_size > self.max_promotions:
+            return False
+        if not self.holds(ns, key):
+            return False
+        digest = ns.digest
+        records = [self.disk.record((digest, key, rank)) for rank in range(ns.tp_size)]
+        if any(r is None or r.length > self.pool.slot_bytes for r in records):
+            return False
+        block = self.index.reserve_promotion(ns, key, tuple(r.length for r in records))
+        if block is None:
+            return False
+        self.promoting += ns.tp_size
+        slots = list(block.slots)
+        future = self._readers.submit(self._read, digest, key, slots)
+        future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._read_done, f, block, records))
+        return True
+
+    def _read(self, digest: bytes, key: bytes, slots: list[int]) -> bool:
+        view, size = self.pool.slot_view, self.pool.slot_bytes
+        return all(self.disk.read((digest, key, rank), view(slot, size)) for rank, slot in enumerate(slots))
+
+    def _read_done(self, future, block, records) -> None:
+        self.promoting -= block.ns.tp_size
+        error = future.exception() if not future.cancelled() else "cancelled at shutdown"
+        ok = error is None and future.result()
+        if not ok:
+            self._remove(block.ns.digest, block.key)  # the disk dropped what it could not read
+            self.failed_promotions += 1
+            if error is not None:
+                log.warning("promoting a block from disk failed: %s", error)
+        else:
+            self.promotions += 1
+        index = self.index
+        for rank in range(block.ns.tp_size):
+            index.finish_store(block, rank, ok)
+        if ok:
+            self.read_shards += block.ns.tp_size
+            index.tiers.promoted(block, records)
+        self.after_change()
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Stops taking work, lets the write and promotions in flight end (their
+        pins released, on the loop), then closes the disk."""
+        self.closing = True
+        self._queue.clear()
+        deadline = time.monotonic() + timeout
+        while (self._writing or self.promoting) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self.disk.close()
+
+    def stats(self):
+        from kvdepot.proto import kvdepot_pb2 as pb
+
+        s = self.disk.stats
+        tier = pb.TierStats(
+            name="disk",
+            shards=s.get("records", 0),
+            bytes=s.get("bytes_used", 0),
+            capacity_bytes=s.get("capacity", 0),
+            written_shards=self.demoted_shards,
+            written_bytes=s.get("bytes_written", 0),
+            read_shards=self.read_shards,
+            read_bytes=s.get("bytes_read", 0),
+            promotions=self.promotions,
+            failed_promotions=self.failed_promotions,
+            evicted_shards=s.get("records_evicted", 0),
+            recovered_shards=s.get("scan_records", 0),
+            direct_io=bool(self.disk.direct),
+            write_errors=s.get("write_errors", 0),
+        )
+        for reason, name in (("scan_torn", "torn"), ("scan_format", "format"), ("corrupt", "corrupt"),
+                             ("scan_segments_skipped", "segments_skipped"), ("read_errors", "read_errors")):
+            if s.get(reason):
+                tier.discarded[name] = s[reason]
+        if self.not_demoted:
+            tier.discarded["evicted_before_written"] = self.not_demoted
+        return tier
+
+
+def _log_failure(what: str):
+    def done(future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.error("%s failed: %s", what, future.exception())
+
+    return done
+

@@ -14,9 +14,9 @@ import logging
 import mmap
 import os
 
-from kvdepot.server import pidlock
-from kvdepot.server.pool import filesystem_type
-from kvdepot.server.tiers.record import FORMAT_VERSION
+from kvdepot.server.host import pidlock
+from kvdepot.server.host.pool import filesystem_type
+from kvdepot.server.host.shard_record import FORMAT_VERSION
 
 PAGE = 4096
 KIND = "kvdepot disk tier"

@@ -18,7 +18,7 @@ import struct
 import xxhash
 
 from kvdepot.server.tiers.disk_folder import PAGE
-from kvdepot.server.tiers.record import FORMAT_VERSION, unpack
+from kvdepot.server.host.shard_record import FORMAT_VERSION, unpack
 
 RecordKey = tuple[bytes, bytes, int]  # (namespace digest, block key, rank)
 

@@ -20,9 +20,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from kvdepot.server.pool import HostPool, huge_page_bytes, pool_file_bytes, read_header
+from kvdepot.server.host.pool import HostPool, huge_page_bytes, pool_file_bytes, read_header
 from kvdepot.server.tiers.catalog import Catalog
-from kvdepot.server.tiers.record import FORMAT_VERSION, RECORD_BYTES, ShardRecord, data_hash, pack, unpack
+from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES, ShardRecord, data_hash, pack, unpack
 
 log = logging.getLogger("kvdepot.tiers")
 

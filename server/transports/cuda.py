@@ -24,7 +24,7 @@ from kvdepot import cuda, jobtrace
 from kvdepot.errors import FailedPrecondition, InvalidArgument
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.transports import copy_kernel, gpu_memory
-from kvdepot.server.transports.base import Finish, Transport
+from kvdepot.server.core.transport import Finish, Transport
 from kvdepot.server.transports.cuda_streams import ComputeGate, CopyStream, completed, staging_chunks
 
 log = logging.getLogger("kvdepot.cuda")

@@ -23,7 +23,7 @@ import stat
 import threading
 
 from kvdepot.errors import InvalidArgument
-from kvdepot.server.transports.base import Finish, Transport
+from kvdepot.server.core.transport import Finish, Transport
 
 log = logging.getLogger("kvdepot.shm")
 

@@ -12,8 +12,8 @@ import math
 from kvdepot.errors import InvalidArgument
 from kvdepot.layout import DTYPE_BYTES, MAX_PAGES_PER_WORKER, WorkerLayout, describe
 from kvdepot.proto import kvdepot_pb2 as pb
-from kvdepot.server.limits import Limits
-from kvdepot.server.namespaces import Namespace
+from kvdepot.server.core.limits import Limits
+from kvdepot.server.core.namespaces import Namespace
 
 
 def _block_bytes_of(spec: pb.TensorSpec) -> int:

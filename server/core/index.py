@@ -18,10 +18,10 @@ from typing import Callable
 
 from kvdepot.errors import FailedPrecondition
 from kvdepot.proto import kvdepot_pb2 as pb
-from kvdepot.server.namespaces import Namespace
-from kvdepot.server.pool import HostPool
-from kvdepot.server.shares import ScopedEviction
-from kvdepot.server.tiers.stack import TierStack
+from kvdepot.server.core.namespaces import Namespace
+from kvdepot.server.host.pool import HostPool
+from kvdepot.server.core.shares import ScopedEviction
+from kvdepot.server.core.tiers import TierStack
 
 
 class Block:

@@ -5,7 +5,7 @@ and from it by DMA. Faulting in (and pinning) hundreds of GB is slow, so it
 runs in chunks on several threads and reports progress.
 
 The file outlives the daemon, so that the next one can adopt its blocks
-(tiers/warm.py). After the slots come one record per slot (tiers/record.py)
+(tiers/warm.py). After the slots come one record per slot (host/shard_record.py)
 and, in the file's last page, a header that says how the file is laid out:
 
     [slot 0 | slot 1 | ... | record 0 | record 1 | ... | padding | header]
@@ -27,7 +27,7 @@ from typing import Callable
 import xxhash
 
 from kvdepot.keys import KEY_VERSION
-from kvdepot.server.tiers.record import FORMAT_VERSION, RECORD_BYTES
+from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES
 
 log = logging.getLogger("kvdepot.pool")
 

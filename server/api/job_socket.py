@@ -47,8 +47,8 @@ from kvdepot.errors import (
     ResourceExhausted,
 )
 from kvdepot.proto import kvdepot_pb2 as pb
-from kvdepot.server.logsafe import RateLimitedLog
-from kvdepot.server.peer import peer_of
+from kvdepot.logsafe import RateLimitedLog
+from kvdepot.server.api.peer import peer_of
 
 log = logging.getLogger("kvdepot.jobs")
 
@@ -60,7 +60,7 @@ RESUME_AT_BYTES = 64 << 10
 
 @dataclass
 class JobSocketLimits:
-    """What one client can make the job socket hold (server/config.py has the options)."""
+    """What one client can make the job socket hold (server/daemon/config.py has the options)."""
 
     connections: int = 1024
     connections_per_uid: int = 512

@@ -17,16 +17,16 @@ from typing import Callable, Iterator
 from kvdepot.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvdepot.layout import WorkerLayout
 from kvdepot.proto import kvdepot_pb2 as pb
-from kvdepot.server.limits import Limits, shown
-from kvdepot.server.stats import Counters
-from kvdepot.server.tiers.record import ns_digest
+from kvdepot.server.core.limits import Limits, shown
+from kvdepot.server.api.answers import Counters
+from kvdepot.server.host.shard_record import ns_digest
 
 @dataclass(eq=False)
 class Namespace:
     id: int
     name: str
     tp_size: int
-    # The tenant, or sharing group of tenants, it belongs to (server/tenants.py).
+    # The tenant, or sharing group of tenants, it belongs to (server/core/tenants.py).
     scope: str
     counters: Counters = field(default_factory=Counters)
     # Layout signature of each rank's shard, fixed by the first worker of that rank.
@@ -36,7 +36,7 @@ class Namespace:
     # Engines and workers registered in it.
     registrations: int = 0
     identity: tuple = ()
-    # What records in the tiers name it by (tiers/record.py).
+    # What records in the tiers name it by (host/shard_record.py).
     digest: bytes = b""
 
     def check_rank_layout(self, rank: int, layout: WorkerLayout) -> None:

@@ -3,7 +3,7 @@
 It knows neither gRPC nor any transport's internals: the service and the job
 socket turn requests into calls here (and the typed errors raised here into
 statuses), and each transport moves bytes behind the interface of
-transports/base.py. Every method runs on the event loop's thread, so the state
+core/transport.py. Every method runs on the event loop's thread, so the state
 needs no locks.
 
 A job's life: `submit_store` / `submit_load` check the request, let the
@@ -34,18 +34,18 @@ from kvdepot.errors import (
     Unavailable,
 )
 from kvdepot.proto import kvdepot_pb2 as pb
-from kvdepot.server.index import Block, BlockIndex
-from kvdepot.server.limits import Limits, saturating_add, shown
-from kvdepot.server.metrics import JobMetrics
-from kvdepot.server.namespaces import Namespace, Namespaces
-from kvdepot.server.outbox import ChangeFeed
-from kvdepot.server.pool import HostPool
-from kvdepot.server.records import RECENT_JOB_IDS, Job, Session, Worker
-from kvdepot.server.registration import worker_layout
-from kvdepot.server.shares import ScopedEviction
-from kvdepot.server.stats import BusyClock, Counters, clear_response, stats_response
-from kvdepot.server.tenants import Identity
-from kvdepot.server.transports.base import Transport
+from kvdepot.server.core.index import Block, BlockIndex
+from kvdepot.server.core.limits import Limits, saturating_add, shown
+from kvdepot.server.daemon.metrics import JobMetrics
+from kvdepot.server.core.namespaces import Namespace, Namespaces
+from kvdepot.server.core.outbox import ChangeFeed
+from kvdepot.server.host.pool import HostPool
+from kvdepot.server.core.sessions import RECENT_JOB_IDS, Job, Session, Worker
+from kvdepot.server.core.registration import worker_layout
+from kvdepot.server.core.shares import ScopedEviction
+from kvdepot.server.api.answers import BusyClock, Counters, clear_response, stats_response
+from kvdepot.server.core.tenants import Identity
+from kvdepot.server.core.transport import Transport
 
 log = logging.getLogger("kvdepot.depot")
 

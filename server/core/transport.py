@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 from kvdepot.proto import kvdepot_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvdepot.server.records import Job, Worker
+    from kvdepot.server.core.sessions import Job, Worker
 
 # Depot.finish_job(job, ok, error).
 Finish = Callable[["Job", bool, str], None]

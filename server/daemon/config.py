@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, fields
 
 from kvdepot import defaults
 from kvdepot.defaults import default_socket_path
-from kvdepot.server.metrics import parse_listen
-from kvdepot.server.tenants import TenantConfigError, parse_admin_uids, parse_tenants
+from kvdepot.server.daemon.metrics import parse_listen
+from kvdepot.server.core.tenants import TenantConfigError, parse_admin_uids, parse_tenants
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -419,7 +419,7 @@ class DaemonConfig:
     fresh: bool = False
     # Read from auth_token_file when the configuration is loaded; never logged.
     auth_token: str | None = field(default=None, repr=False)
-    # The configuration file's [[tenant]] tables (server/tenants.py); their tokens are never logged.
+    # The configuration file's [[tenant]] tables (server/core/tenants.py); their tokens are never logged.
     tenants: list = field(default_factory=list, repr=False)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvdepot.server.eviction import make_policy
+from kvdepot.server.core.eviction import make_policy
 
 
 class ScopedEviction:

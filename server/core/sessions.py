@@ -10,12 +10,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvdepot.layout import WorkerLayout
-from kvdepot.server.namespaces import Namespace
-from kvdepot.server.index import Block
-from kvdepot.server.outbox import Outbox
-from kvdepot.server.stats import Counters
-from kvdepot.server.tenants import Identity
-from kvdepot.server.transports.base import Transport
+from kvdepot.server.core.namespaces import Namespace
+from kvdepot.server.core.index import Block
+from kvdepot.server.core.outbox import Outbox
+from kvdepot.server.api.answers import Counters
+from kvdepot.server.core.tenants import Identity
+from kvdepot.server.core.transport import Transport
 
 # Job ids a session finished recently, still refused as duplicates: a client
 # that reuses one that fast has lost track of its jobs.

@@ -22,8 +22,8 @@ from kvdepot.errors import ResourceExhausted
 from kvdepot.proto import kvdepot_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvdepot.server.records import Session
-    from kvdepot.server.index import Block
+    from kvdepot.server.core.sessions import Session
+    from kvdepot.server.core.index import Block
 
 # Keys per BlocksChanged message of a registration snapshot (1 MiB of keys).
 SNAPSHOT_CHUNK_KEYS = 32768

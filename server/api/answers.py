@@ -9,8 +9,8 @@ from dataclasses import dataclass, fields
 
 from kvdepot.errors import PermissionDenied
 from kvdepot.proto import kvdepot_pb2 as pb
-from kvdepot.server.limits import shown
-from kvdepot.server.tenants import Identity
+from kvdepot.server.core.limits import shown
+from kvdepot.server.core.tenants import Identity
 
 log = logging.getLogger("kvdepot.depot")
 

@@ -12,8 +12,8 @@ from google.protobuf.message_factory import GetMessageClass
 from kvdepot.errors import InvalidArgument, KVDepotError, PermissionDenied, Unauthenticated
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
-from kvdepot.server.depot import Depot
-from kvdepot.server.tenants import Identity, Tenants
+from kvdepot.server.core.depot import Depot
+from kvdepot.server.core.tenants import Identity, Tenants
 
 log = logging.getLogger("kvdepot.service")
 

@@ -20,19 +20,20 @@ from grpc_reflection.v1alpha import reflection
 
 import kvdepot
 from kvdepot.defaults import grpc_target
-from kvdepot.server import job_socket, pidlock
-from kvdepot.server.config import ConfigError, DaemonConfig, describe, load_config
-from kvdepot.server.depot import Depot
-from kvdepot.server.limits import Limits
-from kvdepot.server.logsafe import EscapingFormatter
-from kvdepot.server.metrics import MetricsListenError, MetricsServer
-from kvdepot.server.pool import HostPool, PoolError, choose_pool_dir
-from kvdepot.server.service import KVDepotService, add_to_server
-from kvdepot.server.tiers.disk import SEGMENT_BYTES, DiskTier, DiskTierError
-from kvdepot.server.tiers.mover import DiskMover
-from kvdepot.server.tiers.stack import TierStack
+from kvdepot.server.api import job_socket
+from kvdepot.server.host import pidlock
+from kvdepot.server.daemon.config import ConfigError, DaemonConfig, describe, load_config
+from kvdepot.server.core.depot import Depot
+from kvdepot.server.core.limits import Limits
+from kvdepot.logsafe import EscapingFormatter
+from kvdepot.server.daemon.metrics import MetricsListenError, MetricsServer
+from kvdepot.server.host.pool import HostPool, PoolError, choose_pool_dir
+from kvdepot.server.api.service import KVDepotService, add_to_server
+from kvdepot.server.tiers.disk_store import SEGMENT_BYTES, DiskTier, DiskTierError
+from kvdepot.server.tiers.disk import DiskMover
+from kvdepot.server.core.tiers import TierStack
 from kvdepot.server.tiers.warm import WarmPool, pick_pool_file, restore
-from kvdepot.server.tenants import TenantConfigError, Tenants, parse_admin_uids, scope_quotas
+from kvdepot.server.core.tenants import TenantConfigError, Tenants, parse_admin_uids, scope_quotas
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
 log = logging.getLogger("kvdepot")
