@@ -17,6 +17,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 # The vLLM tests make their tiny model locally; nothing may be downloaded.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every block index, in process and in the daemons the tests start, recomputes
+# its derived counts after each mutation and fails on a difference.
+os.environ.setdefault("KVDEPOT_CHECK_INDEX", "1")
 # Without it vLLM's CPU build sizes its KV cache from the machine's memory.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

@@ -1,4 +1,5 @@
-"""The depot on its own: no daemon, no sockets, and a transport written for these tests.
+"""The depot on its own: no daemon, no sockets, no protobuf, and a transport
+written for these tests.
 
 The in-process transport keeps each worker's memory as a tensor here and
 copies a job's bytes when the test lets it, so the tests can hold jobs in
@@ -15,13 +16,13 @@ import torch
 
 from kvdepot import errors
 from kvdepot.client.tensors import tensor_layout, tensor_spec
-from kvdepot.defaults import PROTOCOL_VERSION
 from kvdepot.keys import KEY_VERSION, block_keys
-from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.core.depot import Depot
-from kvdepot.server.host.pool import HostPool
+from kvdepot.server.core.outbox import BlocksChanged, JobDone
+from kvdepot.server.core.requests import JobKind, JobRequest, LookupStatus, NamespaceSpec, TensorSpec, WorkerSpec
 from kvdepot.server.core.tenants import Identity
 from kvdepot.server.core.transport import Transport
+from kvdepot.server.host.pool import HostPool
 
 SLOT = 4096
 
@@ -67,7 +68,7 @@ class InProcessTransport(Transport):
         if ok:
             memory = self.memory[job.worker.device]
             for block_id, slot in zip(job.block_ids, job.slots):
-                if job.kind == "store":
+                if job.kind is JobKind.STORE:
                     self._slots[slot, :BLOCK_BYTES] = memory[block_id]
                 else:
                     memory[block_id] = self._slots[slot, :BLOCK_BYTES]
@@ -94,24 +95,23 @@ def depot(tmp_path):
     pool.close()
 
 
-def namespace(tp_size: int = 1) -> pb.NamespaceSpec:
-    return pb.NamespaceSpec(model="m", block_size=16, tp_size=tp_size, key_version=KEY_VERSION)
+def namespace(tp_size: int = 1) -> NamespaceSpec:
+    return NamespaceSpec(model="m", block_size=16, tp_size=tp_size, key_version=KEY_VERSION)
 
 
 def worker(depot, transport, session, device: str, rank: int = 0, tp_size: int = 1):
     memory = torch.randint(0, 256, (NUM_BLOCKS, BLOCK_BYTES), dtype=torch.uint8)
     transport.memory[device] = memory
-    spec = tensor_spec(tensor_layout(memory, 0, "kv"))
-    request = pb.RegisterWorkerRequest(
-        session_id=session.id, namespace=namespace(tp_size), rank=rank, device=device, tensors=[spec],
-        handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker())],
-    )
-    return depot.register_worker(request), memory
+    wire = tensor_spec(tensor_layout(memory, 0, "kv"))
+    tensor = TensorSpec(wire.name, wire.dtype, tuple(wire.shape), tuple(wire.strides), wire.byte_offset,
+                        wire.storage_bytes, wire.block_dim, wire.page_bytes)
+    spec = WorkerSpec(namespace(tp_size), rank, device, (tensor,), transport="shared_memory", handles=(None,))
+    return depot.register_worker(session.id, spec), memory
 
 
 def attached_worker(depot, transport):
     """A session with one worker, for the tests that need nothing else."""
-    session = depot.attach("c", PROTOCOL_VERSION, identity(os.getpid()))
+    session = depot.attach("c", identity(os.getpid()))
     return session, worker(depot, transport, session, "mem0")[0]
 
 
@@ -120,13 +120,11 @@ def keys(n: int, prompt: int) -> list[bytes]:
 
 
 def store(depot, session, w, job_id: int, ks, block_ids):
-    return depot.submit_store(pb.SubmitStoreRequest(
-        session_id=session.id, worker_id=w.id, job_id=job_id, keys=ks, block_ids=block_ids))
+    return depot.submit(session.id, JobRequest(JobKind.STORE, w.id, job_id, ks, block_ids))
 
 
 def load(depot, session, w, job_id: int, ks, block_ids):
-    return depot.submit_load(pb.SubmitLoadRequest(
-        session_id=session.id, worker_id=w.id, job_id=job_id, keys=ks, block_ids=block_ids))
+    return depot.submit(session.id, JobRequest(JobKind.LOAD, w.id, job_id, ks, block_ids))
 
 
 def notifications(session) -> list:
@@ -138,17 +136,17 @@ def notifications(session) -> list:
 
 def test_a_store_then_a_load_moves_the_exact_bytes_and_tells_the_client(depot):
     depot, transport = depot
-    session = depot.attach("c", PROTOCOL_VERSION, identity(os.getpid()))
+    session = depot.attach("c", identity(os.getpid()))
     w, memory = worker(depot, transport, session, "mem0")
     engine_id, _ = depot.register_engine(session.id, namespace())
     ks = keys(4, prompt=1)
     store(depot, session, w, 1, ks, [0, 1, 2, 3])
-    assert depot.lookup(session.id, engine_id, ks).ready_blocks == 4
+    assert depot.lookup(session.id, engine_id, ks).ready == 4
     load(depot, session, w, 2, ks, [10, 11, 12, 13])
     assert torch.equal(memory[10:14], memory[0:4])
-    done = [n.job_done for n in notifications(session) if n.HasField("job_done")]
+    done = [n for n in notifications(session) if isinstance(n, JobDone)]
     assert [(d.job_id, d.ok) for d in done] == [(1, True), (2, True)]
-    stats = depot.stats(ADMIN)
+    stats = depot.report(ADMIN)
     assert stats.pinned_slots == 0 and stats.used_slots == 4
     assert (stats.totals.stored_blocks, stats.totals.loaded_blocks) == (4, 4)
 
@@ -162,23 +160,23 @@ def test_a_store_is_invisible_until_it_commits_and_a_failed_one_never_shows(depo
     ks = keys(3, prompt=2)
     store(depot, session, w, 1, ks, [0, 1, 2])
     answer = depot.lookup(session.id, engine_id, ks)
-    assert answer.status == pb.LookupResponse.NOT_YET and answer.ready_blocks == 0 and answer.storing_blocks == 3
+    assert answer.status is LookupStatus.NOT_YET and answer.ready == 0 and answer.storing == 3
     with pytest.raises(errors.FailedPrecondition, match="not stored"):
         load(depot, session, w, 2, ks, [5, 6, 7])
-    assert depot.stats(ADMIN).pinned_slots == 3
+    assert depot.report(ADMIN).pinned_slots == 3
     transport.release(ok=False)
-    assert depot.lookup(session.id, engine_id, ks).ready_blocks == 0
-    stats = depot.stats(ADMIN)
+    assert depot.lookup(session.id, engine_id, ks).ready == 0
+    stats = depot.report(ADMIN)
     assert stats.used_slots == 0 and stats.pinned_slots == 0 and stats.totals.failed_jobs == 1
     # The engine's copy of the namespace followed: storing, then dropped.
-    changed = [n.blocks_changed for n in notifications(session) if n.HasField("blocks_changed")]
+    changed = [n for n in notifications(session) if isinstance(n, BlocksChanged)]
     assert [set(c.storing) for c in changed if c.storing] == [set(ks)]
     assert [set(c.dropped) for c in changed if c.dropped] == [set(ks)]
 
 
 def test_pinned_blocks_are_never_evicted(depot):
     depot, transport = depot
-    session = depot.attach("c", PROTOCOL_VERSION, identity(os.getpid()))
+    session = depot.attach("c", identity(os.getpid()))
     w, memory = worker(depot, transport, session, "mem0")
     engine_id, _ = depot.register_engine(session.id, namespace())
     old = keys(16, prompt=3)
@@ -190,26 +188,26 @@ def test_pinned_blocks_are_never_evicted(depot):
     # Only 14 slots can be taken from unpinned blocks.
     assert response.already_stored == 0 and response.not_stored == 2
     transport.release()
-    assert depot.lookup(session.id, engine_id, old[:2]).ready_blocks == 2
-    assert depot.lookup(session.id, engine_id, old[2:3]).ready_blocks == 0
+    assert depot.lookup(session.id, engine_id, old[:2]).ready == 2
+    assert depot.lookup(session.id, engine_id, old[2:3]).ready == 0
     assert torch.equal(memory[40:42], memory[0:2])
-    assert depot.stats(ADMIN).totals.evicted_blocks == 14
+    assert depot.report(ADMIN).totals.evicted_blocks == 14
 
 
 def test_a_block_is_served_only_once_every_tp_rank_stored_its_shard(depot):
     depot, transport = depot
-    a = depot.attach("rank0", PROTOCOL_VERSION, identity(os.getpid()))
-    b = depot.attach("rank1", PROTOCOL_VERSION, identity(os.getpid()))
+    a = depot.attach("rank0", identity(os.getpid()))
+    b = depot.attach("rank1", identity(os.getpid()))
     w0, m0 = worker(depot, transport, a, "gpu0", rank=0, tp_size=2)
     w1, m1 = worker(depot, transport, b, "gpu1", rank=1, tp_size=2)
     engine_id, _ = depot.register_engine(a.id, namespace(tp_size=2))
     ks = keys(2, prompt=5)
     store(depot, a, w0, 1, ks, [0, 1])
-    assert depot.lookup(a.id, engine_id, ks).ready_blocks == 0
+    assert depot.lookup(a.id, engine_id, ks).ready == 0
     with pytest.raises(errors.FailedPrecondition):
         load(depot, b, w1, 2, ks, [5, 6])
     store(depot, b, w1, 3, ks, [2, 3])
-    assert depot.lookup(a.id, engine_id, ks).ready_blocks == 2
+    assert depot.lookup(a.id, engine_id, ks).ready == 2
     # Each rank loads its own shard.
     load(depot, a, w0, 4, ks, [8, 9])
     load(depot, b, w1, 5, ks, [8, 9])
@@ -220,8 +218,8 @@ def test_a_block_is_served_only_once_every_tp_rank_stored_its_shard(depot):
 
 def test_a_session_that_ends_mid_job_releases_everything_and_others_go_on(depot):
     depot, transport = depot
-    gone = depot.attach("gone", PROTOCOL_VERSION, identity(os.getpid()))
-    stays = depot.attach("stays", PROTOCOL_VERSION, identity(os.getpid()))
+    gone = depot.attach("gone", identity(os.getpid()))
+    stays = depot.attach("stays", identity(os.getpid()))
     w, _ = worker(depot, transport, gone, "mem0")
     other, _ = worker(depot, transport, stays, "mem1")
     engine_id, _ = depot.register_engine(stays.id, namespace())
@@ -230,15 +228,15 @@ def test_a_session_that_ends_mid_job_releases_everything_and_others_go_on(depot)
     transport.hold = True
     store(depot, gone, w, 1, keys(4, prompt=7), [0, 1, 2, 3])
     load(depot, gone, w, 2, stored, [8, 9, 10, 11])
-    assert depot.stats(ADMIN).pinned_slots == 8
+    assert depot.report(ADMIN).pinned_slots == 8
     depot.end_session(gone)
-    stats = depot.stats(ADMIN)
+    stats = depot.report(ADMIN)
     assert stats.pinned_slots == 0 and stats.used_slots == 4 and stats.totals.failed_jobs == 2
     assert [c.client_name for c in stats.clients] == ["stays"] and stats.sessions_ended == 1
     assert transport.closed == [w.id]
     assert depot.jobs_in_flight == 0
     # The other session's blocks are there, and its jobs run.
-    assert depot.lookup(stays.id, engine_id, stored).ready_blocks == 4
+    assert depot.lookup(stays.id, engine_id, stored).ready == 4
     transport.hold = False
     load(depot, stays, other, 2, stored, [20, 21, 22, 23])
     with pytest.raises(errors.NotFound, match="unknown session"):
@@ -255,8 +253,8 @@ def test_a_job_id_is_refused_while_in_flight_and_after_it_finished(depot):
     with pytest.raises(errors.AlreadyExists):
         store(depot, session, w, 1, ks, [0, 1])
     transport.release()
-    assert depot.lookup(session.id, engine_id, ks).ready_blocks == 2
-    assert [n.job_done.job_id for n in notifications(session) if n.HasField("job_done")] == [1]
+    assert depot.lookup(session.id, engine_id, ks).ready == 2
+    assert [n.job_id for n in notifications(session) if isinstance(n, JobDone)] == [1]
     with pytest.raises(errors.AlreadyExists):
         store(depot, session, w, 1, ks, [0, 1])
 
@@ -276,4 +274,4 @@ def test_draining_refuses_new_jobs_and_waits_for_those_in_flight(depot):
 
     assert asyncio.run(drain_while_the_job_runs())
     with pytest.raises(errors.Unavailable):
-        depot.attach("late", PROTOCOL_VERSION, identity(os.getpid()))
+        depot.attach("late", identity(os.getpid()))

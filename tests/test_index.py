@@ -1,11 +1,18 @@
-"""The block index on a real pool: TP shards, pins and eviction under pressure."""
+"""The block index on a real pool: TP shards, pins and eviction under pressure,
+with its derived counts checked after every mutation."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
+from kvdepot.keys import KEY_VERSION
+from kvdepot.server.core.index import BlockIndex
+from kvdepot.server.core.index_check import IndexInconsistent
+from kvdepot.server.core.namespaces import Namespaces
+from kvdepot.server.core.requests import NamespaceSpec
 from kvdepot.server.core.shares import ScopedEviction
-from kvdepot.server.core.index import BlockIndex, Namespace
 from kvdepot.server.host.pool import HostPool
 
 
@@ -16,37 +23,48 @@ def pool(tmp_path):
     pool.close()
 
 
+_ids = itertools.count(1)
+NAMESPACES = Namespaces(lambda: next(_ids))
+
+
+def index_of(pool, policy: str = "lru", on_evict=lambda block: None) -> BlockIndex:
+    global NAMESPACES
+    NAMESPACES = Namespaces(lambda: next(_ids))
+    return BlockIndex(pool, ScopedEviction(policy, pool.num_slots), NAMESPACES, on_evict, check=True)
+
+
+def Namespace(id: int, name: str, tp_size: int, scope: str):  # noqa: N802 - reads like the class it makes
+    return NAMESPACES.of(NamespaceSpec(model=name, block_size=16, tp_size=tp_size, key_version=KEY_VERSION), scope)
+
+
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_tp2_blocks_become_ready_round_after_round_in_a_full_pool(pool, policy):
     """Rank 1's stores of the keys rank 0 just stored must not evict rank 0's shards."""
     evicted = []
-    index = BlockIndex(pool, ScopedEviction(policy, pool.num_slots), evicted.append)
+    index = index_of(pool, policy, evicted.append)
     ns = Namespace(id=1, name="tp2", tp_size=2, scope="t")
     for round_ in range(12):
         keys = [bytes([round_, i]) * 16 for i in range(8)]
         for rank in (0, 1):
             reservation = index.reserve_store(ns, rank, keys, job_id=round_ * 2 + rank)
             assert reservation.not_stored == 0
-            for _, block in reservation.writes:
-                index.finish_store(block, rank, ok=True)
+            index.finish_stores([block for _, block in reservation.writes], rank, ok=True, length=4096)
         assert index.lookup(ns, keys).ready == 8, f"round {round_}"
     assert pool.used_slots == 64
     assert ns.ready_blocks == 32 and len(evicted) == 12 * 8 - 32
 
 
 def test_a_failed_shard_never_exposes_the_block_and_frees_its_slot(pool):
-    index = BlockIndex(pool, ScopedEviction("lru", pool.num_slots), lambda b: None)
+    index = index_of(pool)
     ns = Namespace(id=1, name="tp2", tp_size=2, scope="t")
     keys = [bytes([9, i]) * 16 for i in range(4)]
     for rank, ok in ((0, True), (1, False)):
         reservation = index.reserve_store(ns, rank, keys, job_id=rank)
-        for _, block in reservation.writes:
-            index.finish_store(block, rank, ok=ok)
+        index.finish_stores([block for _, block in reservation.writes], rank, ok=ok, length=4096)
     assert index.lookup(ns, keys).ready == 0
     assert pool.used_slots == 4  # rank 0's shards wait for rank 1 to try again
     reservation = index.reserve_store(ns, 1, keys, job_id=3)
-    for _, block in reservation.writes:
-        index.finish_store(block, 1, ok=True)
+    index.finish_stores([block for _, block in reservation.writes], 1, ok=True, length=4096)
     assert index.lookup(ns, keys).ready == 4 and pool.used_slots == 8
 
 
@@ -54,20 +72,30 @@ def test_a_promotion_that_finds_no_slot_leaves_the_tenants_room_to_store(pool):
     """A TP-2 promotion that gets one slot and not the second gives back all it took,
     the count of slots being filled included: else every such miss shrank the
     tenant's room for stores in flight, until its stores were all refused."""
-    index = BlockIndex(pool, ScopedEviction("lru", pool.num_slots), lambda b: None)
+    index = index_of(pool)
     ns = Namespace(id=1, name="tp2", tp_size=2, scope="t")
     # 63 of 64 slots hold ready blocks that loads in flight pin: one free slot,
     # none evictable, and the tenant has no store in flight.
     other = Namespace(id=2, name="one", tp_size=1, scope="t")
     keys = [bytes([1, i]) * 16 for i in range(63)]
-    for _, block in index.reserve_store(other, 0, keys, job_id=1).writes:
-        index.finish_store(block, 0, ok=True)
+    index.finish_stores([block for _, block in index.reserve_store(other, 0, keys, job_id=1).writes], 0, True, 4096)
     loading = index.reserve_load(other, keys, 0, 4096)
     room = index._storing_room("t")
     for attempt in range(5):
         assert index.reserve_promotion(ns, bytes([2, attempt]) * 16, (4096, 4096)) is None
     assert index._storing_room("t") == room and pool.used_slots == 63
-    for block in loading:
-        index.finish_load(block)
+    index.finish_loads(loading)
     reservation = index.reserve_store(ns, 0, [bytes([3, i]) * 16 for i in range(8)], job_id=2)
     assert reservation.not_stored == 0
+
+
+def test_the_check_catches_a_count_that_drifts_from_the_blocks(pool):
+    """The derived counts are checked against the blocks after each mutation:
+    one changed behind the index's back fails the next mutation."""
+    index = index_of(pool)
+    ns = Namespace(id=1, name="drift", tp_size=1, scope="t")
+    keys = [bytes([7, i]) * 16 for i in range(4)]
+    index.finish_stores([b for _, b in index.reserve_store(ns, 0, keys, job_id=1).writes], 0, True, 4096)
+    ns.used_slots += 1
+    with pytest.raises(IndexInconsistent, match="used_slots"):
+        index.reserve_load(ns, keys, 0, 4096)

@@ -46,9 +46,10 @@ from kvdepot.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.logsafe import RateLimitedLog
-from kvdepot.server.api.peer import peer_of
+from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.server.api import answers, requests
+from kvdepot.server.host.peer import peer_of
 
 log = logging.getLogger("kvdepot.jobs")
 
@@ -212,8 +213,8 @@ class JobConnection(asyncio.Protocol):
             self._handle(request, received)
         del buffer[:start]
 
-    def send_done(self, done: pb.JobDone) -> None:
-        message = frame(pb.JobReply(job_done=done))
+    def send_done(self, done) -> None:
+        message = frame(pb.JobReply(job_done=answers.job_done(done)))
         if self._held_dones is not None:
             self._held_dones.append(message)
         else:
@@ -268,25 +269,24 @@ class JobConnection(asyncio.Protocol):
             return
         self._held_dones = []
         try:
-            self._depot.frame_received_ns = received
-            answer = self._answer(request, kind)
-            self._depot.frame_received_ns = 0  # a job that came by gRPC has no such stamp
-            self._write(answer)
+            self._write(self._answer(request, kind, received))
             for message in self._held_dones:
                 if self.open:
                     self._write(message)
         finally:
             self._held_dones = None
 
-    def _answer(self, request: pb.JobFrame, kind: str) -> bytes:
+    def _answer(self, request: pb.JobFrame, kind: str, received: int) -> bytes:
         reply = pb.JobReply(request_id=request.request_id)
         try:
             if kind == "submit_store":
                 self._check_session(request.submit_store.session_id)
-                reply.store_submitted.CopyFrom(self._depot.submit_store(request.submit_store))
+                job = requests.store_job(request.submit_store)
+                reply.store_submitted.CopyFrom(answers.store_submitted(self._depot.submit(self.session.id, job, received)))
             elif kind == "submit_load":
                 self._check_session(request.submit_load.session_id)
-                reply.load_submitted.CopyFrom(self._depot.submit_load(request.submit_load))
+                self._depot.submit(self.session.id, requests.load_job(request.submit_load), received)
+                reply.load_submitted.SetInParent()
             elif kind in ("hello", "staging"):
                 raise FailedPrecondition(f"{kind} must be the first frame of a job socket connection")
             else:

@@ -9,9 +9,11 @@ import grpc
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
-from kvdepot.errors import InvalidArgument, KVDepotError, PermissionDenied, Unauthenticated
+from kvdepot.defaults import PROTOCOL_VERSION
+from kvdepot.errors import FailedPrecondition, InvalidArgument, KVDepotError, PermissionDenied, Unauthenticated
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
+from kvdepot.server.api import answers, requests
 from kvdepot.server.core.depot import Depot
 from kvdepot.server.core.tenants import Identity, Tenants
 
@@ -130,7 +132,12 @@ class KVDepotService(pb_grpc.KVDepotServicer):
             identity = self._tcp_identity(context)
             if isinstance(request, Undecodable):
                 raise request.error
-            session = self.depot.attach(request.client_name, request.protocol_version, identity)
+            if request.protocol_version != PROTOCOL_VERSION:
+                raise FailedPrecondition(
+                    f"this daemon speaks protocol version {PROTOCOL_VERSION}, the client "
+                    f"{request.protocol_version}: upgrade the older of the two"
+                )
+            session = self.depot.attach(request.client_name, identity)
         except KVDepotError as e:
             await context.abort(e.code, str(e))
         if self.max_queued_keys is not None:
@@ -140,16 +147,16 @@ class KVDepotService(pb_grpc.KVDepotServicer):
                 started=pb.SessionStarted(
                     session_id=session.id,
                     daemon_instance=self.depot.instance,
-                    pool=self.depot.pool_info(),
+                    pool=answers.pool_info(self.depot.report(None).pool),
                     daemon_version=self.depot.version,
                     job_socket=self.job_socket,
                     tenant=identity.tenant if identity else "",
                 )
             )
-            while (notification := await session.outbox.next()) is not None:
-                yield notification
+            while (notice := await session.outbox.next()) is not None:
+                yield answers.notification(notice)
             why = f"kvdepotd ended this session: {session.outbox.overflowed}"
-            await context.abort(session.outbox.end_code, why)
+            await context.abort(session.outbox.end_error.code, why)
         finally:
             # Reached when the client closes the stream or its connection drops
             # (exit, crash, kill -9), and when the server stops.
@@ -157,12 +164,12 @@ class KVDepotService(pb_grpc.KVDepotServicer):
 
     @_unary
     def RegisterEngine(self, request, context):
-        engine_id, ns = self.depot.register_engine(request.session_id, request.namespace)
+        engine_id, ns = self.depot.register_engine(request.session_id, requests.namespace_spec(request.namespace))
         return pb.RegisterEngineResponse(engine_id=engine_id, namespace_name=ns.name)
 
     @_unary
     def RegisterWorker(self, request, context):
-        worker = self.depot.register_worker(request)
+        worker = self.depot.register_worker(request.session_id, requests.worker_spec(request))
         return pb.RegisterWorkerResponse(
             worker_id=worker.id,
             namespace_name=worker.ns.name,
@@ -172,26 +179,30 @@ class KVDepotService(pb_grpc.KVDepotServicer):
 
     @_unary
     def Lookup(self, request, context):
-        return self.depot.lookup(request.session_id, request.engine_id, request.keys)
+        return answers.lookup(self.depot.lookup(request.session_id, request.engine_id, request.keys))
 
     @_unary
     def ReportLookups(self, request, context):
-        self.depot.report_lookups(request)
+        self.depot.report_lookups(
+            request.session_id, request.engine_id, request.lookups, request.hit_blocks, request.miss_blocks
+        )
         return pb.ReportLookupsResponse()
 
     @_unary
     def SubmitStore(self, request, context):
-        return self.depot.submit_store(request)
+        return answers.store_submitted(self.depot.submit(request.session_id, requests.store_job(request)))
 
     @_unary
     def SubmitLoad(self, request, context):
-        return self.depot.submit_load(request)
+        self.depot.submit(request.session_id, requests.load_job(request))
+        return pb.SubmitLoadResponse()
 
     @_unary
     def GetStats(self, request, context):
         # The asking session (the CLI's own) is left out of the clients it lists.
-        return self.depot.stats(self._operator(request.session_id, context), request.session_id)
+        viewer = self._operator(request.session_id, context)
+        return answers.stats(self.depot.report(viewer, request.session_id), viewer is not None)
 
     @_unary
     def Clear(self, request, context):
-        return self.depot.clear(self._operator(request.session_id, context), request.namespace_name)
+        return answers.cleared(self.depot.clear(self._operator(request.session_id, context), request.namespace_name))

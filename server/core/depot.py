@@ -1,17 +1,17 @@
 """The daemon's state machine: sessions, workers, jobs, pins and completion.
 
-It knows neither gRPC nor any transport's internals: the service and the job
-socket turn requests into calls here (and the typed errors raised here into
-statuses), and each transport moves bytes behind the interface of
-core/transport.py. Every method runs on the event loop's thread, so the state
-needs no locks.
+It speaks no protocol and knows no transport by name: the API wing
+(server/api) reads requests into the plain values of requests.py, calls
+here, and turns the answers (and the typed errors raised here) into messages;
+each transport moves bytes behind the interface of transport.py, and the tiers
+below DRAM sit behind tiers.py. Every method runs on the event loop's thread,
+so the state needs no locks.
 
-A job's life: `submit_store` / `submit_load` check the request, let the
-worker's transport check it too (`prepare_job`), reserve the blocks in the
-index (pinning them), and `start` the transport. The transport ends it with
-`finish_job`, which commits or rolls back the blocks, unpins them, counts,
-and tells the client. Only the daemon writes the pool: no job's end waits on
-a client.
+A job's life: `submit` checks the request, lets the worker's transport check
+it too (`prepare_job`), reserves the blocks in the index (pinning them), and
+`start`s the transport. The transport ends it with `finish_job`, which
+commits or rolls back the blocks, unpins them, counts, and tells the client.
+Only the daemon writes the pool: no job's end waits on a client.
 """
 
 from __future__ import annotations
@@ -21,44 +21,56 @@ import logging
 import os
 import secrets
 import time
+from dataclasses import dataclass
 
 from kvdepot import jobtrace
-from kvdepot.defaults import KEY_BYTES, PROTOCOL_VERSION
 from kvdepot.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    KVDepotError,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
-from kvdepot.proto import kvdepot_pb2 as pb
-from kvdepot.server.core.index import Block, BlockIndex
-from kvdepot.server.core.limits import Limits, saturating_add, shown
-from kvdepot.server.daemon.metrics import JobMetrics
+from kvdepot.server.core import report
+from kvdepot.server.core.counters import BusyClock, Counters, JobTimes, saturating_add
+from kvdepot.server.core.blocks import Block
+from kvdepot.server.core.index import BlockIndex, LookupResult
+from kvdepot.server.core.limits import Limits, shown
 from kvdepot.server.core.namespaces import Namespace, Namespaces
 from kvdepot.server.core.outbox import ChangeFeed
-from kvdepot.server.host.pool import HostPool
-from kvdepot.server.core.sessions import RECENT_JOB_IDS, Job, Session, Worker
 from kvdepot.server.core.registration import worker_layout
+from kvdepot.server.core.requests import JobKind, JobRequest, LookupStatus, NamespaceSpec, WorkerSpec, check_keys
+from kvdepot.server.core.sessions import RECENT_JOB_IDS, Job, Session, Worker
 from kvdepot.server.core.shares import ScopedEviction
-from kvdepot.server.api.answers import BusyClock, Counters, clear_response, stats_response
 from kvdepot.server.core.tenants import Identity
+from kvdepot.server.core.tiers import TierStack
 from kvdepot.server.core.transport import Transport
 
 log = logging.getLogger("kvdepot.depot")
 
+
+@dataclass(frozen=True)
+class Submitted:
+    """A store's answer: keys left out as already stored (or being stored by
+    another job), and keys not stored because every slot is pinned."""
+
+    already_stored: int = 0
+    not_stored: int = 0
+
+
 class Depot:
     def __init__(
         self,
-        pool: HostPool,
+        pool,
         eviction: str,
         instance: str,
         version: str,
         limits: Limits | None = None,
         quotas: dict[str, int] | None = None,
-        tiers=None,
+        tiers: TierStack | None = None,
     ):
         self.pool = pool
         self.limits = limits = limits or Limits()
@@ -68,22 +80,18 @@ class Depot:
         self.totals = Counters()
         self.store_clock = BusyClock()
         self.load_clock = BusyClock()
-        self.job_metrics = JobMetrics()
+        self.job_times = JobTimes()
         self.sessions: dict[str, Session] = {}
         self.sessions_ended = 0
         self.changes = ChangeFeed(self.sessions)
         self.namespaces = Namespaces(self._new_id, lambda ns: log.info("namespace %r created", ns.name), limits)
         self.evictions = ScopedEviction(eviction, pool.num_slots, quotas)
         self.index = BlockIndex(
-            pool, self.evictions, self._count_eviction, self.changes.note, tiers, self.changes.note_key
+            pool, self.evictions, self.namespaces, self._count_eviction, self.changes.note, self.changes.send, tiers
         )
-        # Promotions end outside any call: their changes go out when they do.
-        self.index.tiers.connect(self.changes.send, self.namespaces)
-        # By the TensorHandle kind their workers register with.
+        # By the kind of handles their workers register with.
         self.transports: dict[str, Transport] = {}
         self.draining = False
-        # When the job socket read the frame being handled (jobtrace only).
-        self.frame_received_ns = 0
         self._jobs_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -98,21 +106,9 @@ class Depot:
 
     # ------------------------------------------------------------ sessions
 
-    def pool_info(self) -> pb.PoolInfo:
-        return pb.PoolInfo(
-            slot_bytes=self.pool.slot_bytes,
-            num_slots=self.pool.num_slots,
-            pinned=self.pool.pinned,
-        )
-
-    def attach(self, client_name: str, protocol_version: int, identity: Identity | None) -> Session:
+    def attach(self, client_name: str, identity: Identity | None) -> Session:
         """A new session; `identity` is None where the client must still prove
         who it is (prove())."""
-        if protocol_version != PROTOCOL_VERSION:
-            raise FailedPrecondition(
-                f"this daemon speaks protocol version {PROTOCOL_VERSION}, the client "
-                f"{protocol_version}: upgrade the older of the two"
-            )
         if self.draining:
             raise Unavailable("the daemon is shutting down")
         # Kept and shown: bounded, and escaped wherever it is logged.
@@ -179,7 +175,7 @@ class Depot:
 
     # ------------------------------------------------------------ registration
 
-    def register_engine(self, session_id: str, spec: pb.NamespaceSpec) -> tuple[int, Namespace]:
+    def register_engine(self, session_id: str, spec: NamespaceSpec) -> tuple[int, Namespace]:
         session = self.session(session_id)
         self.limits.room_for_engine(session)
         ns = self.namespaces.of(spec, session.identity.scope)
@@ -193,19 +189,22 @@ class Depot:
         session.outbox.snapshot(engine_id, ready, storing, lower)
         return engine_id, ns
 
-    def register_worker(self, request: pb.RegisterWorkerRequest) -> Worker:
-        session = self.session(request.session_id)
+    def register_worker(self, session_id: str, spec: WorkerSpec) -> Worker:
+        session = self.session(session_id)
         self.limits.room_for_worker(session)
-        ns = self.namespaces.of(request.namespace, session.identity.scope)
-        layout = worker_layout(request, ns, self.pool.slot_bytes, self.limits)
-        kind = request.handles[0].WhichOneof("transport")
-        transport = self.transports.get(kind)
+        ns = self.namespaces.of(spec.namespace, session.identity.scope)
+        layout = worker_layout(spec, ns, self.pool.slot_bytes, self.limits)
+        if spec.transport is None:
+            raise InvalidArgument("all handles of a worker must be of one transport")
+        transport = self.transports.get(spec.transport)
         if transport is None:
-            raise FailedPrecondition(f"this daemon has no {kind} transport (available: {', '.join(self.transports)})")
-        worker = Worker(self._new_id(), session, ns, request.rank, request.device, layout, transport)
-        transport.open_worker(worker, request)
+            raise FailedPrecondition(
+                f"this daemon has no {spec.transport} transport (available: {', '.join(self.transports)})"
+            )
+        worker = Worker(self._new_id(), session, ns, spec.rank, spec.device, layout, transport)
+        transport.open_worker(worker, spec)
         try:
-            ns.fix_rank_layout(request.rank, layout)
+            ns.fix_rank_layout(spec.rank, layout)
         except BaseException:
             transport.close_worker(worker)
             raise
@@ -236,22 +235,18 @@ class Depot:
                     f"session {session.number} holds {len(session.staging)} staging memories no worker has "
                     f"taken, the most it may (--max-workers-per-session {self.limits.max_workers_per_session})"
                 )
+            transport = next((t for t in self.transports.values() if t.takes_memory), None)
+            if transport is None:
+                raise FailedPrecondition("no transport of this daemon takes memory from clients")
         except BaseException:
             os.close(fd)
             raise
-        staging = self.transports["shared_memory"].take_memory(fd, self.limits.max_shm_worker_bytes)
+        staging = transport.take_memory(fd, self.limits.max_shm_worker_bytes)
         staging_id = self._new_id()
         session.staging[staging_id] = staging
         return staging_id
 
     # ------------------------------------------------------------ lookup
-
-    @staticmethod
-    def _check_keys(keys) -> list[bytes]:
-        for position, key in enumerate(keys):
-            if len(key) != KEY_BYTES:
-                raise InvalidArgument(f"key {position} has {len(key)} bytes; keys are {KEY_BYTES}-byte hashes")
-        return list(keys)
 
     def _engine(self, session: Session, engine_id: int) -> Namespace:
         ns = session.engines.get(engine_id)
@@ -259,119 +254,84 @@ class Depot:
             raise NotFound(f"unknown engine {engine_id} in this session: register it first")
         return ns
 
-    def lookup(self, session_id: str, engine_id: int, keys) -> pb.LookupResponse:
+    def lookup(self, session_id: str, engine_id: int, keys) -> LookupResult:
         session = self.session(session_id)
         ns = self._engine(session, engine_id)
-        keys = self._check_keys(keys)
+        keys = check_keys(keys)
         result = self.index.lookup(ns, keys)
         # Promotions it started, and blocks their slots evicted, go to engines now.
         self.changes.send()
-        if result.status == pb.LookupResponse.READY:
+        if result.status is LookupStatus.READY:
             self._count(session, ns, lookups=1, hit_blocks=result.ready, miss_blocks=len(keys) - result.ready)
-        return pb.LookupResponse(
-            status=result.status,
-            ready_blocks=result.ready,
-            loading_blocks=result.loading,
-            storing_blocks=result.storing,
-        )
+        return result
 
-    def report_lookups(self, request: pb.ReportLookupsRequest) -> None:
-        session = self.session(request.session_id)
-        ns = self._engine(session, request.engine_id)
-        self.limits.check_lookup_report(request)
-        self._count(
-            session, ns, lookups=request.lookups, hit_blocks=request.hit_blocks, miss_blocks=request.miss_blocks
-        )
+    def report_lookups(self, session_id: str, engine_id: int, lookups: int, hit_blocks: int, miss_blocks: int) -> None:
+        """Lookups an engine answered from its own copy of the keys."""
+        session = self.session(session_id)
+        ns = self._engine(session, engine_id)
+        self.limits.check_lookup_report(lookups, hit_blocks, miss_blocks)
+        self._count(session, ns, lookups=lookups, hit_blocks=hit_blocks, miss_blocks=miss_blocks)
 
     # ------------------------------------------------------------ jobs
 
-    def _job_request(self, request, kind: str) -> tuple[Session, Worker, list[bytes], list[int], object]:
+    def submit(self, session_id: str, request: JobRequest, received_ns: int = 0) -> Submitted:
+        """Starts a store or load job. `received_ns`: when the request was
+        read, for jobtrace (0 where nobody traces)."""
+        session, worker, keys, state = self._check_job(session_id, request)
+        block_ids = request.block_ids
+        if request.kind is JobKind.STORE:
+            reservation = self.index.reserve_store(worker.ns, worker.rank, keys, request.job_id)
+            writes = reservation.writes
+            blocks = [block for _, block in writes]
+            block_ids = [block_ids[position] for position, _ in writes]
+            answer = Submitted(reservation.already_stored, reservation.not_stored)
+        else:
+            if len(set(block_ids)) != len(block_ids):
+                raise InvalidArgument("a load writes each block id once; the request repeats some")
+            blocks = self.index.reserve_load(worker.ns, keys, worker.rank, worker.layout.block_bytes)
+            from_disk = self.index.take_promoted(blocks)
+            if from_disk:
+                self._count(session, worker.ns, disk_hit_blocks=from_disk)
+            answer = Submitted()
+        slots = [block.slots[worker.rank] for block in blocks]
+        job = Job(request.job_id, request.kind, session, worker, blocks, list(block_ids), slots, transport_state=state)
+        self._begin(job, received_ns)
+        self.changes.send()
+        if answer.not_stored:
+            log.warning(
+                "store job %d of session %d: %d block(s) not stored, every slot is pinned",
+                job.id, session.number, answer.not_stored,
+            )
+        return answer
+
+    def _check_job(self, session_id: str, request: JobRequest) -> tuple[Session, Worker, list[bytes], object]:
         """Checks a store or load request before anything is reserved."""
         if self.draining:
             raise Unavailable("the daemon is shutting down and takes no new jobs")
-        session = self.session(request.session_id)
+        session = self.session(session_id)
         worker = session.workers.get(request.worker_id)
         if worker is None:
             raise NotFound(f"unknown worker {request.worker_id} in this session: register it first")
         if request.job_id in session.jobs or request.job_id in session.recent_job_id_set:
             raise AlreadyExists(f"job id {request.job_id} is already used by this session")
         self.limits.room_for_job(session)
-        if len(request.keys) != len(request.block_ids):
-            raise InvalidArgument(
-                f"{len(request.keys)} keys but {len(request.block_ids)} block ids: give one block id for each key"
-            )
-        if not request.keys:
-            raise InvalidArgument("a job needs at least one block")
-        if len(request.keys) > self.pool.num_slots:
-            raise ResourceExhausted(
-                f"the job has {len(request.keys)} blocks but the whole pool holds "
-                f"{self.pool.num_slots}: split it or start kvdepotd with a larger --pool-size"
-            )
-        keys = self._check_keys(request.keys)
-        num_blocks = worker.layout.num_blocks
-        for position, block_id in enumerate(request.block_ids):
-            if block_id >= num_blocks:
-                raise InvalidArgument(
-                    f"block id {block_id} at position {position} is outside the worker's "
-                    f"registered tensors ({num_blocks} blocks)"
-                )
-        state = worker.transport.prepare_job(worker, request, kind)
-        return session, worker, keys, list(request.block_ids), state
+        keys = request.checked_keys(self.pool.num_slots, worker.layout.num_blocks)
+        state = worker.transport.prepare_job(worker, request)
+        return session, worker, keys, state
 
-    def _begin(self, job: Job) -> None:
+    def _begin(self, job: Job, received_ns: int) -> None:
         if jobtrace.ON:
-            job.trace = {"received": self.frame_received_ns, "begin": jobtrace.now()}
+            job.trace = {"received": received_ns, "begin": jobtrace.now()}
         job.submitted = time.monotonic()
         job.session.jobs[job.id] = job
-        (self.store_clock if job.kind == "store" else self.load_clock).start()
+        (self.store_clock if job.kind is JobKind.STORE else self.load_clock).start()
         self._jobs_in_flight += 1
         self._idle.clear()
         try:
             job.worker.transport.start(job)
         except Exception as e:  # a job that cannot start must not stay in flight forever
-            log.exception("%s job %d could not start", job.kind, job.id)
+            log.exception("%s job %d could not start", job.kind.value, job.id)
             self.finish_job(job, False, f"the daemon could not start the job: {e}")
-
-    def submit_store(self, request: pb.SubmitStoreRequest) -> pb.SubmitStoreResponse:
-        session, worker, keys, block_ids, state = self._job_request(request, "store")
-        reservation = self.index.reserve_store(worker.ns, worker.rank, keys, request.job_id)
-        writes = reservation.writes
-        job = Job(
-            id=request.job_id,
-            kind="store",
-            session=session,
-            worker=worker,
-            blocks=[block for _, block in writes],
-            block_ids=[block_ids[position] for position, _ in writes],
-            slots=[block.slots[worker.rank] for _, block in writes],
-            transport_state=state,
-        )
-        self._begin(job)
-        self.changes.send()
-        if reservation.not_stored:
-            log.warning(
-                "store job %d of session %d: %d block(s) not stored, every slot is pinned",
-                job.id,
-                session.number,
-                reservation.not_stored,
-            )
-        return pb.SubmitStoreResponse(
-            already_stored=reservation.already_stored,
-            not_stored=reservation.not_stored,
-        )
-
-    def submit_load(self, request: pb.SubmitLoadRequest) -> pb.SubmitLoadResponse:
-        session, worker, keys, block_ids, state = self._job_request(request, "load")
-        if len(set(block_ids)) != len(block_ids):
-            raise InvalidArgument("a load writes each block id once; the request repeats some")
-        blocks = self.index.reserve_load(worker.ns, keys, worker.rank, worker.layout.block_bytes)
-        from_disk = self.index.take_promoted(blocks)
-        if from_disk:
-            self._count(session, worker.ns, disk_hit_blocks=from_disk)
-        slots = [block.slots[worker.rank] for block in blocks]
-        job = Job(request.job_id, "load", session, worker, blocks, block_ids, slots, transport_state=state)
-        self._begin(job)
-        return pb.SubmitLoadResponse()
 
     def finish_job(self, job: Job, ok: bool, error: str = "") -> None:
         """Commits or rolls back a job whose copies have ended, and tells its client."""
@@ -391,28 +351,27 @@ class Depot:
         session.recent_job_ids.append(job.id)
         session.recent_job_id_set.add(job.id)
         n, nbytes = len(job.blocks), len(job.blocks) * worker.layout.block_bytes
-        if job.kind == "store":
+        if job.kind is JobKind.STORE:
             self.index.finish_stores(job.blocks, worker.rank, ok, worker.layout.block_bytes)
             if ok:
                 self._count(session, worker.ns, stored_blocks=n, stored_bytes=nbytes)
             self.store_clock.stop()
         else:
-            for block in job.blocks:
-                self.index.finish_load(block)
+            self.index.finish_loads(job.blocks)
             if ok:
                 self._count(session, worker.ns, loaded_blocks=n, loaded_bytes=nbytes)
             self.load_clock.stop()
-        self.job_metrics.finished(job, ok)
+        self.job_times.finished(job.kind, ok, time.monotonic() - job.submitted, session.ended)
         if not ok:
             self._count(session, worker.ns, failed_jobs=1)
-            log.warning("%s job %d of session %d failed: %s", job.kind, job.id, session.number, error)
+            log.warning("%s job %d of session %d failed: %s", job.kind.value, job.id, session.number, error)
         self._jobs_in_flight -= 1
         if self._jobs_in_flight == 0:
             self._idle.set()
         self.changes.send()
         if job.trace is not None:
             job.trace["committed"] = jobtrace.now()
-            jobtrace.write_job(session.id, job.id, job.kind, len(job.blocks), job.trace)
+            jobtrace.write_job(session.id, job.id, job.kind.value, len(job.blocks), job.trace)
 
     # ------------------------------------------------------------ life cycle
 
@@ -428,15 +387,15 @@ class Depot:
         late = [s for s in self.sessions.values() if s.identity is None and now - s.attached_at > deadline]
         for session in late:
             reason = f"it did not say hello on the job socket within {deadline:g} s (--job-hello-timeout)"
-            self.expel(session, reason, FailedPrecondition.code)
+            self.expel(session, reason, FailedPrecondition)
 
-    def expel(self, session: Session, reason: str, code=ResourceExhausted.code) -> None:
+    def expel(self, session: Session, reason: str, error: type[KVDepotError] = ResourceExhausted) -> None:
         """Ends a session the daemon gives up on, now rather than when its client
-        reads its stream (which may be never); the stream then ends with `code`
+        reads its stream (which may be never); the stream then ends with `error`
         and `reason`."""
         who = session.identity.describe() if session.identity else "not proven"
         log.warning("ending session %d (%s, %s): %s", session.number, shown(session.client_name), who, reason)
-        session.outbox.end(reason, code)
+        session.outbox.end(reason, error)
         self.end_session(session)
 
     async def drain(self, timeout: float) -> bool:
@@ -469,11 +428,24 @@ class Depot:
         self.totals.evicted_blocks += 1
         block.ns.counters.evicted_blocks += 1
 
-    def stats(self, identity: Identity | None, asking_session_id: str = "") -> pb.GetStatsResponse:
-        return stats_response(self, identity, asking_session_id)
+    # ------------------------------------------------------------ operators
 
-    def clear(self, identity: Identity | None, namespace_name: str) -> pb.ClearResponse:
-        return clear_response(self, identity, namespace_name)
+    def report(self, viewer: Identity | None, asking_session_id: str = "", most: int | None = None) -> report.Report:
+        """What `viewer` may see of the daemon (GetStats, /metrics); at most
+        `most` namespaces and clients, the busiest."""
+        return report.build(self, viewer, asking_session_id, most)
+
+    def clear(self, identity: Identity | None, namespace_name: str) -> report.Cleared:
+        """Empties the namespace `namespace_name` (every one: empty name, admins
+        only) of what `identity` may see."""
+        cleared = pinned = 0
+        for target in report.clear_scope(self.namespaces, identity, namespace_name):
+            counts = self.index.clear(target)
+            cleared, pinned = cleared + counts[0], pinned + counts[1]
+        self.changes.send()
+        log.info("%s cleared %d block(s) of %s; %d pinned kept", identity.describe(), cleared,
+                 shown(namespace_name) if namespace_name else "every namespace", pinned)
+        return report.Cleared(cleared, pinned)
 
 
 def _who(session: Session) -> str:

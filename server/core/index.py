@@ -9,62 +9,37 @@ that a job pins (a store writing it, a load reading it) is never evicted.
 A block enters the eviction order when its first shard is committed, ready or
 not: an incomplete block is as old as its first shard, so the other ranks'
 stores of the same keys, which follow at once, never evict it first.
+
+The counts derived from the blocks (slots and ready blocks per namespace,
+slots held and being stored per scope, the pinned blocks) change in `_count`
+and `_pin`/`_unpin` alone; with checking on (KVDEPOT_CHECK_INDEX=1, as the
+tests run) every mutation ends by recomputing them from the blocks.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvdepot.errors import FailedPrecondition
-from kvdepot.proto import kvdepot_pb2 as pb
-from kvdepot.server.core.namespaces import Namespace
-from kvdepot.server.host.pool import HostPool
+from kvdepot.server.core import index_check
+from kvdepot.server.core.blocks import PROMOTION, Block, BlockState
+from kvdepot.server.core.namespaces import Namespace, Namespaces
+from kvdepot.server.core.requests import LookupStatus
 from kvdepot.server.core.shares import ScopedEviction
-from kvdepot.server.core.tiers import TierStack
+from kvdepot.server.core.tiers import KeptBlock, TierStack
 
 
-class Block:
-    __slots__ = ("ns", "key", "slots", "committed", "writers", "pins", "loading", "ready", "promoted", "lengths")
-
-    def __init__(self, ns: Namespace, key: bytes):
-        self.ns = ns
-        self.key = key
-        self.slots: list[int | None] = [None] * ns.tp_size
-        self.committed: set[int] = set()
-        self.writers: dict[int, int] = {}  # rank -> job id writing that shard
-        self.pins = 0
-        self.loading = 0
-        self.ready = False
-        # Brought up from a lower tier and not looked up since: its next hit
-        # counts as that tier's.
-        self.promoted = False
-        # Each rank's bytes, for a block a tier gave back (kept pool, disk):
-        # a load checks them against its worker's layout, which the namespace
-        # no longer knows once it was freed or the daemon restarted.
-        self.lengths: tuple | None = None
-
-    @property
-    def index_key(self) -> tuple[int, bytes]:
-        return (self.ns.id, self.key)
-
-    def held_slots(self) -> list[int]:
-        return [s for s in self.slots if s is not None]
-
-
-# The writer of every rank of a block being promoted from a lower tier.
-PROMOTION = -1
-
-
-@dataclass
+@dataclass(frozen=True)
 class LookupResult:
-    status: int
+    status: LookupStatus
     ready: int
     loading: int
     storing: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class StoreReservation:
     # (position in the request, block) for each shard the job must write.
     writes: list[tuple[int, Block]]
@@ -72,26 +47,29 @@ class StoreReservation:
     not_stored: int
 
 
+Changed = Callable[[Namespace, bytes, BlockState], None]
+
+
 class BlockIndex:
     def __init__(
         self,
-        pool: HostPool,
+        pool,
         evictions: ScopedEviction,
-        on_evict: Callable[[Block], None],
-        on_change: Callable[[Block, str], None] = lambda block, state: None,
-        tiers=None,
-        on_change_key: Callable[[Namespace, bytes, str], None] = lambda ns, key, state: None,
+        namespaces: Namespaces,
+        on_evict: Callable[[Block], None] = lambda block: None,
+        on_change: Changed = lambda ns, key, state: None,
+        send_changes: Callable[[], None] = lambda: None,
+        tiers: TierStack | None = None,
+        check: bool | None = None,
     ):
         self.pool = pool
-        # What sits under the DRAM blocks (server/tiers): told of commits.
-        self.tiers = tiers or TierStack()
-        self.tiers.attach(self)
         self.evictions = evictions
+        self.namespaces = namespaces
         self._on_evict = on_evict
-        # Told "storing", "ready" or "dropped" whenever a block's state as
-        # Lookup reports it changes.
+        # Told whenever a key's state as Lookup reports it changes; `send_changes`
+        # sends what was told to engines (for changes no call is there to send).
         self._on_change = on_change
-        self._on_change_key = on_change_key
+        self._send_changes = send_changes
         self._blocks: dict[tuple[int, bytes], Block] = {}
         self._pinned: set[Block] = set()
         # Slots of stores in flight, by scope: at most its share of the pool, so
@@ -99,6 +77,40 @@ class BlockIndex:
         self._storing: dict[str, int] = {}
         # Slots held (ready, incomplete or being stored), by scope, for the shares.
         self._held: dict[str, int] = {}
+        # What sits under the DRAM blocks: told of commits, asked on misses.
+        self.tiers = tiers or TierStack()
+        self.tiers.attach(self)
+        if check if check is not None else os.environ.get("KVDEPOT_CHECK_INDEX") == "1":
+            index_check.check_after_mutations(self)
+
+    def _changed(self, block: Block, state: BlockState) -> None:
+        self._on_change(block.ns, block.key, state)
+
+    # ------------------------------------------------------------ counts
+
+    def _count(self, ns: Namespace, held: int = 0, storing: int = 0, ready: int = 0) -> None:
+        """The one place the derived counts change."""
+        scope = ns.scope
+        if held:
+            ns.used_slots += held
+            self._held[scope] = self._held.get(scope, 0) + held
+        if storing:
+            self._storing[scope] = self._storing.get(scope, 0) + storing
+        if ready:
+            ns.ready_blocks += ready
+
+    def _pin(self, block: Block) -> None:
+        block.pins += 1
+        self._pinned.add(block)
+
+    def _unpin(self, block: Block) -> None:
+        block.pins -= 1
+        if block.pins == 0:
+            self._pinned.discard(block)
+
+    def verify(self) -> None:
+        """Recomputes every derived count from the blocks; IndexInconsistent if one differs."""
+        index_check.verify(self, self._blocks.values(), self._held, self._storing, self._pinned)
 
     # ------------------------------------------------------------ queries
 
@@ -123,16 +135,16 @@ class BlockIndex:
                     storing += 1
                     continue
                 if self.tiers.on and not self.tiers.holds(ns, key):
-                    # An engine's copy may still list it on disk (lower):
-                    # it is gone, and the copy should say so. (One the disk
+                    # An engine's copy may still list it below DRAM (lower):
+                    # it is gone, and the copy should say so. (One a tier
                     # holds but cannot promote now, at its limit of
                     # promotions or with every slot pinned, stays lower.)
-                    self._on_change_key(ns, key, "dropped")
+                    self._on_change(ns, key, BlockState.DROPPED)
                 break
             if block.ready or not block.writers:
                 break
             storing += 1
-        status = pb.LookupResponse.NOT_YET if storing else pb.LookupResponse.READY
+        status = LookupStatus.NOT_YET if storing else LookupStatus.READY
         return LookupResult(status, ready, loading, storing)
 
     @property
@@ -142,29 +154,16 @@ class BlockIndex:
     def blocks_of(self, ns: Namespace | None) -> list[Block]:
         return [b for b in self._blocks.values() if ns is None or b.ns is ns]
 
-    # ------------------------------------------------------------ pins
-
-    def _pin(self, block: Block) -> None:
-        block.pins += 1
-        self._pinned.add(block)
-
-    def _unpin(self, block: Block) -> None:
-        block.pins -= 1
-        if block.pins == 0:
-            self._pinned.discard(block)
+    # ------------------------------------------------------------ for the tiers (core/tiers.py TierHost)
 
     def hold(self, block: Block) -> None:
-        """Keeps `block` (and its slots) from eviction while a tier reads it."""
         self._pin(block)
 
     def let_go(self, block: Block) -> None:
         self._unpin(block)
 
     def holds(self, block: Block) -> bool:
-        """Whether `block` is still the index's (not evicted, not cleared)."""
         return self._blocks.get(block.index_key) is block
-
-    # ------------------------------------------------------------ stores
 
     def reserve_promotion(self, ns: Namespace, key: bytes, lengths: tuple) -> Block | None:
         """A new block whose every rank a lower tier will write, its slots
@@ -174,35 +173,72 @@ class BlockIndex:
         index_key = (ns.id, key)
         block = Block(ns, key)
         block.lengths = lengths
-        self._pin(block)
         for rank in range(ns.tp_size):
+            self._pin(block)  # before making room, so that eviction cannot take it
             slot = self._allocate_slot(index_key, ns.scope)
             if slot is None:
                 for taken in block.held_slots():
                     self.pool.release(taken)
-                    ns.used_slots -= 1
-                    self._held[ns.scope] -= 1
-                    self._storing[ns.scope] -= 1
-                self._unpin(block)
+                self._count(ns, held=-len(block.held_slots()), storing=-len(block.held_slots()))
+                for _ in range(rank + 1):
+                    self._unpin(block)
                 return None
             block.slots[rank] = slot
             block.writers[rank] = PROMOTION
-            ns.used_slots += 1
-            self._held[ns.scope] = self._held.get(ns.scope, 0) + 1
-            self._storing[ns.scope] = self._storing.get(ns.scope, 0) + 1
-        # Pinned once a rank: finish_store unpins each.
-        for _ in range(ns.tp_size - 1):
-            self._pin(block)
+            self._count(ns, held=1, storing=1)
         block.promoted = True
         self._blocks[index_key] = block
-        self._on_change(block, "storing")
+        self._changed(block, BlockState.STORING)
         return block
+
+    def finish_promotion(self, block: Block, ok: bool) -> None:
+        for rank in range(block.ns.tp_size):
+            self._finish_shard(block, rank, ok)
+        self._send_changes()
+
+    def lower_gone(self, gone: set[tuple[bytes, bytes]]) -> None:
+        keys: dict[bytes, list[bytes]] = {}
+        for digest, key in gone:
+            keys.setdefault(digest, []).append(key)
+        for ns in self.namespaces:
+            for key in keys.get(ns.digest, ()):
+                if (ns.id, key) not in self._blocks:
+                    self._on_change(ns, key, BlockState.DROPPED)
+        self._send_changes()
+
+    def restore(self, kept: Sequence[KeptBlock]) -> list[tuple[KeptBlock, Exception]]:
+        """Ready blocks adopted from the kept pool, their slots already taken;
+        restored oldest first, so the eviction order holds. A block whose
+        namespace is refused now (a limit lowered since) gives its slots back."""
+        refused = []
+        for block_kept in kept:
+            try:
+                ns = self.namespaces.of(block_kept.spec, block_kept.scope)
+            except Exception as e:
+                for slot in block_kept.slots:
+                    self.pool.release(slot)
+                refused.append((block_kept, e))
+                continue
+            for rank, signature in block_kept.signatures.items():
+                if signature is not None:
+                    ns.rank_signatures.setdefault(rank, signature)
+            block = Block(ns, block_kept.key)
+            block.slots = list(block_kept.slots)
+            block.lengths = block_kept.lengths
+            block.committed = set(range(ns.tp_size))
+            block.ready = True
+            self._blocks[block.index_key] = block
+            self._count(ns, held=len(block.slots), ready=1)
+            self.evictions.of(ns.scope).insert(block.index_key)
+        return refused
+
+    # ------------------------------------------------------------ stores
 
     def reserve_store(self, ns: Namespace, rank: int, keys: list[bytes], job_id: int) -> StoreReservation:
         writes: list[tuple[int, Block]] = []
         already = 0
         # Runs once per block of every store, mostly evicting: names bound once.
-        blocks, touch, on_change, ns_id = self._blocks, self.evictions.of(ns.scope).touch, self._on_change, ns.id
+        blocks, touch, ns_id = self._blocks, self.evictions.of(ns.scope).touch, ns.id
         room = self._storing_room(ns.scope)
         for position, key in enumerate(keys):
             index_key = (ns_id, key)
@@ -224,16 +260,14 @@ class BlockIndex:
                 self._unpin(block)
                 return StoreReservation(writes, already, len(keys) - position)
             room -= 1
-            self._storing[ns.scope] = self._storing.get(ns.scope, 0) + 1
             if created:
                 blocks[index_key] = block
             block.slots[rank] = slot
             starts_storing = not block.writers
             block.writers[rank] = job_id
             if starts_storing:
-                on_change(block, "storing")
-            ns.used_slots += 1
-            self._held[ns.scope] = self._held.get(ns.scope, 0) + 1
+                self._changed(block, BlockState.STORING)
+            self._count(ns, held=1, storing=1)
             writes.append((position, block))
         return StoreReservation(writes, already, 0)
 
@@ -241,33 +275,19 @@ class BlockIndex:
         """Ends a store job's shards (of `length` bytes each) and hands the
         committed ones to the tiers below."""
         for block in blocks:
-            self.finish_store(block, rank, ok)
+            self._finish_shard(block, rank, ok)
         if ok and blocks:
             self.tiers.committed(blocks[0].ns, rank, blocks, length)
 
-    def restore(self, ns: Namespace, key: bytes, slots: list[int], lengths: tuple) -> None:
-        """A ready block adopted from the kept pool, its slots already taken
-        (tiers/warm.py); restored oldest first, so the eviction order holds."""
-        block = Block(ns, key)
-        block.slots = list(slots)
-        block.lengths = lengths
-        block.committed = set(range(ns.tp_size))
-        block.ready = True
-        self._blocks[block.index_key] = block
-        ns.used_slots += len(slots)
-        ns.ready_blocks += 1
-        self._held[ns.scope] = self._held.get(ns.scope, 0) + len(slots)
-        self.evictions.of(ns.scope).insert(block.index_key)
-
-    def finish_store(self, block: Block, rank: int, ok: bool) -> None:
+    def _finish_shard(self, block: Block, rank: int, ok: bool) -> None:
         """Ends one shard's store. A failed shard is dropped from the block, and
         its slot goes back to the pool."""
         del block.writers[rank]
         self._unpin(block)
-        self._storing[block.ns.scope] -= 1
+        self._count(block.ns, storing=-1)
         if not ok:
             if not block.writers:
-                self._on_change(block, "dropped")
+                self._changed(block, BlockState.DROPPED)
             self._drop_shard(block, rank)
             return
         if not block.committed:
@@ -275,17 +295,16 @@ class BlockIndex:
         block.committed.add(rank)
         if len(block.committed) == block.ns.tp_size:
             block.ready = True
-            block.ns.ready_blocks += 1
-            self._on_change(block, "ready")
+            self._count(block.ns, ready=1)
+            self._changed(block, BlockState.READY)
         elif not block.writers:
-            self._on_change(block, "dropped")  # waits for other ranks, no store in flight
+            self._changed(block, BlockState.DROPPED)  # waits for other ranks, no store in flight
 
     def _drop_shard(self, block: Block, rank: int) -> None:
         slot = block.slots[rank]
         block.slots[rank] = None
         if slot is not None:
-            block.ns.used_slots -= 1
-            self._held[block.ns.scope] -= 1
+            self._count(block.ns, held=-1)
             self.pool.release(slot)
         if not block.held_slots() and not block.writers and block.pins == 0:
             del self._blocks[block.index_key]
@@ -308,7 +327,7 @@ class BlockIndex:
                 if block.pins == 0:  # no worker of this layout can use it: it goes
                     self.evictions.of(ns.scope).remove(block.index_key)
                     self._drop(block)
-                    self._on_change(block, "dropped")
+                    self._changed(block, BlockState.DROPPED)
                 raise FailedPrecondition(
                     f"key {position} of {len(keys)} was kept with {kept} bytes for rank {rank}, and this "
                     f"worker's blocks have {block_bytes}: the namespace's layout changed since it was stored"
@@ -318,17 +337,6 @@ class BlockIndex:
             self._pin(block)
             block.loading += 1
         return blocks
-
-    def lower_gone(self, namespaces, gone: set[tuple[bytes, bytes]]) -> None:
-        """(namespace digest, key) pairs a lower tier no longer holds: those
-        not in DRAM are dropped for the engines that saw them there."""
-        keys: dict[bytes, list[bytes]] = {}
-        for digest, key in gone:
-            keys.setdefault(digest, []).append(key)
-        for ns in namespaces:
-            for key in keys.get(ns.digest, ()):
-                if (ns.id, key) not in self._blocks:
-                    self._on_change_key(ns, key, "dropped")
 
     def take_promoted(self, blocks: list[Block]) -> int:
         """How many of `blocks` a lower tier brought up and no load has read
@@ -340,16 +348,17 @@ class BlockIndex:
                 count += 1
         return count
 
-    def finish_load(self, block: Block) -> None:
-        block.loading -= 1
-        self._unpin(block)
-        self.evictions.of(block.ns.scope).touch(block.index_key)
+    def finish_loads(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            block.loading -= 1
+            self._unpin(block)
+            self.evictions.of(block.ns.scope).touch(block.index_key)
 
     # ------------------------------------------------------------ room
 
     def _allocate_slot(self, incoming: tuple[int, bytes], scope: str) -> int | None:
         quota = self.evictions.quotas.get(scope)
-        at_quota = quota is not None and self._slots_by_scope().get(scope, 0) >= quota
+        at_quota = quota is not None and self._held.get(scope, 0) >= quota
         slot = None if at_quota else self.pool.allocate()
         if slot is not None:
             return slot
@@ -367,7 +376,8 @@ class BlockIndex:
             victim = self._blocks[victim_key]
             self._drop(victim)
             self._on_evict(victim)
-            self._on_change(victim, "lower" if victim.ready and self.tiers.holds(victim.ns, victim.key) else "dropped")
+            lower = victim.ready and self.tiers.holds(victim.ns, victim.key)
+            self._changed(victim, BlockState.LOWER if lower else BlockState.DROPPED)
             slot = self.pool.allocate()
         return slot
 
@@ -386,14 +396,15 @@ class BlockIndex:
         return self._blocks[index_key].pins == 0
 
     def _drop(self, block: Block) -> None:
+        """Takes an unpinned block out, whatever its shards; the caller has
+        taken it out of the eviction order."""
+        held = 0
         for rank, slot in enumerate(block.slots):
             if slot is not None:
                 self.pool.release(slot)
-                block.ns.used_slots -= 1
-                self._held[block.ns.scope] -= 1
                 block.slots[rank] = None
-        if block.ready:
-            block.ns.ready_blocks -= 1
+                held += 1
+        self._count(block.ns, held=-held, ready=-int(block.ready))
         del self._blocks[block.index_key]
 
     def clear(self, ns: Namespace | None) -> tuple[int, int]:
@@ -405,7 +416,8 @@ class BlockIndex:
                 continue
             self.evictions.of(block.ns.scope).remove(block.index_key)
             self._drop(block)
-            self._on_change(block, "dropped")
+            self._changed(block, BlockState.DROPPED)
             cleared += 1
         self.tiers.clear(ns)
         return cleared, pinned
+

@@ -13,10 +13,6 @@ from dataclasses import dataclass
 
 from kvdepot.errors import InvalidArgument, ResourceExhausted
 from kvdepot.layout import check_tensor_bounds
-from kvdepot.proto import kvdepot_pb2 as pb
-
-# Counters are uint64 on the wire: one past this and GetStats cannot be built.
-COUNTER_MAX = (1 << 64) - 1
 
 # What one ReportLookups may add: far more than an engine answers between two
 # reports (it reports every few seconds), far less than a counter holds.
@@ -97,7 +93,7 @@ class Limits:
         if printable and not value.isprintable():
             raise InvalidArgument(f"{field} has control characters: {shown(value)}")
 
-    def check_namespace(self, spec: pb.NamespaceSpec) -> None:
+    def check_namespace(self, spec) -> None:
         for name in ("model", "revision", "kv_dtype", "layout"):
             self.check_text(f"namespace.{name}", getattr(spec, name))
         # Hashed into the name, never shown: any characters, bounded length.
@@ -129,7 +125,7 @@ class Limits:
 
     # ------------------------------------------------------------ workers
 
-    def check_worker(self, request: pb.RegisterWorkerRequest) -> None:
+    def check_worker(self, request) -> None:
         """Everything about a RegisterWorker request that needs no namespace,
         checked before its tensors' sizes are multiplied or summed."""
         self.check_text("device", request.device)
@@ -146,20 +142,14 @@ class Limits:
     # ------------------------------------------------------------ counters
 
     @staticmethod
-    def check_lookup_report(request: pb.ReportLookupsRequest) -> None:
-        if request.lookups > MAX_REPORTED_LOOKUPS:
+    def check_lookup_report(lookups: int, hit_blocks: int, miss_blocks: int) -> None:
+        if lookups > MAX_REPORTED_LOOKUPS:
             raise InvalidArgument(
-                f"ReportLookups counts {request.lookups} lookups; one report counts at most "
+                f"ReportLookups counts {lookups} lookups; one report counts at most "
                 f"{MAX_REPORTED_LOOKUPS} (report more often)"
             )
-        covered = request.lookups * MAX_BLOCKS_PER_LOOKUP
-        if request.hit_blocks + request.miss_blocks > covered:
+        if hit_blocks + miss_blocks > lookups * MAX_BLOCKS_PER_LOOKUP:
             raise InvalidArgument(
-                f"ReportLookups counts {request.hit_blocks} hit and {request.miss_blocks} missed blocks for "
-                f"{request.lookups} lookups; a lookup covers at most {MAX_BLOCKS_PER_LOOKUP} blocks"
+                f"ReportLookups counts {hit_blocks} hit and {miss_blocks} missed blocks for "
+                f"{lookups} lookups; a lookup covers at most {MAX_BLOCKS_PER_LOOKUP} blocks"
             )
-
-
-def saturating_add(value: int, delta: int) -> int:
-    """A counter that stops at the largest uint64 instead of breaking GetStats."""
-    return min(value + delta, COUNTER_MAX)

@@ -16,9 +16,9 @@ from typing import Callable, Iterator
 
 from kvdepot.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvdepot.layout import WorkerLayout
-from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.core.limits import Limits, shown
-from kvdepot.server.api.answers import Counters
+from kvdepot.server.core.requests import NamespaceSpec
+from kvdepot.server.core.counters import Counters
 from kvdepot.server.host.shard_record import ns_digest
 
 @dataclass(eq=False)
@@ -52,7 +52,7 @@ class Namespace:
         self.rank_signatures[rank] = layout.signature()
 
 
-def _identity(spec: pb.NamespaceSpec, scope: str) -> tuple:
+def _identity(spec: NamespaceSpec, scope: str) -> tuple:
     return (
         scope,
         spec.model,
@@ -67,7 +67,7 @@ def _identity(spec: pb.NamespaceSpec, scope: str) -> tuple:
     )
 
 
-def _name(spec: pb.NamespaceSpec, scope: str) -> str:
+def _name(spec: NamespaceSpec, scope: str) -> str:
     """scope/model@revision, then what an operator tells engines apart by, then
     a digest of `extra` (KV heads, head size, layers...): short, and one per identity."""
     name = f"{scope}/{spec.model}" + (f"@{spec.revision}" if spec.revision else "")
@@ -76,7 +76,7 @@ def _name(spec: pb.NamespaceSpec, scope: str) -> str:
     return name + (":" + hashlib.sha256(spec.extra.encode()).hexdigest()[:8] if spec.extra else "")
 
 
-def _check(spec: pb.NamespaceSpec, limits: Limits) -> None:
+def _check(spec: NamespaceSpec, limits: Limits) -> None:
     limits.check_namespace(spec)
     if not spec.model:
         raise InvalidArgument("namespace.model is required")
@@ -107,7 +107,7 @@ class Namespaces:
         # Namespaces with no registration: freed once their last block is gone.
         self._idle: set[Namespace] = set()
 
-    def of(self, spec: pb.NamespaceSpec, scope: str) -> Namespace:
+    def of(self, spec: NamespaceSpec, scope: str) -> Namespace:
         """The namespace of `spec` in `scope`, created on first use; InvalidArgument
         for a bad spec. It stays idle (freed when it holds no block) until acquired."""
         _check(spec, self._limits)

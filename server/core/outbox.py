@@ -9,43 +9,76 @@ changed, so an engine's copy of its namespace's keys follows the daemon's.
 What waits for the Attach stream is bounded: a client that stops reading it
 (stopped, hung, or on purpose) while other engines store in its namespaces
 would otherwise make the daemon hold every change for it. Past the bound the
-session is ended (service.py), since a copy of the keys that missed changes is
+session is ended (the API's Attach stream), since a copy of the keys that missed changes is
 wrong anyway; the client attaches again and gets a fresh snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Protocol, Union
 
-from kvdepot.errors import ResourceExhausted
-from kvdepot.proto import kvdepot_pb2 as pb
+from kvdepot.errors import KVDepotError, ResourceExhausted
+from kvdepot.server.core.blocks import BlockState
 
 if TYPE_CHECKING:
+    from kvdepot.server.core.namespaces import Namespace
     from kvdepot.server.core.sessions import Session
-    from kvdepot.server.core.index import Block
 
-# Keys per BlocksChanged message of a registration snapshot (1 MiB of keys).
+# Keys per BlocksChanged notice of a registration snapshot (1 MiB of keys).
 SNAPSHOT_CHUNK_KEYS = 32768
+
+
+@dataclass(frozen=True)
+class JobDone:
+    job_id: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class BlocksChanged:
+    """Keys of one engine's namespace whose state changed (proto: BlocksChanged)."""
+
+    engine_id: int
+    ready: tuple[bytes, ...] = ()
+    storing: tuple[bytes, ...] = ()
+    dropped: tuple[bytes, ...] = ()
+    lower: tuple[bytes, ...] = ()
+
+
+Notice = Union[JobDone, BlocksChanged]
+
+
+class JobChannel(Protocol):
+    """A session's own way back for JobDone (the API's job socket connection)."""
+
+    @property
+    def open(self) -> bool: ...
+
+    def send_done(self, done: JobDone) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Outbox:
     """One session's notifications."""
 
     def __init__(self) -> None:
-        # Read by the session's Attach stream (service.py) with `next`; None
-        # once the session has fallen too far behind.
-        self.stream: asyncio.Queue[pb.Notification | None] = asyncio.Queue()
-        # The session's job socket connection (job_socket.py), once it has one.
-        self.job_channel = None
+        # Read by the session's Attach stream with `next`; None once the
+        # session has fallen too far behind.
+        self.stream: asyncio.Queue[Notice | None] = asyncio.Queue()
+        # The session's job socket connection, once it has one.
+        self.job_channel: JobChannel | None = None
         self.queued_keys = 0
         # Unbounded until the Attach stream that reads it sets a bound.
         self._max_keys: int | None = None
         self._on_overflow = None
         # Why the session is being ended, once it has fallen too far behind.
         self.overflowed: str | None = None
-        # The status the Attach stream ends with (a KVDepotError's code).
-        self.end_code = ResourceExhausted.code
+        # The error the Attach stream ends with.
+        self.end_error: type[KVDepotError] = ResourceExhausted
 
     def bound(self, max_keys: int, on_overflow) -> None:
         """Past `max_keys` keys waiting, everything queued is dropped and
@@ -54,14 +87,14 @@ class Outbox:
         self._max_keys = max_keys
         self._on_overflow = on_overflow
 
-    async def next(self) -> pb.Notification | None:
+    async def next(self) -> Notice | None:
         """The next notification; None once the session has fallen too far behind."""
         notification = await self.stream.get()
         if notification is not None:
             self.queued_keys -= _keys_of(notification)
         return notification
 
-    def _put(self, notification: pb.Notification) -> None:
+    def _put(self, notification: Notice) -> None:
         if self.overflowed is not None:
             return
         self.queued_keys += _keys_of(notification)
@@ -74,11 +107,11 @@ class Outbox:
         )
         asyncio.get_running_loop().call_soon(self._on_overflow, self.overflowed)
 
-    def end(self, reason: str, code=ResourceExhausted.code) -> None:
-        """The daemon ends the session: its Attach stream ends with `code` and
+    def end(self, reason: str, error: type[KVDepotError] = ResourceExhausted) -> None:
+        """The daemon ends the session: its Attach stream ends with `error` and
         `reason` once it reads this far; what was queued goes now, not when the
         stream is read (maybe never)."""
-        self.overflowed, self.end_code = reason, code
+        self.overflowed, self.end_error = reason, error
         while not self.stream.empty():
             self.stream.get_nowait()
         self.stream.put_nowait(None)
@@ -88,18 +121,17 @@ class Outbox:
         return self.job_channel is not None and self.job_channel.open
 
     def job_done(self, job_id: int, ok: bool, error: str) -> None:
-        done = pb.JobDone(job_id=job_id, ok=ok, error=error)
+        done = JobDone(job_id, ok, error)
         channel = self.job_channel
         if channel is not None and channel.open:
             channel.send_done(done)
         else:
-            self._put(pb.Notification(job_done=done))
+            self._put(done)
 
     def blocks_changed(self, engine_id: int, ready=(), storing=(), dropped=(), lower=()) -> None:
         if self.overflowed is not None:
             return
-        changed = pb.BlocksChanged(engine_id=engine_id, ready=ready, storing=storing, dropped=dropped, lower=lower)
-        self._put(pb.Notification(blocks_changed=changed))
+        self._put(BlocksChanged(engine_id, tuple(ready), tuple(storing), tuple(dropped), tuple(lower)))
 
     def snapshot(self, engine_id: int, ready: list[bytes], storing: list[bytes], lower: list[bytes] = ()) -> None:
         """Every ready, storing and lower-tier key of a namespace, for an engine that has just registered."""
@@ -119,13 +151,10 @@ class ChangeFeed:
 
     def __init__(self, sessions: dict[str, Session]):
         self._sessions = sessions
-        # Namespace id -> {key: latest state} ("ready", "storing", "dropped" or "lower").
-        self._changes: dict[int, dict[bytes, str]] = {}
+        # Namespace id -> {key: latest state}.
+        self._changes: dict[int, dict[bytes, BlockState]] = {}
 
-    def note(self, block: Block, state: str) -> None:
-        self._changes.setdefault(block.ns.id, {})[block.key] = state
-
-    def note_key(self, ns, key: bytes, state: str) -> None:
+    def note(self, ns: Namespace, key: bytes, state: BlockState) -> None:
         self._changes.setdefault(ns.id, {})[key] = state
 
     def send(self) -> None:
@@ -134,9 +163,9 @@ class ChangeFeed:
         changes, self._changes = self._changes, {}
         messages = {}
         for ns_id, states in changes.items():
-            lists: dict[str, list[bytes]] = {"ready": [], "storing": [], "dropped": [], "lower": []}
+            lists: dict[str, list[bytes]] = {state.value: [] for state in BlockState}
             for key, state in states.items():
-                lists[state].append(key)
+                lists[state.value].append(key)
             messages[ns_id] = lists
         for session in _live(self._sessions.values()):
             for engine_id, ns in session.engines.items():
@@ -145,11 +174,11 @@ class ChangeFeed:
                     session.outbox.blocks_changed(engine_id, **lists)
 
 
-def _keys_of(notification: pb.Notification) -> int:
-    """What a notification counts for against the bound: its keys, a JobDone one."""
-    if notification.HasField("blocks_changed"):
-        changed = notification.blocks_changed
-        return max(1, len(changed.ready) + len(changed.storing) + len(changed.dropped) + len(changed.lower))
+def _keys_of(notification: Notice) -> int:
+    """What a notice counts for against the bound: its keys, a JobDone one."""
+    if isinstance(notification, BlocksChanged):
+        n = notification
+        return max(1, len(n.ready) + len(n.storing) + len(n.dropped) + len(n.lower))
     return 1
 
 

@@ -1,4 +1,4 @@
-"""A RegisterWorker request's tensors, checked before any handle is opened.
+"""A worker registration's tensors, checked before any handle is opened.
 
 The size of a block follows from the shapes alone, so an oversized or absurd
 registration is refused before a single page offset is computed; and every
@@ -11,18 +11,18 @@ import math
 
 from kvdepot.errors import InvalidArgument
 from kvdepot.layout import DTYPE_BYTES, MAX_PAGES_PER_WORKER, WorkerLayout, describe
-from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.core.limits import Limits
 from kvdepot.server.core.namespaces import Namespace
+from kvdepot.server.core.requests import TensorSpec, WorkerSpec
 
 
-def _block_bytes_of(spec: pb.TensorSpec) -> int:
+def _block_bytes_of(spec: TensorSpec) -> int:
     """Bytes of one block of a tensor, from its shape (bounded by Limits.check_worker)."""
     shape = list(spec.shape)
     return DTYPE_BYTES.get(spec.dtype, 0) * math.prod(shape) // shape[spec.block_dim]
 
 
-def worker_layout(request: pb.RegisterWorkerRequest, ns: Namespace, slot_bytes: int, limits: Limits) -> WorkerLayout:
+def worker_layout(request: WorkerSpec, ns: Namespace, slot_bytes: int, limits: Limits) -> WorkerLayout:
     """The layout the request's tensors describe; InvalidArgument if it is unusable."""
     # Sizes, counts and strings first: what follows multiplies and sums them.
     limits.check_worker(request)

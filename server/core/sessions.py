@@ -1,4 +1,4 @@
-"""The depot's records: a session (one client), its workers and its jobs.
+"""A session (one client), its workers and its jobs.
 
 Plain data: the depot (depot.py) changes them, on the event loop's thread.
 """
@@ -10,10 +10,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvdepot.layout import WorkerLayout
+from kvdepot.server.core.counters import Counters
+from kvdepot.server.core.blocks import Block
 from kvdepot.server.core.namespaces import Namespace
-from kvdepot.server.core.index import Block
 from kvdepot.server.core.outbox import Outbox
-from kvdepot.server.api.answers import Counters
+from kvdepot.server.core.requests import JobKind
 from kvdepot.server.core.tenants import Identity
 from kvdepot.server.core.transport import Transport
 
@@ -36,7 +37,7 @@ class Worker:
 @dataclass(eq=False)
 class Job:
     id: int
-    kind: str  # "store" or "load"
+    kind: JobKind
     session: Session
     worker: Worker
     # The blocks the job writes (store) or reads (load), their block ids in the

@@ -39,6 +39,10 @@ class ScopedEviction:
             self._policies[scope] = policy
         return policy
 
+    def size(self) -> int:
+        """Blocks in every scope's eviction order."""
+        return sum(len(policy) for policy in self._policies.values())
+
     def share(self, scope: str, active: int) -> float:
         return self.quotas.get(scope, self.capacity / max(1, active))
 

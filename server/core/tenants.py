@@ -1,7 +1,7 @@
 """Who a client is, and which tenant it acts for.
 
 Identity comes from the kernel (the peer's uid, gid and pid on a unix socket,
-server/api/peer.py) or from a credential (a token on TCP), never from what a
+server/host/peer.py) or from a credential (a token on TCP), never from what a
 client says. An operator maps identities to tenants in the configuration file:
 
     [[tenant]]
@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 
 from kvdepot import defaults
-from kvdepot.server.api.peer import Peer
+from kvdepot.server.host.peer import Peer
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _KEYS = {"name", "uids", "gids", "token_file", "cert_names", "share", "quota", "admin"}

@@ -1,105 +1,220 @@
-"""The tiers under the DRAM blocks, as the block index sees them.
+"""The tiers below DRAM, and the stack the block index keeps them in.
 
-The index tells the stack what happens to DRAM blocks (a store committed, a
-lookup that missed in DRAM); the stack hands that to each tier that is on:
-the kept pool (warm.py) seals committed shards, the disk tier (mover.py)
-writes them behind and promotes what lookups find only there. It also keeps
-the tiers' counters.
+DRAM (the pinned pool, whose blocks the index holds) is the only tier a GPU
+copy touches. A tier below it implements `Tier`:
+
+- `attach(host)`: once, before anything else; `host` is the block index
+  (`TierHost`), through which a tier pins the DRAM shards it reads and tells
+  what it no longer holds.
+- `recover()`: at start, what the tier kept across the daemon's restart
+  (the kept pool gives its blocks back to DRAM through `host.restore`).
+- `holds`, `keys_of`: look up.
+- `demote`: accept shards DRAM has just committed; DRAM keeps them, and the
+  tier copies them in its own time, pinning them meanwhile.
+- `promotable`, `promote`: bring a block it holds into slots DRAM gives it,
+  reporting the end through `done(ok)`; a failure is a miss, never an error.
+- `clear`: drop a namespace's blocks (`kvdepot clear`).
+- `stats`: typed counters; `close`: end what is in flight, at exit.
+
+The stack calls every tier the same way, top to bottom: a new tier is one
+more entry in its list, and neither the index nor the depot changes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, Protocol, Sequence
 
-from kvdepot.proto import kvdepot_pb2 as pb
+# Keys below DRAM an engine's registration snapshot lists, at most (8 MiB of
+# keys): half of what a session may have queued by default.
+MAX_LOWER_KEYS = 1 << 18
 
 
-@dataclass
-class TierCounters:
-    # Blocks (and their shards) the daemon adopted from the kept pool at
-    # start, and the shards it discarded there, by reason.
-    adopted_blocks: int = 0
-    adopted_shards: int = 0
-    adopt_discarded: dict[str, int] = field(default_factory=dict)
+@dataclass(frozen=True)
+class TierStats:
+    """A tier's counters (proto: TierStats, which documents each)."""
+
+    name: str
+    shards: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    written_shards: int = 0
+    written_bytes: int = 0
+    read_shards: int = 0
+    read_bytes: int = 0
+    promotions: int = 0
+    failed_promotions: int = 0
+    evicted_shards: int = 0
+    recovered_shards: int = 0
+    direct_io: bool = False
+    write_errors: int = 0
+    # Shards the tier would not serve, by reason.
+    discarded: dict[str, int] = field(default_factory=dict)
+
+    def merged(self, other: TierStats) -> TierStats:
+        """This tier's counters with `other`'s added (two views of one tier)."""
+        sums = {
+            f.name: getattr(self, f.name) + getattr(other, f.name)
+            for f in fields(self)
+            if f.name not in ("name", "direct_io", "discarded")
+        }
+        discarded = dict(self.discarded)
+        for reason, count in other.discarded.items():
+            discarded[reason] = discarded.get(reason, 0) + count
+        return replace(self, **sums, direct_io=self.direct_io or other.direct_io, discarded=discarded)
+
+
+@dataclass(frozen=True)
+class KeptBlock:
+    """A ready block a tier kept in the pool's own slots across a restart."""
+
+    spec: object  # requests.NamespaceSpec
+    scope: str
+    # The layout signature of each rank, as its first worker fixed it.
+    signatures: dict
+    key: bytes
+    slots: list[int]
+    lengths: tuple
+
+
+class TierHost(Protocol):
+    """What a tier may ask of DRAM (the block index implements it)."""
+
+    def hold(self, block) -> None:
+        """Keeps `block`'s slots from eviction while the tier reads them."""
+
+    def let_go(self, block) -> None: ...
+
+    def holds(self, block) -> bool:
+        """Whether `block` is still DRAM's (not evicted, not cleared)."""
+
+    def reserve_promotion(self, ns, key: bytes, lengths: tuple) -> object | None:
+        """A new block whose every rank a tier will write, slots taken and pinned."""
+
+    def finish_promotion(self, block, ok: bool) -> None: ...
+
+    def lower_gone(self, gone: set[tuple[bytes, bytes]]) -> None:
+        """(namespace digest, key) pairs the tier no longer holds."""
+
+    def restore(self, kept: Sequence[KeptBlock]) -> list[tuple[KeptBlock, Exception]]:
+        """Blocks kept in the pool's slots (which the pool counts as used)
+        come back as ready, oldest first; returns those refused, their slots freed."""
+
+
+class Tier(ABC):
+    # As stats and metrics name it.
+    name: str = ""
+
+    def attach(self, host: TierHost) -> None:
+        self.host = host
+
+    def recover(self) -> None:
+        """At start: take up what the tier kept."""
+
+    def holds(self, ns, key: bytes) -> bool:
+        """Whether the tier holds every rank of `ns`'s block `key`."""
+        return False
+
+    def keys_of(self, ns, exclude: set) -> list[bytes]:
+        """`ns`'s keys the tier holds whole, but for those in `exclude`, newest last."""
+        return []
+
+    @abstractmethod
+    def demote(self, ns, rank: int, blocks: Sequence, length: int) -> None:
+        """DRAM committed the rank `rank` shards (`length` bytes) of `blocks`."""
+
+    def promotable(self, ns, key: bytes) -> tuple | None:
+        """Each rank's bytes, if the tier can promote `ns`'s block `key` now; else None."""
+        return None
+
+    def promote(self, ns, key: bytes, slots: list[int], done: Callable[[bool], None]) -> None:
+        """Fills `slots` (one a rank) with the block; calls `done(ok)` on the event loop."""
+        raise NotImplementedError(f"the {self.name} tier promotes nothing")
+
+    def clear(self, ns) -> None:
+        """`kvdepot clear`: `ns`'s blocks (every namespace's when None) go."""
+
+    @abstractmethod
+    def stats(self) -> TierStats: ...
+
+    async def close(self) -> None:
+        """The daemon exits: end (or wait for) what is in flight."""
 
 
 class TierStack:
-    def __init__(self, warm=None, mover=None):
-        self.warm = warm
-        self.mover = mover
-        self.counters = TierCounters()
-        # Sends the index's changes to the engines (the depot's ChangeFeed):
-        # promotions end outside any call that would.
-        self.after_change = lambda: None
+    """The tiers under DRAM, top first, as the block index sees them."""
 
-    def attach(self, index) -> None:
-        if self.mover is not None:
-            self.mover.index = index
-            self.mover.after_change = lambda: self.after_change()
+    def __init__(self, tiers: Sequence[Tier] = ()):
+        self.tiers = list(tiers)
+        self._host: TierHost | None = None
 
-    def connect(self, after_change, namespaces) -> None:
-        """How the tiers tell engines what changed outside any call: the
-        depot's change feed, and its namespaces."""
-        self.after_change = after_change
-        if self.mover is not None:
-            self.mover.namespaces = namespaces
+    def attach(self, host: TierHost) -> None:
+        self._host = host
+        for tier in self.tiers:
+            tier.attach(host)
+
+    def recover(self) -> None:
+        for tier in self.tiers:
+            tier.recover()
 
     @property
     def on(self) -> bool:
-        """Whether a tier below DRAM can hold blocks that DRAM does not."""
-        return self.mover is not None
+        """Whether a tier can hold blocks that DRAM does not."""
+        return bool(self.tiers)
 
     def holds(self, ns, key: bytes) -> bool:
-        """Whether a lower tier holds every rank of `ns`'s block `key`."""
-        return self.mover is not None and self.mover.holds(ns, key)
+        return any(tier.holds(ns, key) for tier in self.tiers)
 
     def lower_keys(self, ns, exclude: set) -> list[bytes]:
-        """`ns`'s keys that a lower tier holds whole, but for those in `exclude`."""
-        return [] if self.mover is None else self.mover.keys_of(ns, exclude)
+        """`ns`'s keys that a tier holds whole but DRAM (`exclude`) does not."""
+        keys: dict[bytes, None] = {}
+        for tier in self.tiers:
+            keys.update(dict.fromkeys(tier.keys_of(ns, exclude)))
+        return list(keys)[-MAX_LOWER_KEYS:]
 
-    def committed(self, ns, rank: int, blocks: list, length: int) -> None:
-        if self.warm is not None:
-            self.warm.seal(ns, rank, blocks, length)
-        if self.mover is not None:
-            self.mover.committed(ns, rank, blocks, length)
+    def committed(self, ns, rank: int, blocks: Sequence, length: int) -> None:
+        for tier in self.tiers:
+            tier.demote(ns, rank, blocks, length)
 
     def promote(self, ns, key: bytes) -> bool:
-        """Starts bringing `ns`'s block `key` into DRAM from a lower tier;
-        False if none holds it (or it cannot start now)."""
-        return self.mover is not None and self.mover.promote(ns, key)
+        """Starts bringing `ns`'s block `key` into DRAM from the highest tier
+        that can; False if none can now."""
+        for tier in self.tiers:
+            lengths = tier.promotable(ns, key)
+            if lengths is None:
+                continue
+            block = self._host.reserve_promotion(ns, key, lengths)
+            if block is None:
+                return False
+            tier.promote(ns, key, list(block.slots), lambda ok, block=block: self._promoted(block, ok))
+            return True
+        return False
+
+    def _promoted(self, block, ok: bool) -> None:
+        self._host.finish_promotion(block, ok)
+        if ok:  # in DRAM again: every tier may keep it (the one it came from has it)
+            for rank, length in enumerate(block.lengths):
+                self.committed(block.ns, rank, [block], length)
 
     def clear(self, ns) -> None:
-        """`kvdepot clear`: `ns`'s blocks (all when None) leave the lower tiers too."""
-        if self.mover is not None:
-            self.mover.clear(ns)
+        for tier in self.tiers:
+            tier.clear(ns)
 
-    def promoted(self, block, records) -> None:
-        if self.warm is not None:
-            for rank, record in enumerate(records):
-                self.warm.seal(block.ns, rank, [block], record.length)
-
-    def adopted(self, blocks: int, shards: int, discarded: dict[str, int]) -> None:
-        self.counters.adopted_blocks = blocks
-        self.counters.adopted_shards = shards
-        self.counters.adopt_discarded = dict(discarded)
-
-    def stats(self, pool) -> list[pb.TierStats]:
-        dram = pb.TierStats(
-            name="dram",
-            shards=pool.used_slots,
-            bytes=pool.used_slots * pool.slot_bytes,
-            capacity_bytes=pool.size,
-            written_shards=self.warm.sealed if self.warm else 0,
-            recovered_shards=self.counters.adopted_shards,
-        )
-        dram.discarded.update(self.counters.adopt_discarded)
-        if self.warm is not None and self.warm.skipped:
-            dram.discarded["not_sealed"] = self.warm.skipped
-        tiers = [dram]
-        if self.mover is not None:
-            tiers.append(self.mover.stats())
-        return tiers
+    def stats(self, dram: TierStats) -> list[TierStats]:
+        """Every tier's counters, DRAM's first; a tier that keeps DRAM itself
+        (the pool kept across restarts) adds its counters to DRAM's row."""
+        rows = [dram]
+        for tier in self.tiers:
+            tier_stats = tier.stats()
+            if tier_stats.name == dram.name:
+                rows[0] = rows[0].merged(tier_stats)
+            else:
+                rows.append(tier_stats)
+        return rows
 
     async def close(self) -> None:
-        if self.mover is not None:
-            await self.mover.close()
+        """Bottom first: a promotion that ends while a lower tier closes is
+        still demoted into the tiers above it."""
+        for tier in reversed(self.tiers):
+            await tier.close()

@@ -8,6 +8,8 @@ is the same code whichever moves the bytes. A transport's primitives:
 - `prepare_job`: check a store or load request before the depot reserves
   anything, and return the transport's own state for the job (opaque to the
   depot, kept in `Job.transport_state`).
+- `take_memory`: keep memory a client hands over (a descriptor) for a worker
+  it registers next; only a transport with `takes_memory` does.
 - `start`: begin the job's copies. The transport reports the end with the
   `finish` callback it was made with (`Depot.finish_job`).
 - `abandon`: the job's session ended while the job was in flight; finish or
@@ -23,13 +25,26 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Callable
 
-from kvdepot.proto import kvdepot_pb2 as pb
+from dataclasses import dataclass
+
+from kvdepot.errors import FailedPrecondition
 
 if TYPE_CHECKING:
+    from kvdepot.server.core.requests import JobRequest, WorkerSpec
     from kvdepot.server.core.sessions import Job, Worker
 
 # Depot.finish_job(job, ok, error).
 Finish = Callable[["Job", bool, str], None]
+
+
+@dataclass(frozen=True)
+class GpuStats:
+    """A GPU a transport copies to and from (proto: GpuStats)."""
+
+    index: int
+    uuid: str
+    # GPU memory the daemon's process holds there; 0 where NVML cannot tell.
+    daemon_memory_bytes: int
 
 
 class Transport(ABC):
@@ -37,16 +52,18 @@ class Transport(ABC):
     name: str = ""
     # Which TensorHandle (the `transport` oneof) a worker registers with.
     handle_kind: str = ""
+    # Whether clients hand this transport memory of theirs (take_memory).
+    takes_memory: bool = False
 
     @abstractmethod
-    def open_worker(self, worker: Worker, request: pb.RegisterWorkerRequest) -> None:
+    def open_worker(self, worker: Worker, spec: WorkerSpec) -> None:
         """Checks (and opens) the worker's handles; raises InvalidArgument if unusable."""
 
     @abstractmethod
     def close_worker(self, worker: Worker) -> None:
         """Releases the worker's handles once no copy touches them any more."""
 
-    def prepare_job(self, worker: Worker, request, kind: str) -> object:
+    def prepare_job(self, worker: Worker, request: JobRequest) -> object:
         """Refuses a job request this transport cannot run (InvalidArgument);
         returns the transport's state for the job."""
         return None
@@ -64,7 +81,11 @@ class Transport(ABC):
         """Mappings of workers' memory the transport holds open now."""
         return 0
 
-    def gpu_stats(self) -> list[pb.GpuStats]:
+    def take_memory(self, fd: int, max_bytes: int) -> object:
+        """Keeps the memory behind `fd` (the caller closes `fd`) for a worker."""
+        raise FailedPrecondition(f"the {self.name} transport takes no memory from clients")
+
+    def gpu_stats(self) -> list[GpuStats]:
         """The GPUs the transport uses."""
         return []
 

@@ -32,7 +32,7 @@ from kvdepot.server.api.service import KVDepotService, add_to_server
 from kvdepot.server.tiers.disk_store import SEGMENT_BYTES, DiskTier, DiskTierError
 from kvdepot.server.tiers.disk import DiskMover
 from kvdepot.server.core.tiers import TierStack
-from kvdepot.server.tiers.warm import WarmPool, pick_pool_file, restore
+from kvdepot.server.tiers.warm import WarmPool, pick_pool_file
 from kvdepot.server.core.tenants import TenantConfigError, Tenants, parse_admin_uids, scope_quotas
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
@@ -219,17 +219,14 @@ async def serve(config: DaemonConfig) -> int:
         pool.close()
         guard.release()
         raise StartupError(str(e)) from e
-    warm = WarmPool(pool, asyncio.get_running_loop())
     try:
-        mover = open_disk_tier(config, pool)
+        tiers = TierStack(open_tiers(config, pool))
     except StartupError:
         pool.close()
         guard.release()
         raise
-    tiers = TierStack(warm, mover)
     depot = Depot(pool, config.eviction, instance, kvdepot.__version__, Limits.of(config), quotas, tiers)
-    if pool.adopted:
-        adopt_pool(warm, depot, pool, config.pin_threads)
+    tiers.recover()
     add_transports(depot, pool, config)
     metrics.attach(depot, asyncio.get_running_loop())
     server = grpc.aio.server(
@@ -312,18 +309,23 @@ async def serve(config: DaemonConfig) -> int:
     housekeeping.cancel()
     metrics.close()
     depot.shutdown()  # copies still on the GPU end before the pool is unpinned
-    await tiers.close()  # the disk's write and promotions in flight end, their blocks sealed
-    await warm.flush()  # every committed shard sealed, for the next daemon
-    warm.close()
+    await tiers.close()  # the disk's writes and promotions end, then every committed shard is sealed
     pool.close()
     guard.release()
     log.info("kvdepotd stopped")
     return 0
 
 
-def open_disk_tier(config: DaemonConfig, pool: HostPool) -> DiskMover | None:
-    if not config.disk_dir:
-        return None
+def open_tiers(config: DaemonConfig, pool: HostPool) -> list:
+    """The tiers under DRAM, top first: the pool kept across restarts, then the disk if configured."""
+    loop = asyncio.get_running_loop()
+    tiers = [WarmPool(pool, loop, threads=config.pin_threads, progress=startup_progress)]
+    if config.disk_dir:
+        tiers.append(open_disk_tier(config, pool, loop))
+    return tiers
+
+
+def open_disk_tier(config: DaemonConfig, pool: HostPool, loop) -> DiskMover:
     startup_progress(f"scanning the disk tier in {config.disk_dir}")
     try:
         # Space comes back a segment at a time: an eighth of the tier at most.
@@ -338,19 +340,7 @@ def open_disk_tier(config: DaemonConfig, pool: HostPool) -> DiskMover | None:
         "O_DIRECT" if disk.direct else "buffered I/O (the filesystem refuses O_DIRECT)",
     )
     # At most a quarter of the pool on its way up from disk at once.
-    return DiskMover(disk, pool, asyncio.get_running_loop(), max_promotions=max(1, pool.num_slots // 4))
-
-
-def adopt_pool(warm: WarmPool, depot: Depot, pool: HostPool, threads: int) -> None:
-    startup_progress(f"adopting the blocks of {pool.path}")
-    found = warm.adopt(threads)
-    restored = restore(found, depot.namespaces, depot.index, pool)
-    depot.index.tiers.adopted(restored, pool.used_slots, found.discarded)
-    discarded = ", ".join(f"{n} {reason}" for reason, n in sorted(found.discarded.items())) or "none"
-    log.info(
-        "adopted %d block(s) (%d slots) from the kept pool in %.2f s; shards discarded: %s",
-        restored, pool.used_slots, found.seconds, discarded,
-    )
+    return DiskMover(disk, pool, loop, max_promotions=max(1, pool.num_slots // 4))
 
 
 def _tcp_credentials(config: DaemonConfig, target: str, tenants: Tenants) -> grpc.ServerCredentials | None:

@@ -20,11 +20,9 @@ keep counting.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import concurrent.futures
 import logging
-import time
-from dataclasses import asdict, dataclass, field
+import sys
 
 from prometheus_client import start_http_server
 from prometheus_client.core import (
@@ -36,22 +34,19 @@ from prometheus_client.core import (
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from kvdepot.server.core.counters import DURATION_BUCKETS, FAILURE_REASONS, Counters
+from kvdepot.server.core.report import Report
+from kvdepot.server.core.requests import JobKind
+from kvdepot.server.core.tenants import Identity
+
 log = logging.getLogger("kvdepot.metrics")
 
 # How long a scrape waits for the event loop: longer means the loop is stuck,
 # and the scrape answers without the depot's metrics rather than hang.
 SNAPSHOT_TIMEOUT_S = 5.0
 
-# Submit to completion: a CUDA job of a few blocks takes about a millisecond,
-# a large one or a shared-memory job on a busy CPU much longer.
-DURATION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-
-KINDS = ("store", "load")
-# Why a job failed, as few kinds as an operator acts on differently.
-FAILURE_REASONS = (
-    "client_gone",  # its session ended while the job ran (exit, crash, broken stream)
-    "transport",  # the daemon's own copy failed, or could not start
-)
+# Who a scrape sees the daemon as: everything (the port is the operator's to guard).
+METRICS_VIEWER = Identity(tenant="metrics", scope="", admin=True)
 
 
 class MetricsListenError(RuntimeError):
@@ -69,92 +64,12 @@ def parse_listen(text: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
-@dataclass
-class JobMetrics:
-    """Durations of finished jobs and failures by reason, kept on the loop's thread."""
-
-    # Per kind: count per bucket (not cumulative; the last is +Inf), and the sum.
-    buckets: dict[str, list[int]] = field(
-        default_factory=lambda: {k: [0] * (len(DURATION_BUCKETS) + 1) for k in KINDS}
-    )
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
-    failures: dict[tuple[str, str], int] = field(default_factory=dict)
-
-    def finished(self, job, ok: bool) -> None:
-        """`job` ended (Depot.finish_job)."""
-        if ok:
-            elapsed = time.monotonic() - job.submitted
-            self.buckets[job.kind][bisect.bisect_left(DURATION_BUCKETS, elapsed)] += 1
-            self.seconds[job.kind] += elapsed
-            return
-        reason = "client_gone" if job.session.ended else "transport"
-        self.failures[job.kind, reason] = self.failures.get((job.kind, reason), 0) + 1
-
-    def copy(self) -> JobMetrics:
-        return JobMetrics({k: list(v) for k, v in self.buckets.items()}, dict(self.seconds), dict(self.failures))
+def take_snapshot(depot) -> Report:
+    """Runs on the event loop's thread: every namespace, as an admin sees them."""
+    return depot.report(METRICS_VIEWER, most=sys.maxsize)
 
 
-@dataclass
-class NamespaceView:
-    name: str
-    scope: str
-    counters: dict
-    ready_blocks: int
-    used_slots: int
-
-
-@dataclass
-class Snapshot:
-    """Plain numbers copied from the depot on the event loop's thread."""
-
-    version: str
-    instance: str
-    eviction: str
-    totals: dict
-    namespaces: list[NamespaceView]
-    slot_bytes: int
-    num_slots: int
-    used_slots: int
-    pinned_slots: int
-    sessions: int
-    sessions_ended: int
-    jobs_in_flight: int
-    open_ipc_mappings: int
-    gpus: list[tuple[int, str, int]]
-    jobs: JobMetrics
-    # pb.TierStats of each tier (dram, then disk when on).
-    tiers: list = field(default_factory=list)
-
-
-def take_snapshot(depot) -> Snapshot:
-    """Runs on the event loop's thread."""
-    transports = depot.transports.values()
-    return Snapshot(
-        version=depot.version,
-        instance=depot.instance,
-        eviction=depot.evictions.name,
-        totals=asdict(depot.totals),
-        namespaces=[
-            NamespaceView(ns.name, ns.scope, asdict(ns.counters), ns.ready_blocks, ns.used_slots)
-            for ns in depot.namespaces
-        ],
-        slot_bytes=depot.pool.slot_bytes,
-        num_slots=depot.pool.num_slots,
-        used_slots=depot.pool.used_slots,
-        pinned_slots=depot.index.pinned_slots,
-        sessions=len(depot.sessions),
-        sessions_ended=depot.sessions_ended,
-        jobs_in_flight=depot.jobs_in_flight,
-        open_ipc_mappings=sum(t.open_mappings for t in transports),
-        # NVML is asked here, on the loop: a call of about a millisecond per
-        # GPU, once per scrape, where the transports' device lists are stable.
-        gpus=[(g.index, g.uuid, g.daemon_memory_bytes) for t in transports for g in t.gpu_stats()],
-        jobs=depot.job_metrics.copy(),
-        tiers=depot.index.tiers.stats(depot.pool),
-    )
-
-
-# Counters kept per namespace and for the whole daemon (stats.Counters):
+# Counters kept per namespace and for the whole daemon (core/counters.py):
 # field -> (metric name without kvdepot_ / kvdepot_namespace_, help).
 COUNTERS = {
     "lookups": ("lookups_total", "Lookups answered or reported by engines."),
@@ -168,7 +83,7 @@ LOOKUP_BLOCKS_HELP = (
     "Blocks looked up, by result: hit (ready in DRAM), disk_hit (promoted from the disk tier for a lookup, "
     "then loaded) or miss; their sum is the blocks queried."
 )
-# pb.TierStats field -> (metric name after kvdepot_tier_, help, a counter?).
+# TierStats field -> (metric name after kvdepot_tier_, help, a counter?).
 TIER_FIELDS = {
     "shards": ("shards", "Shards (one TP rank of a block) the tier holds.", False),
     "bytes": ("bytes", "Bytes the tier holds (disk: its segment files' physical bytes).", False),
@@ -196,7 +111,7 @@ class DepotCollector(Collector):
         """From now on scrapes show `depot`, whose state lives on `loop`."""
         self._depot, self._loop = depot, loop
 
-    def _snapshot(self) -> Snapshot | None:
+    def _snapshot(self) -> Report | None:
         depot, loop = self._depot, self._loop
         if depot is None:
             return None  # still starting (pinning the pool): process metrics only
@@ -238,7 +153,7 @@ def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, help, value=value)
 
 
-def _families(s: Snapshot):
+def _families(s: Report):
     info = InfoMetricFamily("kvdepot", "The daemon: version, instance (changes at each start), eviction policy.")
     info.add_metric([], {"version": s.version, "instance": s.instance, "eviction_policy": s.eviction})
     yield info
@@ -250,15 +165,15 @@ def _families(s: Snapshot):
     failed = CounterMetricFamily(
         "kvdepot_failed_jobs_total", "Jobs that failed, by kind and reason.", labels=["kind", "reason"]
     )
-    for kind in KINDS:
+    for kind in JobKind:
         for reason in FAILURE_REASONS:
-            failed.add_metric([kind, reason], s.jobs.failures.get((kind, reason), 0))
+            failed.add_metric([kind.value, reason], s.job_times.failures.get((kind, reason), 0))
     yield failed
     ns_failed = CounterMetricFamily(
         "kvdepot_namespace_failed_jobs_total", "Jobs that failed, per namespace.", labels=["namespace", "scope"]
     )
     for ns in s.namespaces:
-        ns_failed.add_metric([ns.name, ns.scope], ns.counters["failed_jobs"])
+        ns_failed.add_metric([ns.name, ns.scope], ns.counters.failed_jobs)
     yield ns_failed
 
     durations = HistogramMetricFamily(
@@ -266,18 +181,19 @@ def _families(s: Snapshot):
         "Seconds from a job's submission to its completion, of jobs that succeeded, by kind.",
         labels=["kind"],
     )
-    for kind in KINDS:
-        counts, total = s.jobs.buckets[kind], 0
+    for kind in JobKind:
+        counts, total = s.job_times.buckets[kind], 0
         cumulative = []
         for bound, count in zip([*map(str, DURATION_BUCKETS), "+Inf"], counts):
             total += count
             cumulative.append((bound, total))
-        durations.add_metric([kind], cumulative, s.jobs.seconds[kind])
+        durations.add_metric([kind.value], cumulative, s.job_times.seconds[kind])
     yield durations
 
-    yield _gauge("kvdepot_pool_capacity_bytes", "Bytes of the pool (whole slots).", s.num_slots * s.slot_bytes)
-    yield _gauge("kvdepot_pool_used_bytes", "Bytes of the pool's slots in use.", s.used_slots * s.slot_bytes)
-    yield _gauge("kvdepot_pool_slots", "Slots of the pool.", s.num_slots)
+    slot_bytes, num_slots = s.pool.slot_bytes, s.pool.num_slots
+    yield _gauge("kvdepot_pool_capacity_bytes", "Bytes of the pool (whole slots).", num_slots * slot_bytes)
+    yield _gauge("kvdepot_pool_used_bytes", "Bytes of the pool's slots in use.", s.used_slots * slot_bytes)
+    yield _gauge("kvdepot_pool_slots", "Slots of the pool.", num_slots)
     yield _gauge("kvdepot_pinned_slots", "Slots held by jobs in flight (never evicted).", s.pinned_slots)
     yield _gauge("kvdepot_sessions", "Client sessions attached now.", s.sessions)
     ended = CounterMetricFamily("kvdepot_sessions_ended_total", "Client sessions that ended.")
@@ -293,9 +209,9 @@ def _families(s: Snapshot):
         "GPU memory this daemon process holds, per GPU (NVML); absent where NVML cannot tell.",
         labels=["gpu", "uuid"],
     )
-    for index, uuid, nbytes in s.gpus:
-        if nbytes:
-            gpu.add_metric([str(index), uuid], nbytes)
+    for g in s.gpus:
+        if g.daemon_memory_bytes:
+            gpu.add_metric([str(g.index), g.uuid], g.daemon_memory_bytes)
     yield gpu
 
     ready = GaugeMetricFamily(
@@ -307,26 +223,26 @@ def _families(s: Snapshot):
     )
     for ns in s.namespaces:
         ready.add_metric([ns.name, ns.scope], ns.ready_blocks)
-        used.add_metric([ns.name, ns.scope], ns.used_slots * s.slot_bytes)
+        used.add_metric([ns.name, ns.scope], ns.used_slots * slot_bytes)
     yield ready
     yield used
     yield from _tier_families(s.tiers)
 
 
-def _counters(prefix: str, scope_help: str, rows: list[tuple[list[str], dict]], labels: tuple = ()):
+def _counters(prefix: str, scope_help: str, rows: list[tuple[list[str], Counters]], labels: tuple = ()):
     labels = list(labels)
     for field_name, (name, help) in COUNTERS.items():
         family = CounterMetricFamily(prefix + name, help + scope_help, labels=labels)
         for values, counters in rows:
-            family.add_metric(values, counters[field_name])
+            family.add_metric(values, getattr(counters, field_name))
         yield family
     blocks = CounterMetricFamily(prefix + "lookup_blocks_total", LOOKUP_BLOCKS_HELP + scope_help,
                                  labels=[*labels, "result"])
     for values, counters in rows:
-        disk_hits = min(counters["disk_hit_blocks"], counters["hit_blocks"])
-        blocks.add_metric([*values, "hit"], counters["hit_blocks"] - disk_hits)
+        disk_hits = min(counters.disk_hit_blocks, counters.hit_blocks)
+        blocks.add_metric([*values, "hit"], counters.hit_blocks - disk_hits)
         blocks.add_metric([*values, "disk_hit"], disk_hits)
-        blocks.add_metric([*values, "miss"], counters["miss_blocks"])
+        blocks.add_metric([*values, "miss"], counters.miss_blocks)
     yield blocks
 
 

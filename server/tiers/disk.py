@@ -1,4 +1,5 @@
-"""Moves shards between the pool and the disk tier, off the event loop.
+"""The disk tier: moves shards between the pool and the segment store
+(disk_store.py), off the event loop.
 
 Demotion is write-behind: every shard committed to the pool is queued for the
 disk at once, in commit order, and a writer thread writes the queue in large
@@ -22,6 +23,7 @@ import concurrent.futures
 import logging
 import time
 
+from kvdepot.server.core.tiers import Tier, TierStats
 from kvdepot.server.host.shard_record import ShardRecord, data_hash
 
 log = logging.getLogger("kvdepot.tiers")
@@ -29,17 +31,14 @@ log = logging.getLogger("kvdepot.tiers")
 # Bytes the writer gathers into one disk write (and pins meanwhile).
 DEMOTE_BATCH_BYTES = 64 << 20
 READ_THREADS = 4
-# Keys on disk an engine's registration snapshot lists, at most (8 MiB of
-# keys; the newest): half of what a session may have queued by default.
-MAX_LOWER_KEYS = 1 << 18
 
 
-class DiskMover:
+class DiskMover(Tier):
+    name = "disk"
+
     def __init__(self, disk, pool, loop: asyncio.AbstractEventLoop, max_promotions: int):
         self.disk = disk
         self.pool = pool
-        self.index = None  # set by TierStack.attach
-        self.after_change = lambda: None
         self._loop = loop
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvdepot-demote")
         self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvdepot-promote")
@@ -60,12 +59,14 @@ class DiskMover:
         # What the disk holds, by namespace digest and key: a mask of the
         # ranks held. Kept on the loop, so that lookups and registrations ask
         # it (per namespace) instead of the disk's whole index under its lock.
+        self._held: dict[bytes, dict[bytes, int]] = {}
+
+    def recover(self) -> None:
         # Records too large for a slot (a smaller --slot-size since) are left
         # out: they can never be promoted.
-        self._held: dict[bytes, dict[bytes, int]] = {}
-        for digest, key, rank in disk.keys():
-            record = disk.record((digest, key, rank))
-            if record is not None and record.length <= pool.slot_bytes:
+        for digest, key, rank in self.disk.keys():
+            record = self.disk.record((digest, key, rank))
+            if record is not None and record.length <= self.pool.slot_bytes:
                 self._add(digest, key, rank)
 
     def _add(self, digest: bytes, key: bytes, rank: int) -> None:
@@ -88,12 +89,8 @@ class DiskMover:
         return self._held.get(ns.digest, {}).get(key, 0) == (1 << ns.tp_size) - 1
 
     def keys_of(self, ns, exclude: set) -> list[bytes]:
-        """The keys whose every rank the disk holds, newest first written last,
-        at most MAX_LOWER_KEYS: what an engine's registration snapshot lists,
-        which must stay within what a session may have queued."""
         whole = (1 << ns.tp_size) - 1
-        keys = [k for k, mask in self._held.get(ns.digest, {}).items() if mask == whole and k not in exclude]
-        return keys[-MAX_LOWER_KEYS:]
+        return [k for k, mask in self._held.get(ns.digest, {}).items() if mask == whole and k not in exclude]
 
     def clear(self, ns) -> None:
         digests = list(self._held) if ns is None else [ns.digest]
@@ -112,14 +109,11 @@ class DiskMover:
         there (lower) must not wait for them."""
         for digest, key, rank in keys:
             self._remove(digest, key, rank)
-        if self.index is None:
-            return
-        self.index.lower_gone(self.namespaces, {(digest, key) for digest, key, _ in keys})
-        self.after_change()
+        self.host.lower_gone({(digest, key) for digest, key, _ in keys})
 
     # ------------------------------------------------------------ demotion
 
-    def committed(self, ns, rank: int, blocks: list, length: int) -> None:
+    def demote(self, ns, rank: int, blocks, length: int) -> None:
         for block in blocks:
             self._queue.append((block, rank, length))
         if not self._writing:
@@ -127,17 +121,17 @@ class DiskMover:
 
     def _write_next(self) -> None:
         batch, held, size = [], [], 0
-        index, disk = self.index, self.disk
+        host, disk = self.host, self.disk
         while self._queue and size < DEMOTE_BATCH_BYTES:
             block, rank, length = self._queue.popleft()
             slot = block.slots[rank]
             key = (block.ns.digest, block.key, rank)
-            if slot is None or not index.holds(block) or rank not in block.committed:
+            if slot is None or not host.holds(block) or rank not in block.committed:
                 self.not_demoted += 1
                 continue
             if disk.contains(key):
                 continue
-            index.hold(block)
+            host.hold(block)
             held.append(block)
             batch.append((key, block.ns.tp_size, slot, length))
             size += length
@@ -158,7 +152,7 @@ class DiskMover:
 
     def _written(self, future, held: list) -> None:
         for block in held:
-            self.index.let_go(block)
+            self.host.let_go(block)
         if future.cancelled():
             self._writing = False
             return
@@ -173,48 +167,36 @@ class DiskMover:
 
     # ------------------------------------------------------------ promotion
 
-    def promote(self, ns, key: bytes) -> bool:
-        """Starts promoting `ns`'s block `key` if the disk holds every rank of
-        it; False if it does not, or no promotion can start now."""
-        if self.closing or self.promoting + ns.tp_size > self.max_promotions:
-            return False
-        if not self.holds(ns, key):
-            return False
-        digest = ns.digest
-        records = [self.disk.record((digest, key, rank)) for rank in range(ns.tp_size)]
+    def promotable(self, ns, key: bytes) -> tuple | None:
+        if self.closing or self.promoting + ns.tp_size > self.max_promotions or not self.holds(ns, key):
+            return None
+        records = [self.disk.record((ns.digest, key, rank)) for rank in range(ns.tp_size)]
         if any(r is None or r.length > self.pool.slot_bytes for r in records):
-            return False
-        block = self.index.reserve_promotion(ns, key, tuple(r.length for r in records))
-        if block is None:
-            return False
+            return None
+        return tuple(r.length for r in records)
+
+    def promote(self, ns, key: bytes, slots: list[int], done) -> None:
         self.promoting += ns.tp_size
-        slots = list(block.slots)
-        future = self._readers.submit(self._read, digest, key, slots)
-        future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._read_done, f, block, records))
-        return True
+        future = self._readers.submit(self._read, ns.digest, key, slots)
+        future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._read_done, f, ns, key, done))
 
     def _read(self, digest: bytes, key: bytes, slots: list[int]) -> bool:
         view, size = self.pool.slot_view, self.pool.slot_bytes
         return all(self.disk.read((digest, key, rank), view(slot, size)) for rank, slot in enumerate(slots))
 
-    def _read_done(self, future, block, records) -> None:
-        self.promoting -= block.ns.tp_size
+    def _read_done(self, future, ns, key: bytes, done) -> None:
+        self.promoting -= ns.tp_size
         error = future.exception() if not future.cancelled() else "cancelled at shutdown"
         ok = error is None and future.result()
         if not ok:
-            self._remove(block.ns.digest, block.key)  # the disk dropped what it could not read
+            self._remove(ns.digest, key)  # the disk dropped what it could not read
             self.failed_promotions += 1
             if error is not None:
                 log.warning("promoting a block from disk failed: %s", error)
         else:
             self.promotions += 1
-        index = self.index
-        for rank in range(block.ns.tp_size):
-            index.finish_store(block, rank, ok)
-        if ok:
-            self.read_shards += block.ns.tp_size
-            index.tiers.promoted(block, records)
-        self.after_change()
+            self.read_shards += ns.tp_size
+        done(ok)
 
     async def close(self, timeout: float = 30.0) -> None:
         """Stops taking work, lets the write and promotions in flight end (their
@@ -228,12 +210,18 @@ class DiskMover:
         self._readers.shutdown(wait=True)
         self.disk.close()
 
-    def stats(self):
-        from kvdepot.proto import kvdepot_pb2 as pb
-
+    def stats(self) -> TierStats:
         s = self.disk.stats
-        tier = pb.TierStats(
-            name="disk",
+        discarded = {
+            name: s[reason]
+            for reason, name in (("scan_torn", "torn"), ("scan_format", "format"), ("corrupt", "corrupt"),
+                                 ("scan_segments_skipped", "segments_skipped"), ("read_errors", "read_errors"))
+            if s.get(reason)
+        }
+        if self.not_demoted:
+            discarded["evicted_before_written"] = self.not_demoted
+        return TierStats(
+            name=self.name,
             shards=s.get("records", 0),
             bytes=s.get("bytes_used", 0),
             capacity_bytes=s.get("capacity", 0),
@@ -247,14 +235,8 @@ class DiskMover:
             recovered_shards=s.get("scan_records", 0),
             direct_io=bool(self.disk.direct),
             write_errors=s.get("write_errors", 0),
+            discarded=discarded,
         )
-        for reason, name in (("scan_torn", "torn"), ("scan_format", "format"), ("corrupt", "corrupt"),
-                             ("scan_segments_skipped", "segments_skipped"), ("read_errors", "read_errors")):
-            if s.get(reason):
-                tier.discarded[name] = s[reason]
-        if self.not_demoted:
-            tier.discarded["evicted_before_written"] = self.not_demoted
-        return tier
 
 
 def _log_failure(what: str):

@@ -20,9 +20,11 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from kvdepot.server.core.requests import NamespaceSpec
+from kvdepot.server.core.tiers import KeptBlock, Tier, TierStats
 from kvdepot.server.host.pool import HostPool, huge_page_bytes, pool_file_bytes, read_header
-from kvdepot.server.tiers.catalog import Catalog
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES, ShardRecord, data_hash, pack, unpack
+from kvdepot.server.tiers.catalog import IDENTITY_FIELDS, Catalog
 
 log = logging.getLogger("kvdepot.tiers")
 
@@ -102,13 +104,24 @@ class Adopted:
         self.discarded[reason] = self.discarded.get(reason, 0) + count
 
 
-class WarmPool:
-    """Seals committed shards into the pool's records, and adopts them."""
+class WarmPool(Tier):
+    """Seals committed shards into the pool's records, and adopts them.
 
-    def __init__(self, pool: HostPool, loop=None):
+    The pool kept across restarts is DRAM itself: it holds no block DRAM does
+    not, and its counters are DRAM's."""
+
+    name = "dram"
+
+    def __init__(self, pool: HostPool, loop=None, threads: int = 0, progress=lambda text: None):
         self.pool = pool
         self.catalog = Catalog(catalog_path(pool.path))
         self._loop = loop
+        # Hashing threads for adoption (0: one a core, at most 16), and who shows its progress.
+        self._adopt_threads = threads
+        self._progress = progress
+        self.adopted_blocks = 0
+        self.adopted_shards = 0
+        self.adopt_discarded: dict[str, int] = {}
         # One thread: a batch at a time, so that hashing takes at most a
         # core and its memory bandwidth from the copies.
         self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvdepot-seal")
@@ -123,7 +136,7 @@ class WarmPool:
 
     # ------------------------------------------------------------ sealing
 
-    def seal(self, ns, rank: int, blocks: list, length: int) -> None:
+    def demote(self, ns, rank: int, blocks, length: int) -> None:
         """Seals the rank `rank` shards of `ns`'s `blocks` once their bytes are
         hashed. Runs on the event loop, and costs it an append a shard: the
         hashing and packing happen on a thread, in batches a few ms apart."""
@@ -187,8 +200,42 @@ class WarmPool:
         while self.unsealed and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        await self.flush()  # every committed shard sealed, for the next daemon
         self._threads.shutdown(wait=True, cancel_futures=False)
+
+    def stats(self) -> TierStats:
+        discarded = dict(self.adopt_discarded)
+        if self.skipped:
+            discarded["not_sealed"] = self.skipped
+        return TierStats(self.name, written_shards=self.sealed, recovered_shards=self.adopted_shards,
+                         discarded=discarded)
+
+    def recover(self) -> None:
+        """Adopts the kept pool's blocks, if the pool file was kept."""
+        if not self.pool.adopted:
+            return
+        self._progress(f"adopting the blocks of {self.pool.path}")
+        found = self.adopt(self._adopt_threads)
+        # The found blocks' slots are taken, every other one freed.
+        self.pool.keep_only({slot for block in found.blocks for slot in block[3]})
+        kept = []
+        for identity, signatures, key, slots, _, lengths in found.blocks:
+            fields = dict(zip(IDENTITY_FIELDS, identity))
+            scope = fields.pop("scope")
+            kept.append(KeptBlock(NamespaceSpec(**fields), scope, signatures, key, slots, lengths))
+        refused = self.host.restore(kept)
+        for block, error in refused:  # a limit lowered since, or a spec no longer valid
+            found.discard("namespace_refused", len(block.slots))
+            log.warning("an adopted block of %s is discarded: %s", getattr(block.spec, "model", "?"), error)
+        self.adopted_blocks = len(kept) - len(refused)
+        self.adopted_shards = self.pool.used_slots
+        self.adopt_discarded = dict(found.discarded)
+        discarded = ", ".join(f"{n} {reason}" for reason, n in sorted(found.discarded.items())) or "none"
+        log.info(
+            "adopted %d block(s) (%d slots) from the kept pool in %.2f s; shards discarded: %s",
+            self.adopted_blocks, self.adopted_shards, found.seconds, discarded,
+        )
 
     # ------------------------------------------------------------ adoption
 
@@ -241,30 +288,3 @@ class WarmPool:
         workers = threads or min(16, os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(workers) as executor:
             return list(executor.map(lambda s: data_hash(view(s[0], s[1].length)), shards, chunksize=64))
-
-
-
-def restore(found: Adopted, namespaces, index, pool: HostPool) -> int:
-    """Puts the adopted blocks back in the index; returns how many came back."""
-    from kvdepot.proto import kvdepot_pb2 as pb
-    from kvdepot.server.tiers.catalog import IDENTITY_FIELDS
-
-    used: set[int] = set()
-    restored = 0
-    for identity, signatures, key, slots, _, lengths in found.blocks:
-        fields = dict(zip(IDENTITY_FIELDS, identity))
-        scope = fields.pop("scope")
-        try:
-            ns = namespaces.of(pb.NamespaceSpec(**fields), scope)
-        except Exception as e:  # a limit lowered since, or a spec no longer valid
-            found.discard("namespace_refused", len(slots))
-            log.warning("an adopted block of %s is discarded: %s", fields.get("model"), e)
-            continue
-        for rank, signature in signatures.items():
-            if signature is not None:
-                ns.rank_signatures.setdefault(rank, signature)
-        index.restore(ns, key, slots, lengths)
-        used.update(slots)
-        restored += 1
-    pool.keep_only(used)
-    return restored

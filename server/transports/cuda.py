@@ -22,9 +22,9 @@ import torch
 
 from kvdepot import cuda, jobtrace
 from kvdepot.errors import FailedPrecondition, InvalidArgument
-from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.transports import copy_kernel, gpu_memory
-from kvdepot.server.core.transport import Finish, Transport
+from kvdepot.server.core.requests import JobKind
+from kvdepot.server.core.transport import Finish, GpuStats, Transport
 from kvdepot.server.transports.cuda_streams import ComputeGate, CopyStream, completed, staging_chunks
 
 log = logging.getLogger("kvdepot.cuda")
@@ -151,9 +151,7 @@ class CudaTransport(Transport):
         stats = []
         for index in sorted(self._devices):
             uuid = cuda.device_uuid(index)
-            stats.append(
-                pb.GpuStats(index=index, uuid=uuid, daemon_memory_bytes=gpu_memory.process_memory(uuid) or 0)
-            )
+            stats.append(GpuStats(index, uuid, gpu_memory.process_memory(uuid) or 0))
         return stats
 
     @property
@@ -183,15 +181,11 @@ class CudaTransport(Transport):
 
     # ------------------------------------------------------------ workers
 
-    def open_worker(self, worker, request) -> None:
+    def open_worker(self, worker, spec) -> None:
         layout = worker.layout
-        ipc = []
-        if not request.HasField("cuda_fence"):
+        ipc = list(spec.handles)
+        if spec.fence is None:
             raise InvalidArgument("a CUDA worker must register cuda_fence (see the proto)")
-        for position, handle in enumerate(request.handles):
-            if handle.WhichOneof("transport") != "cuda_ipc":
-                raise InvalidArgument(f"tensor {position}: all handles of a worker must be of one transport")
-            ipc.append(handle.cuda_ipc)
         index = cuda.device_index(ipc[0].device_uuid)
         if index is None:
             raise InvalidArgument(
@@ -217,7 +211,7 @@ class CudaTransport(Transport):
             problem = copy_kernel.check_alignment(layout, addresses, self._pool.slot_bytes)
             if problem:
                 raise InvalidArgument(problem)
-            fence_handle = request.cuda_fence
+            fence_handle = spec.fence
             if fence_handle.device_uuid != ipc[0].device_uuid:
                 raise InvalidArgument("the worker's cuda_fence must be on the GPU of its KV cache")
             fence_mapping = self._map(fence_handle.mem_handle, index)
@@ -278,11 +272,11 @@ class CudaTransport(Transport):
 
     # ------------------------------------------------------------ jobs
 
-    def prepare_job(self, worker, request, kind: str) -> _JobState:
+    def prepare_job(self, worker, request) -> _JobState:
         copies = self._workers[worker.id]
-        if kind != "store" or not self.wait_for_compute:
+        if request.kind is not JobKind.STORE or not self.wait_for_compute:
             return _JobState(copies)
-        handle = request.cuda_event_handle
+        handle = request.compute_event
         if len(handle) != 64:
             raise InvalidArgument(
                 "a CUDA store needs cuda_event_handle: the 64-byte IPC handle of an event "
@@ -299,7 +293,7 @@ class CudaTransport(Transport):
             except RuntimeError as e:
                 raise InvalidArgument(f"cannot open the store's cuda_event_handle: {e}") from None
             copies.events[handle] = event
-        return _JobState(copies, event, request.cuda_fence_seq)
+        return _JobState(copies, event, request.compute_seq)
 
     def start(self, job) -> None:
         state: _JobState = job.transport_state
@@ -332,12 +326,12 @@ class CudaTransport(Transport):
         if job.session.ended:
             self._fail(job, "the client went away before its compute finished")
             return
-        to_host = job.kind == "store"
+        to_host = job.kind is JobKind.STORE
         stream = copies.device.store if to_host else copies.device.load
         try:
             self._enqueue(job, copies, stream, to_host)
         except Exception as e:
-            log.exception("%s job %d: could not start its copies", job.kind, job.id)
+            log.exception("%s job %d: could not start its copies", job.kind.value, job.id)
             try:
                 # Whatever part was queued must end before the slots can be reused.
                 stream.synchronize()

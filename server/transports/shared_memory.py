@@ -23,6 +23,7 @@ import stat
 import threading
 
 from kvdepot.errors import InvalidArgument
+from kvdepot.server.core.requests import JobKind
 from kvdepot.server.core.transport import Finish, Transport
 
 log = logging.getLogger("kvdepot.shm")
@@ -91,6 +92,7 @@ def _check_staging_fd(fd: int, max_bytes: int) -> int:
 class SharedMemoryTransport(Transport):
     name = "shared_memory"
     handle_kind = "shared_memory"
+    takes_memory = True
 
     def __init__(self, finish: Finish, pool):
         self._finish = finish
@@ -103,20 +105,16 @@ class SharedMemoryTransport(Transport):
         # worker id -> its Staging, while registered.
         self._staging: dict[int, Staging] = {}
 
-    @staticmethod
-    def take_memory(fd: int, max_bytes: int) -> Staging:
+    def take_memory(self, fd: int, max_bytes: int) -> Staging:
         """A worker's staging memory from its descriptor (closed here whatever
         happens), checked and mapped; InvalidArgument when it is unfit."""
         return Staging(fd, max_bytes)
 
-    def open_worker(self, worker, request) -> None:
-        for position, handle in enumerate(request.handles):
-            if handle.WhichOneof("transport") != self.handle_kind:
-                raise InvalidArgument(f"tensor {position}: all handles of a worker must be of one transport")
-        staging = worker.session.staging.pop(request.staging_id, None)
+    def open_worker(self, worker, spec) -> None:
+        staging = worker.session.staging.pop(spec.staging_id, None)
         if staging is None:
             raise InvalidArgument(
-                f"no staging memory {request.staging_id} in this session: hand it over on the job "
+                f"no staging memory {spec.staging_id} in this session: hand it over on the job "
                 "socket first (JobFrame.staging); each serves one worker"
             )
         needed = worker.layout.num_blocks * worker.layout.block_bytes
@@ -156,7 +154,7 @@ class SharedMemoryTransport(Transport):
         slot_bytes, pool_base = self._pool.slot_bytes, self._pool.base_address
         # Bounds were checked before anything was reserved: block ids against
         # the worker's blocks (which the staging size covers), slots by the index.
-        if job.kind == "store":
+        if job.kind is JobKind.STORE:
             for block_id, slot in zip(job.block_ids, job.slots):
                 ctypes.memmove(pool_base + slot * slot_bytes, staging.base + block_id * row, row)
         else:
@@ -166,7 +164,7 @@ class SharedMemoryTransport(Transport):
     def _copied(self, job, staging: Staging, error: BaseException | None) -> None:
         staging.copy_ended()
         if error is not None:
-            log.error("%s job %d: copy failed: %s", job.kind, job.id, error)
+            log.error("%s job %d: copy failed: %s", job.kind.value, job.id, error)
             self._finish(job, False, f"the daemon's copy failed: {error}")
         elif job.session.ended:
             self._finish(job, False, "the client went away during the job")

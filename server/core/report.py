@@ -1,0 +1,184 @@
+"""What the daemon tells operators: the report behind GetStats and /metrics,
+and who may see (and clear) which namespaces.
+
+A report is a snapshot of plain values taken on the event loop's thread, so
+that whoever formats it (the API's GetStats answer, the metrics scrape thread)
+reads nothing that changes under it. The pool and the tiers are for anyone;
+namespaces, clients and counters only for those who may see them (another
+tenant's counts would tell what it asks).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from kvdepot.errors import PermissionDenied
+from kvdepot.server.core.counters import Counters, JobTimes
+from kvdepot.server.core.tenants import Identity
+from kvdepot.server.core.tiers import TierStats
+from kvdepot.server.core.transport import GpuStats
+
+# Characters of a client's name that a report shows (the client chose it).
+CLIENT_NAME_CHARS = 256
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    slot_bytes: int
+    num_slots: int
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class NamespaceReport:
+    name: str
+    scope: str
+    counters: Counters
+    ready_blocks: int
+    used_slots: int
+
+
+@dataclass(frozen=True)
+class ClientReport:
+    session_number: int
+    client_name: str
+    pid: int
+    tenant: str
+    uid: int
+    counters: Counters
+    jobs_in_flight: int
+    workers: int
+
+
+@dataclass(frozen=True)
+class Report:
+    version: str
+    instance: str
+    uptime_seconds: float
+    pool: PoolInfo
+    used_slots: int
+    eviction: str
+    tiers: list[TierStats]
+    # What the viewer may see: its scopes' (an admin: everything).
+    totals: Counters = field(default_factory=Counters)
+    namespaces: list[NamespaceReport] = field(default_factory=list)
+    namespaces_omitted: int = 0
+    clients: list[ClientReport] = field(default_factory=list)
+    clients_omitted: int = 0
+    # An admin's alone: the daemon's busy seconds per direction, pins, mappings, GPUs, sessions, jobs.
+    admin: bool = False
+    store_seconds: float = 0.0
+    load_seconds: float = 0.0
+    pinned_slots: int = 0
+    open_ipc_mappings: int = 0
+    gpus: list[GpuStats] = field(default_factory=list)
+    sessions: int = 0
+    sessions_ended: int = 0
+    jobs_in_flight: int = 0
+    job_times: JobTimes = field(default_factory=JobTimes)
+
+
+@dataclass(frozen=True)
+class Cleared:
+    cleared_blocks: int
+    pinned_blocks: int
+
+
+def visible_to(identity: Identity | None) -> Callable[[str], bool]:
+    """Which scopes `identity` may see: its own, every one for an admin, none without an identity."""
+    if identity is None:
+        return lambda scope: False
+    if identity.admin:
+        return lambda scope: True
+    return lambda scope: scope == identity.scope
+
+
+def build(depot, viewer: Identity | None, asking_session_id: str, most: int | None) -> Report:
+    pool = depot.pool
+    base = dict(
+        version=depot.version,
+        instance=depot.instance,
+        uptime_seconds=time.monotonic() - depot.started,
+        pool=PoolInfo(pool.slot_bytes, pool.num_slots, pool.pinned),
+        used_slots=pool.used_slots,
+        eviction=depot.evictions.name,
+        tiers=depot.index.tiers.stats(
+            TierStats("dram", shards=pool.used_slots, bytes=pool.used_slots * pool.slot_bytes,
+                      capacity_bytes=pool.size)
+        ),
+    )
+    if viewer is None:
+        return Report(**base)
+    visible = visible_to(viewer)
+    most = most if most is not None else depot.limits.stats_max_entries
+    namespaces = sorted((ns for ns in depot.namespaces if visible(ns.scope)), key=lambda ns: ns.used_slots,
+                        reverse=True)
+    sessions = [
+        s for s in depot.sessions.values()
+        if s.identity is not None and visible(s.identity.scope) and s.id != asking_session_id
+    ]
+    sessions.sort(key=lambda s: s.counters.stored_bytes + s.counters.loaded_bytes, reverse=True)
+    base.update(
+        namespaces=[
+            NamespaceReport(ns.name, ns.scope, ns.counters.copy(), ns.ready_blocks, ns.used_slots)
+            for ns in namespaces[:most]
+        ],
+        namespaces_omitted=max(0, len(namespaces) - most),
+        clients=[_client(s) for s in sessions[:most]],
+        clients_omitted=max(0, len(sessions) - most),
+    )
+    if not viewer.admin:
+        return Report(**base, totals=_sum(ns.counters for ns in namespaces))
+    transports = depot.transports.values()
+    return Report(
+        **base,
+        totals=depot.totals.copy(),
+        admin=True,
+        store_seconds=depot.store_clock.seconds,
+        load_seconds=depot.load_clock.seconds,
+        pinned_slots=depot.index.pinned_slots,
+        open_ipc_mappings=sum(t.open_mappings for t in transports),
+        # NVML is asked here, on the loop: about a millisecond per GPU.
+        gpus=[gpu for t in transports for gpu in t.gpu_stats()],
+        sessions=len(depot.sessions),
+        sessions_ended=depot.sessions_ended,
+        jobs_in_flight=depot.jobs_in_flight,
+        job_times=depot.job_times.copy(),
+    )
+
+
+def _client(session) -> ClientReport:
+    who = session.identity
+    return ClientReport(
+        session_number=session.number,
+        client_name=session.client_name[:CLIENT_NAME_CHARS],
+        pid=who.pid,
+        tenant=who.tenant,
+        uid=who.uid if who.uid is not None else 0,
+        counters=session.counters.copy(),
+        jobs_in_flight=len(session.jobs),
+        workers=len(session.workers),
+    )
+
+
+def _sum(counters: Iterable[Counters]) -> Counters:
+    total = Counters()
+    for c in counters:
+        total.add(c)
+    return total
+
+
+def clear_scope(namespaces, identity: Identity | None, namespace_name: str) -> list:
+    """The namespaces a Clear of `namespace_name` (empty: all) by `identity` empties."""
+    if identity is None:
+        raise PermissionDenied("clearing needs a session: name the caller's session_id")
+    visible = visible_to(identity)
+    if namespace_name:
+        return [namespaces.named(namespace_name, lambda ns: visible(ns.scope))]
+    if not identity.admin:
+        raise PermissionDenied(
+            f"clearing every namespace is for admins ({identity.describe()} is not): clear yours by name"
+        )
+    return [None]  # every namespace
