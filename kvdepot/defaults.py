@@ -8,12 +8,9 @@ import struct
 # Length of a block key: a 256-bit content hash.
 KEY_BYTES = 32
 
-# The wire protocol version that proto/kvdepot.proto defines.
-# Version 2: block keys of kvdepot/keys.py, and NamespaceSpec.key_version required.
-# Version 3: identity from the kernel (the job socket's hello) and tenants.
-# Version 4: the daemon copies for shared-memory workers too (staging memory
-# handed over on the job socket); no client maps the pool, no CompleteJob.
-PROTOCOL_VERSION = 4
+# The wire protocol version that proto/kvdepot.proto defines: a client and a
+# daemon of different versions refuse each other instead of misreading.
+PROTOCOL_VERSION = 1
 
 SOCKET_ENV = "KVDEPOT_SOCKET"
 

@@ -217,21 +217,21 @@ def test_defaults_alone_give_a_working_daemon_that_tells_systemd_it_is_ready(tmp
                 os.unlink(left)
 
 
-def test_a_client_of_the_previous_protocol_is_refused_with_a_reason(daemon):
+def test_a_client_of_another_protocol_version_is_refused_with_a_reason(daemon):
     import grpc
 
+    from kvdepot.defaults import PROTOCOL_VERSION
     from kvdepot.proto import kvdepot_pb2 as pb
     from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 
-    # Version 3 clients mapped the whole pool; version 2 took their identity
-    # from their own word; version 1 sent no key_version.
-    for old in (1, 3):
+    # 0 is what a client that does not set the field sends.
+    for other in (0, PROTOCOL_VERSION + 1):
         with grpc.insecure_channel("unix:" + daemon.socket) as channel:
-            stream = pb_grpc.KVDepotStub(channel).Attach(pb.AttachRequest(client_name="old", protocol_version=old))
+            stream = pb_grpc.KVDepotStub(channel).Attach(pb.AttachRequest(client_name="other", protocol_version=other))
             with pytest.raises(grpc.RpcError) as info:
                 next(stream)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert f"speaks protocol version 4, the client {old}" in info.value.details()
+        assert f"speaks protocol version {PROTOCOL_VERSION}, the client {other}" in info.value.details()
 
 
 def test_the_cli_reports_a_bad_token_file_without_a_traceback(tmp_path):

@@ -42,7 +42,7 @@ UNIT = ROOT / "deploy" / "kvdepotd.service"
 # newest version kubernetes-validate knows checks that nothing used is gone.
 KUBERNETES_VERSIONS = ("1.29", latest_version())
 
-# The daemon container's memory limit is the pool plus this (README, "Deploying").
+# The daemon container's memory limit is the pool plus this (docs/deploy.md, "Kubernetes").
 HEADROOM = 4 << 30
 
 RENDERED_KINDS = {
