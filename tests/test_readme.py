@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from conftest import REPO
-from kvdepot.server.daemon.config import OPTIONS
+from kvdepot.server.daemon.options import OPTIONS
 
 
 def test_readme_documents_every_daemon_option():

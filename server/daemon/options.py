@@ -68,6 +68,8 @@ class Option:
             return "none"
         if self.size and isinstance(self.default, int):
             return format_size(self.default)
+        if isinstance(self.default, float):
+            return f"{self.default:g}"
         return str(self.default)
 
 
@@ -95,13 +97,14 @@ OPTIONS = [
         "/run/kvdepot/kvdepot.sock for root, else /tmp/kvdepot-$UID/kvdepot.sock), unix:PATH, or HOST:PORT "
         "for TCP, which needs --auth-token-file (or tenants' token_file, or client certificates). Beside a "
         "unix socket the daemon also serves its job socket, PATH.jobs, with the same permissions (0660).",
-        shown_default="per user (see left)",
+        shown_default="per user: see what it does",
     ),
     Option(
         "auth_token_file", "network", None,
         "File holding the token that TCP clients must send (authorization: Bearer TOKEN). Required for TCP "
         "without tenants' tokens or client certificates; ignored on unix sockets, whose file permissions "
-        "decide who connects. A file that is missing, unreadable or empty stops the daemon at start.",
+        "decide who connects; health checks need none. A file that is missing, unreadable or empty stops "
+        "the daemon at start.",
     ),
     Option(
         "tls_cert_file", "network", None,
@@ -136,7 +139,7 @@ OPTIONS = [
     Option(
         "pool_dir", "pool", "auto",
         "Folder for the pool's shared-memory file. 'auto' takes /dev/shm if it has room, else the socket's "
-        "folder. Pinning needs tmpfs or hugetlbfs: the kernel does not pin pages of disk files. Containers "
+        "folder, else /tmp. Pinning needs tmpfs or hugetlbfs: the kernel does not pin pages of disk files. Containers "
         "often mount a small /dev/shm: raise it (--shm-size) or point this at a tmpfs or hugetlbfs mount "
         "with room (on huge pages the pool faults in and pins about 3x faster).",
         field="dir",
@@ -323,15 +326,14 @@ DOCS = ("README.md", "docs/*.md")
 
 def markdown() -> str:
     """The option tables, a group each, in Markdown."""
-    lines = [
-        "Flags win over the environment, which wins over the TOML file (`--config`; its keys are the "
-        "options' names with `_`, e.g. `pool_size = \"64GiB\"`), which wins over the defaults.",
-    ]
+    lines: list[str] = []
     for group, title in GROUPS.items():
-        lines += ["", f"**{title}**", "", "| option | environment | default | what it does |", "| --- | --- | --- | --- |"]
+        lines += [""] if lines else []
+        lines += [f"**{title}**", "", "| option | environment | default | what it does |", "| --- | --- | --- | --- |"]
         for opt in (o for o in OPTIONS if o.group == group):
             env = f"`{opt.env}`" if opt.env else ""
-            lines.append(f"| `{opt.flag}` | {env} | `{opt.default_text()}` | {_cell(opt.help)} |")
+            default = opt.shown_default if opt.shown_default is not None else f"`{opt.default_text()}`"
+            lines.append(f"| `{opt.flag}` | {env} | {default} | {_cell(opt.help)} |")
     return "\n".join(lines) + "\n"
 
 
