@@ -115,11 +115,11 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
         stack.callback(loop.remove_signal_handler, sig)
-    serving.set()
     log.info("kvdepotd %s ready on %s (instance %s)", kvdepot.__version__, address.target, instance)
     # Only now: systemd starts units ordered after this one on READY=1, and
     # they expect calls to be answered.
     notify_systemd(f"READY=1\nSTATUS=serving on {address.target}")
+    serving.set()
     return depot, health
 
 
