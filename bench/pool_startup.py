@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvdepot.server.daemon.config import parse_size  # noqa: E402
+from kvdepot.settings import parse_size  # noqa: E402
 
 
 def start_daemon(size: str, folder: str, threads: int) -> dict:

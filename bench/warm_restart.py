@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 from kvdepot.client import KVDepotClient  # noqa: E402
 from kvdepot.defaults import grpc_target  # noqa: E402
 from kvdepot.keys import KEY_VERSION  # noqa: E402
-from kvdepot.server.daemon.config import parse_size  # noqa: E402
+from kvdepot.settings import parse_size  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * HEADS * HEAD_DIM * 2  # 2 MiB

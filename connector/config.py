@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvdepot.defaults import default_socket_path, read_token
+from kvdepot.settings import ConfigError
 
 log = logging.getLogger("kvdepot.connector")
 
@@ -30,10 +31,6 @@ EXTRA_CONFIG_KEYS = (
     "socket", "auth_token_file", "tls_ca_file", "tls_cert_file", "tls_key_file", "mode", "store", "store_decode",
     "min_prompt_tokens", "max_defer_s", "call_timeout_s", "connect_timeout_s", "model_id",
 )  # fmt: skip
-
-
-class ConfigError(ValueError):
-    """A bad `kv_connector_extra_config` value; the message names the key."""
 
 
 @dataclass(frozen=True)

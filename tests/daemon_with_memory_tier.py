@@ -14,9 +14,9 @@ from kvdepot.server.daemon import main
 _open_tiers = main.open_tiers
 
 
-def _with_memory_tier(config, pool):
+def _with_memory_tier(stack, config, pool):
     capacity = int(os.environ.get("KVDEPOT_TEST_MEMORY_TIER_SHARDS", "100000"))
-    return [*_open_tiers(config, pool), MemoryTier(pool, asyncio.get_running_loop(), capacity)]
+    return [*_open_tiers(stack, config, pool), MemoryTier(pool, asyncio.get_running_loop(), capacity)]
 
 
 main.open_tiers = _with_memory_tier

@@ -117,21 +117,21 @@ def test_configuration_from_toml_and_environment(tmp_path):
     config_file.write_text('pool_size = "2GiB"\neviction = "arc"\nslot_size = "1MiB"\n')
     env = {"KVDEPOT_POOL_SIZE": "3GiB", "KVDEPOT_LISTEN": "/tmp/x.sock"}
     config = load_config(["--config", str(config_file), "--slot-size", "512KiB"], environ=env)
-    assert config.pool_size == 3 << 30  # environment over file
-    assert config.slot_size == 512 << 10  # flag over file
-    assert config.eviction == "arc"  # file over default
-    assert config.listen == "/tmp/x.sock"
+    assert config.pool.size == 3 << 30  # environment over file
+    assert config.pool.slot_size == 512 << 10  # flag over file
+    assert config.pool.eviction == "arc"  # file over default
+    assert config.network.listen == "/tmp/x.sock"
     # The CUDA transport's tuning goes through the same three layers.
     config_file.write_text('copy_mode = "kernel"\nstaging_bytes = "64MiB"\nspin_bytes = 0\n')
     config = load_config(["--config", str(config_file), "--spin-bytes", "1MiB"],
                          environ={"KVDEPOT_STAGING_BYTES": "96MiB", "KVDEPOT_PIN_CHUNK_BYTES": "4MiB"})
-    assert config.copy_mode == "kernel"
-    assert (config.staging_bytes, config.spin_bytes, config.pin_chunk_bytes) == (96 << 20, 1 << 20, 4 << 20)
-    assert config.copy_chunk_bytes == 16384 and config.copy_programs == 0  # defaults
+    assert config.copy.mode == "kernel"
+    assert (config.copy.staging_bytes, config.copy.spin_bytes, config.pool.pin_chunk_bytes) == (96 << 20, 1 << 20, 4 << 20)
+    assert config.copy.chunk_bytes == 16384 and config.copy.programs == 0  # defaults
     # An empty variable counts as unset; staging is only checked where it is used.
     config = load_config(["--pin", "off", "--slot-size", "512MiB", "--pool-size", "1GiB"],
                          environ={"KVDEPOT_STAGING_BYTES": "", "KVDEPOT_SPIN_BYTES": ""})
-    assert (config.staging_bytes, config.spin_bytes) == (128 << 20, 64 << 20)
+    assert (config.copy.staging_bytes, config.copy.spin_bytes) == (128 << 20, 64 << 20)
     config_file.write_text('pool_sise = "2GiB"\n')
     with pytest.raises(ValueError, match="unknown option\\(s\\) pool_sise"):
         load_config(["--config", str(config_file)], environ={})

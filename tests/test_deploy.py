@@ -26,7 +26,8 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 from kvdepot.client.cli import build_parser as cli_parser
-from kvdepot.server.daemon.config import load_config, parse_size
+from kvdepot.server.daemon.config import load_config
+from kvdepot.settings import parse_size
 from packaging.requirements import Requirement
 
 if sys.version_info >= (3, 11):
@@ -169,19 +170,19 @@ def test_daemon_accepts_what_the_manifests_pass(kustomization, tmp_path):
     assert pods
     for spec, container in pods:
         config, toml = daemon_config(objects, spec, container, tmp_path)
-        assert config.pool_size == parse_size(env_of(container)["KVDEPOT_POOL_SIZE"])
+        assert config.pool.size == parse_size(env_of(container)["KVDEPOT_POOL_SIZE"])
         # Readiness then means a pinned pool: an unpinned one stops the daemon.
-        assert config.pin == "on"
-        socket_volume, _ = volume_at(spec, container, config.listen)
+        assert config.pool.pin == "on"
+        socket_volume, _ = volume_at(spec, container, config.network.listen)
         assert "hostPath" in socket_volume or "emptyDir" in socket_volume
-        pool_volume, _ = volume_at(spec, container, config.pool_dir)
+        pool_volume, _ = volume_at(spec, container, config.pool.dir)
         assert pool_volume.get("emptyDir", {}).get("medium") == "Memory", "the pool must be on a tmpfs to be pinned"
         # Every probe asks the daemon's own health on the socket it serves.
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             command = container[probe]["exec"]["command"]
             assert command[0] == "kvdepot"
             args = cli_parser().parse_args(command[1:])
-            assert (args.command, args.socket) == ("health", config.listen)
+            assert (args.command, args.socket) == ("health", config.network.listen)
             assert args.timeout < container[probe]["timeoutSeconds"]
         # Metrics: the port the daemon serves is the container port named "metrics".
         host, _, port = toml["metrics_listen"].rpartition(":")
@@ -234,7 +235,7 @@ def _engine_reaches_daemon(objects, daemon_spec, daemon, engine_spec, engine, tm
     assert transfer["kv_connector_module_path"] == "kvdepot.connector"
     assert transfer["kv_role"] == "kv_both"
     connector = connector_config.ConnectorConfig.from_extra_config(transfer["kv_connector_extra_config"])
-    daemon_volume, daemon_inside = volume_at(daemon_spec, daemon, config.listen)
+    daemon_volume, daemon_inside = volume_at(daemon_spec, daemon, config.network.listen)
     engine_volume, engine_inside = volume_at(engine_spec, engine, connector.socket)
     assert engine_inside == daemon_inside
     if "hostPath" in daemon_volume:
@@ -405,7 +406,7 @@ def test_unit_execstart_is_accepted_by_the_daemon():
     config = load_config(argv[1:], environ={})
     # The socket is in the folder systemd creates for it.
     runtime = "/run/" + unit["Service"]["RuntimeDirectory"]
-    assert str(PurePosixPath(config.listen).parent) == runtime
+    assert str(PurePosixPath(config.network.listen).parent) == runtime
     assert unit["Service"]["Type"] == "notify"
 
 

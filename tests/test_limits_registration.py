@@ -262,8 +262,9 @@ def test_limits_are_options_that_must_be_positive(tmp_path):
 
     config = load_config(["--max-tp-size", "8", "--max-shm-worker-bytes", "1GiB"],
                          environ={"KVDEPOT_MAX_NAMESPACES": "10"})
-    assert (config.max_tp_size, config.max_shm_worker_bytes, config.max_namespaces) == (8, 1 << 30, 10)
-    assert config.max_engines_per_session == 64
+    limits = config.limits
+    assert (limits.max_tp_size, limits.max_shm_worker_bytes, limits.max_namespaces) == (8, 1 << 30, 10)
+    assert limits.max_engines_per_session == 64
     for argv in (["--max-tp-size", "0"], ["--max-shm-worker-bytes", "0"], ["--stats-max-entries", "-1"]):
         with pytest.raises(ConfigError, match=argv[0][2:].replace("-", "_")):
             load_config(argv, environ={})

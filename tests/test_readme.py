@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from conftest import REPO
-from kvdepot.server.daemon.config import OPTIONS
+from kvdepot.server.daemon.options import OPTIONS
 
 
 def test_configuration_doc_documents_every_daemon_option():

@@ -4,7 +4,7 @@ Every number a client sends is checked against a bound before the daemon does
 arithmetic with it or keeps anything for it: how many engines, workers and
 jobs a session has, how long its strings are, how large its tensors claim to
 be, and what it adds to the counters everyone's stats show. A refusal names
-the option that raises the bound (server/daemon/config.py, README "Limits").
+the option that raises the bound (server/daemon/options.py, README "Limits").
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def shown(text: str, limit: int = SHOWN_CHARS) -> str:
 
 @dataclass(frozen=True)
 class Limits:
-    """The options of the "Limits on registrations, jobs and namespaces" block."""
+    """What one client can make the daemon hold: the daemon's `limits` options
+    (server/daemon/options.py), whose defaults these are."""
 
     max_engines_per_session: int = 64
     max_workers_per_session: int = 64
@@ -53,10 +54,14 @@ class Limits:
     stats_max_entries: int = 256
     # A session must prove who it is (its job socket's hello) this soon.
     job_hello_timeout: float = 10.0
-
-    @classmethod
-    def of(cls, config) -> Limits:
-        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+    # Notification keys queued for one session's Attach stream; 0: sized from
+    # the pool when the daemon starts.
+    max_queued_notification_keys: int = 0
+    # Job socket connections (server/api/job_socket.py): at once, at once per
+    # user id, and bytes of replies one connection may leave unread.
+    max_job_connections: int = 1024
+    max_job_connections_per_uid: int = 512
+    max_unread_job_replies: int = 16 << 20
 
     # ------------------------------------------------------------ sessions
 

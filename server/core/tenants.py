@@ -1,7 +1,7 @@
 """Who a client is, and which tenant it acts for.
 
 Identity comes from the kernel (the peer's uid, gid and pid on a unix socket,
-server/host/peer.py) or from a credential (a token on TCP), never from what a
+server/api/peer.py) or from a credential (a token on TCP), never from what a
 client says. An operator maps identities to tenants in the configuration file:
 
     [[tenant]]
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from kvdepot import defaults
 from kvdepot.server.host.peer import Peer
+from kvdepot.settings import parse_size
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _KEYS = {"name", "uids", "gids", "token_file", "cert_names", "share", "quota", "admin"}
@@ -35,7 +36,8 @@ _QUOTA = re.compile(r"\s*(\d+(?:\.\d+)?)\s*%\s*")
 
 
 class TenantConfigError(ValueError):
-    pass
+    """A [[tenant]] table or admin_uids that cannot be used; the message names
+    the table and the key. The daemon reports it as a configuration error."""
 
 
 @dataclass(frozen=True)
@@ -216,9 +218,6 @@ def scope_quotas(specs: list[TenantSpec], pool_bytes: int, slot_bytes: int) -> d
 
 
 def _quota_bytes(text: str, pool_bytes: int, where: str) -> int:
-    # Imported here: config.py imports this module.
-    from kvdepot.server.daemon.config import ConfigError, parse_size
-
     match = _QUOTA.fullmatch(text)
     if match:
         percent = float(match.group(1))
@@ -227,7 +226,7 @@ def _quota_bytes(text: str, pool_bytes: int, where: str) -> int:
         return int(pool_bytes * percent / 100)
     try:
         size = parse_size(text)
-    except (ConfigError, ValueError):
+    except ValueError:
         raise TenantConfigError(f"{where}: quota {text!r} is neither a percentage nor a size like 16GiB") from None
     if size <= 0:
         raise TenantConfigError(f"{where}: quota {text!r} must be more than 0")

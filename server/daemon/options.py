@@ -1,0 +1,381 @@
+"""Every option of kvdepotd, declared once: its flag, environment variable,
+TOML key, type, default, help and group. Argument parsing, the environment,
+the TOML file (config.py) and the option tables of the docs are all made from
+OPTIONS.
+
+    python -m kvdepot.server.daemon.options --write   # rewrites the docs' marked tables
+    python -m kvdepot.server.daemon.options --markdown  # prints the table
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvdepot.server.core.limits import Limits
+from kvdepot.settings import format_size
+
+# A default that the daemon works out when it starts (listen: from the user).
+COMPUTED = object()
+
+_LIMIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Limits)}
+
+
+@dataclass(frozen=True)
+class Option:
+    # The TOML key; the flag and the environment variable are made from it.
+    key: str
+    group: str
+    default: object
+    help: str
+    kind: type = str
+    choices: tuple[str, ...] | None = None
+    # A byte count, written like 64GiB or 4096.
+    size: bool = False
+    # The attribute in its group (config.pool.size); the key when None.
+    field: str | None = None
+    # Read from the TOML file; flags that only make sense on one command line are not.
+    in_file: bool = True
+    # Read from the environment (KVDEPOT_<KEY>) unless False.
+    in_environment: bool = True
+    # The docs' default column where the default is not a value.
+    shown_default: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def env(self) -> str | None:
+        return "KVDEPOT_" + self.key.upper() if self.in_environment else None
+
+    @property
+    def attribute(self) -> str:
+        return self.field or self.key
+
+    @property
+    def is_switch(self) -> bool:
+        return self.kind is bool
+
+    def default_text(self) -> str:
+        if self.shown_default is not None:
+            return self.shown_default
+        if self.default is None:
+            return "none"
+        if self.size and isinstance(self.default, int):
+            return format_size(self.default)
+        if isinstance(self.default, float):
+            return f"{self.default:g}"
+        return str(self.default)
+
+
+def limit(key: str, help: str, **kw) -> Option:
+    """An option of the limits group; its default is core's Limits'."""
+    return Option(key, "limits", _LIMIT_DEFAULTS[key], help, **kw)
+
+
+# The groups of the configuration object (config.<group>.<attribute>), in the docs' order.
+GROUPS = {
+    "network": "Where and to whom the daemon answers",
+    "pool": "The host memory pool",
+    "tiers": "Tiers below the pool",
+    "copy": "CUDA copies (docs/benchmarks.md has the measurements behind each default)",
+    "metrics": "Metrics",
+    "logging": "Logging",
+    "lifecycle": "Start and stop",
+    "limits": "Limits: what one client can make the daemon hold (see the README's Limits section)",
+}
+
+OPTIONS = [
+    Option(
+        "listen", "network", COMPUTED,
+        "Where to serve: a unix socket path (default: $XDG_RUNTIME_DIR/kvdepot/kvdepot.sock, "
+        "/run/kvdepot/kvdepot.sock for root, else /tmp/kvdepot-$UID/kvdepot.sock), unix:PATH, or HOST:PORT "
+        "for TCP, which needs --auth-token-file (or tenants' token_file, or client certificates). Beside a "
+        "unix socket the daemon also serves its job socket, PATH.jobs, with the same permissions (0660).",
+        shown_default="per user: see what it does",
+    ),
+    Option(
+        "auth_token_file", "network", None,
+        "File holding the token that TCP clients must send (authorization: Bearer TOKEN). Required for TCP "
+        "without tenants' tokens or client certificates; ignored on unix sockets, whose file permissions "
+        "decide who connects; health checks need none. A file that is missing, unreadable or empty stops "
+        "the daemon at start.",
+    ),
+    Option(
+        "tls_cert_file", "network", None,
+        "PEM certificate chain the daemon presents on TCP. TCP other than loopback needs TLS, so that "
+        "tokens never travel in clear.",
+    ),
+    Option("tls_key_file", "network", None, "PEM private key of --tls-cert-file."),
+    Option(
+        "tls_client_ca_file", "network", None,
+        "PEM CA certificates: TCP clients must present a certificate they signed. A tenant's cert_names "
+        "then name its clients without a token.",
+    ),
+    Option(
+        "admin_uids", "network", "",
+        "Uids whose unix-socket clients may see every tenant's stats and clear every namespace, separated "
+        "by commas; empty: root and the daemon's own user. Tenants are set in the configuration file "
+        "([[tenant]] tables, see the README's security section).",
+        shown_default="root and the daemon's user",
+    ),
+    Option(
+        "pool_size", "pool", "1GiB",
+        "Host memory for cached blocks, e.g. 64GiB. Allocated and (with CUDA) pinned at start.",
+        size=True, field="size",
+    ),
+    Option(
+        "slot_size", "pool", "2MiB",
+        "Bytes of one pool slot. A slot holds one block of one TP rank (all its layers): 2MiB fits "
+        "Llama-3.1-8B at 16 tokens per block. A worker whose block is larger is refused with the size to "
+        "set; smaller blocks waste the rest of their slot.",
+        size=True,
+    ),
+    Option(
+        "pool_dir", "pool", "auto",
+        "Folder for the pool's shared-memory file. 'auto' takes /dev/shm if it has room, else the socket's "
+        "folder, else /tmp. Pinning needs tmpfs or hugetlbfs: the kernel does not pin pages of disk files. Containers "
+        "often mount a small /dev/shm: raise it (--shm-size) or point this at a tmpfs or hugetlbfs mount "
+        "with room (on huge pages the pool faults in and pins about 3x faster).",
+        field="dir",
+    ),
+    Option(
+        "eviction", "pool", "lru",
+        "What to drop when the pool is full: lru (least recently used) or arc (adaptive replacement: "
+        "blocks used twice outlive scans of blocks used once). Blocks that a job in flight holds are "
+        "never dropped.",
+        choices=("lru", "arc"),
+    ),
+    Option(
+        "pin", "pool", "auto",
+        "Register the pool with CUDA as pinned memory: auto (when CUDA is available), on (fail without "
+        "CUDA) or off.",
+        choices=("auto", "on", "off"),
+    ),
+    Option(
+        "pin_threads", "pool", 0,
+        "Threads that fault in and pin the pool at start; 0 means one per core, at most 16.",
+        kind=int,
+    ),
+    Option(
+        "pin_chunk_bytes", "pool", "1GiB",
+        "The pool is registered with CUDA in pieces of this size (rounded down to whole slots, at least "
+        "one); one DMA copy never crosses two of them.",
+        size=True,
+    ),
+    Option(
+        "disk_dir", "tiers", None,
+        "Folder for the disk tier (off when unset): blocks evicted from the pool are kept there, and "
+        "lookups that hit them are promoted back. Needs --disk-size.",
+    ),
+    Option(
+        "disk_size", "tiers", "0",
+        "Bytes the disk tier may take in --disk-dir (what is already there counts), e.g. 500GiB.",
+        size=True,
+    ),
+    Option(
+        "copy_mode", "copy", "dma",
+        "How CUDA copies cross PCIe: dma (a kernel gathers a job's pages into GPU staging buffers, or "
+        "scatters them from there, and the copy engines move whole runs of slots) or kernel (a kernel "
+        "reads and writes the pinned pool itself; it slows the engine's own kernels far more).",
+        choices=("dma", "kernel"), field="mode",
+    ),
+    Option(
+        "staging_bytes", "copy", "128MiB",
+        "Size of each of the four GPU staging buffers of the dma mode (two per direction, so that the copy "
+        "engine moves one chunk while a kernel fills the other). Smaller buffers leave the engine more GPU "
+        "memory and lower the rate of stores and loads running together.",
+        size=True,
+    ),
+    Option(
+        "spin_bytes", "copy", "64MiB",
+        "A CUDA job of up to this many bytes that finds its stream idle is waited for by spinning a core "
+        "rather than sleeping, which shortens small jobs; 0: never spin.",
+        size=True,
+    ),
+    Option(
+        "copy_chunk_bytes", "copy", "16KiB",
+        "Bytes one program of the copy kernel moves at a time (a power of two from 64 to 32KiB; more "
+        "would spill the kernel's registers to memory the daemon does not reserve).",
+        size=True, field="chunk_bytes",
+    ),
+    Option(
+        "copy_programs", "copy", 0,
+        "Programs the copy kernel launches; 0: one per SM for copies over PCIe, two per SM for gathers "
+        "into staging buffers.",
+        kind=int, field="programs",
+    ),
+    Option(
+        "metrics_listen", "metrics", "127.0.0.1:9400",
+        "HOST:PORT where the daemon serves Prometheus metrics (/metrics over HTTP), or none. They name "
+        "every tenant's namespaces: expose them off localhost only behind protection.",
+        field="listen",
+    ),
+    Option("log_level", "logging", "info", "debug, info, warning or error.",
+           choices=("debug", "info", "warning", "error"), field="level"),
+    Option("log_format", "logging", "text", "text (for people) or json (one object a line, for log collectors).",
+           choices=("text", "json"), field="format"),
+    Option(
+        "config", "lifecycle", None,
+        "TOML file with options by their keys (the flags' names with _), e.g. pool_size = \"64GiB\", and "
+        "the [[tenant]] tables.",
+        field="config_file", in_file=False,
+    ),
+    Option(
+        "fresh", "lifecycle", False,
+        "Start with an empty cache: discard the pool a previous daemon on this address left (which it "
+        "adopts otherwise) and the disk tier's segments.",
+        kind=bool, in_file=False, in_environment=False, shown_default="off",
+    ),
+    Option(
+        "drain_timeout", "lifecycle", 30.0,
+        "Seconds SIGTERM waits for jobs in flight before the daemon exits anyway.",
+        kind=float,
+    ),
+    limit("max_engines_per_session",
+          "Engines (RegisterEngine) one session may register; each gets every block change of its namespace. "
+          "More: RESOURCE_EXHAUSTED.", kind=int),
+    limit("max_workers_per_session",
+          "Workers (RegisterWorker) one session may register. More: RESOURCE_EXHAUSTED.", kind=int),
+    limit("max_jobs_per_session",
+          "Stores and loads one session may have in flight. More: RESOURCE_EXHAUSTED until some finish.",
+          kind=int),
+    limit("max_tp_size", "Largest tensor-parallel size a namespace may declare. More: INVALID_ARGUMENT.", kind=int),
+    limit("max_tensors_per_worker",
+          "KV-cache tensors one worker may register (two per layer is the most real layouts use). "
+          "More: INVALID_ARGUMENT.", kind=int),
+    limit("max_name_length",
+          "Characters of a client's names: namespace fields, device, tensor names. Longer: INVALID_ARGUMENT.",
+          kind=int),
+    limit("max_namespaces",
+          "Namespaces the daemon holds at once (one is freed when no engine or worker is registered in it "
+          "and it holds no block). More: RESOURCE_EXHAUSTED.", kind=int),
+    limit("max_shm_worker_bytes",
+          "The largest memory a shared-memory worker (a CPU engine) may hand the daemon to copy through: "
+          "its KV cache's size. The daemon maps it. Larger: INVALID_ARGUMENT.", size=True),
+    limit("max_namespaces_per_tenant",
+          "Namespaces one tenant (or sharing group) may hold at once, so that no tenant can take the "
+          "daemon's --max-namespaces from the others. More: RESOURCE_EXHAUSTED.", kind=int),
+    limit("max_sessions_per_uid",
+          "Sessions one user id (on TCP: one tenant) may have at once; an engine has one to three. More: "
+          "the hello (or Attach) is refused with RESOURCE_EXHAUSTED.", kind=int),
+    limit("max_unproven_sessions",
+          "Sessions that have attached but not yet said hello, at once (each ends at --job-hello-timeout "
+          "anyway). More: Attach is refused with RESOURCE_EXHAUSTED.", kind=int),
+    limit("stats_max_entries",
+          "Namespaces, and clients, that one stats answer lists at most (the busiest); the rest are counted "
+          "(namespaces_omitted, clients_omitted).", kind=int),
+    limit("max_queued_notification_keys",
+          "Block keys of notifications (a job's end counts one) that may wait for one session's Attach "
+          "stream to read them; a session further behind (a stopped or hung client) is ended. 0: twice the "
+          "pool's slots (a snapshot of a full pool fits), at least 524288 (a queue that full holds about "
+          "55 MiB).", kind=int),
+    limit("max_job_connections",
+          "Job socket connections open at once; more are refused (a refused client cannot use its session, "
+          "and tries again).", kind=int),
+    limit("max_job_connections_per_uid",
+          "Job socket connections open at once from processes of one user id (from the kernel).", kind=int),
+    limit("job_hello_timeout",
+          "Seconds a new job socket connection has to say hello before it is closed.", kind=float),
+    limit("max_unread_job_replies",
+          "Replies a job socket connection may leave unread before it is closed. Past 256 KiB the daemon "
+          "already stops reading that connection's requests until it reads.", size=True),
+]
+
+BY_KEY = {opt.key: opt for opt in OPTIONS}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvdepotd",
+        description=(
+            "kvdepot daemon: keeps LLM KV-cache blocks in host memory for the inference engines of this "
+            "node. Every option can also be set in the environment (KVDEPOT_<OPTION>, e.g. KVDEPOT_POOL_SIZE) "
+            "or in a TOML file (--config); flags win over the environment, which wins over the file."
+        ),
+    )
+    for opt in OPTIONS:
+        where = f"env {opt.env}; " if opt.env else ""
+        if opt.is_switch:
+            parser.add_argument(opt.flag, dest=opt.key, action="store_true", help=opt.help)
+            continue
+        parser.add_argument(
+            opt.flag,
+            dest=opt.key,
+            default=None,
+            choices=opt.choices,
+            type=opt.kind if opt.kind is not str else None,
+            help=f"{opt.help} [{where}default {opt.default_text()}]",
+        )
+    return parser
+
+
+# ------------------------------------------------------------ the docs' tables
+
+BEGIN_MARK = (
+    "<!-- BEGIN OPTIONS TABLE: generated from server/daemon/options.py by scripts/gen-options-doc; do not edit -->"
+)
+END_MARK = "<!-- END OPTIONS TABLE -->"
+DOCS = ("README.md", "docs/*.md")
+
+
+def markdown() -> str:
+    """The option tables, a group each, in Markdown."""
+    lines: list[str] = []
+    for group, title in GROUPS.items():
+        lines += [""] if lines else []
+        lines += [f"**{title}**", "", "| option | environment | default | what it does |", "| --- | --- | --- | --- |"]
+        for opt in (o for o in OPTIONS if o.group == group):
+            env = f"`{opt.env}`" if opt.env else ""
+            default = opt.shown_default if opt.shown_default is not None else f"`{opt.default_text()}`"
+            lines.append(f"| `{opt.flag}` | {env} | {default} | {_cell(opt.help)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def rewrite(text: str, table: str) -> str:
+    """`text` with what stands between each pair of markers replaced by `table`."""
+    pattern = re.compile(re.escape(BEGIN_MARK) + r"\n.*?" + re.escape(END_MARK), re.S)
+    return pattern.sub(lambda _: f"{BEGIN_MARK}\n{table}{END_MARK}", text)
+
+
+def marked_files(root: Path) -> list[Path]:
+    files = [path for pattern in DOCS for path in sorted(root.glob(pattern))]
+    return [path for path in files if BEGIN_MARK in path.read_text()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="kvdepotd's option tables, made from OPTIONS.")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--markdown", action="store_true", help="print the tables")
+    what.add_argument("--write", metavar="CHECKOUT", nargs="?", const=".",
+                      help="rewrite the marked tables of CHECKOUT's README.md and docs/*.md (default: .)")
+    args = parser.parse_args(argv)
+    table = markdown()
+    if args.markdown:
+        sys.stdout.write(table)
+        return 0
+    root = Path(args.write)
+    files = marked_files(root)
+    if not files:
+        print(f"no file of {', '.join(DOCS)} under {root} has the marker {BEGIN_MARK}", file=sys.stderr)
+        return 1
+    for path in files:
+        text = path.read_text()
+        new = rewrite(text, table)
+        if new != text:
+            path.write_text(new)
+            print(f"rewrote the option table of {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

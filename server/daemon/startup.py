@@ -1,0 +1,325 @@
+"""The steps of kvdepotd's start that take something (an address, a port, the
+pool, sockets, threads), and the one error a failed start is reported as.
+
+Each step enters what it takes into the caller's AsyncExitStack as soon as it
+has it, so that whichever later step fails, and at shutdown, everything is
+released once, in the reverse order of its taking (main.py runs the steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import stat
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvdepot.defaults import grpc_target
+from kvdepot.server.api import job_socket
+from kvdepot.server.api.service import KVDepotService, add_to_server
+from kvdepot.server.core.limits import Limits
+from kvdepot.server.core.tenants import TenantConfigError, Tenants
+from kvdepot.server.daemon.config import DaemonConfig, Network
+from kvdepot.server.daemon.metrics import MetricsListenError, MetricsServer
+from kvdepot.server.host import pidlock
+from kvdepot.server.host.pool import HostPool, PoolError
+from kvdepot.server.tiers.disk_store import DiskTierError
+
+log = logging.getLogger("kvdepot")
+
+SERVICE_NAME = "kvdepot.v1.KVDepot"
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why and what to change.
+
+    exit_code 2 where an option's value turned out unusable only when tried
+    (the exit code of a configuration error), 1 otherwise."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@contextlib.contextmanager
+def reported_as_startup_errors():
+    """The boundary where the errors of the wings' own start-up code (their
+    messages say what is wrong) become StartupError; anything else is a bug
+    and keeps its traceback."""
+    try:
+        yield
+    except StartupError:
+        raise
+    except MetricsListenError as e:
+        raise StartupError(str(e), exit_code=2) from e
+    except (PoolError, DiskTierError, TenantConfigError) as e:
+        raise StartupError(str(e)) from e
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) not in str(e) else ""
+        raise StartupError(f"{e}{where}") from e
+
+
+def notify_systemd(state: str) -> None:
+    """sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.sendto(state.encode(), address)
+        except OSError as e:
+            log.warning("could not notify systemd: %s", e)
+
+
+def startup_progress(message: str) -> None:
+    """A start-up step (allocating and pinning the pool take long), in the log
+    and in `systemctl status` (STATUS=)."""
+    logging.getLogger("kvdepot.pool").info("%s", message)
+    notify_systemd(f"STATUS={message}")
+
+
+@dataclass(frozen=True)
+class Address:
+    target: str
+    # The socket's path on a unix socket; None on TCP.
+    unix_path: str | None
+    # Pool files are named after the address, so that the next daemon on it
+    # can tell the ones a crashed predecessor left.
+    pool_prefix: str
+
+    @classmethod
+    def of(cls, listen: str) -> Address:
+        target = grpc_target(listen)
+        unix_path = target[len("unix:"):] if target.startswith("unix:") else None
+        return cls(target, unix_path, "kvdepot-" + hashlib.sha256(target.encode()).hexdigest()[:12] + "-")
+
+
+class AddressGuard:
+    """Owns a listening address: refuses a second daemon, clears what a crash left.
+
+    The lock (beside a unix socket; in the pool folder for TCP) is held for the
+    daemon's life and released by the kernel when it dies, so a socket file or
+    pool file left by a crash is recognisably stale while a live daemon's is not.
+    """
+
+    def __init__(self, target: str, lock_path: str, socket_path: str | None):
+        self.target = target
+        self.lock_path = lock_path
+        self.socket_path = socket_path
+        self._lock_fd: int | None = None
+
+    def acquire(self) -> None:
+        self._refuse_non_socket()
+        directory = os.path.dirname(self.lock_path) or "."
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise StartupError(f"cannot create the folder {directory}: {e.strerror}") from e
+        fd, holder = pidlock.take(self.lock_path)
+        if fd < 0:
+            raise StartupError(
+                f"another kvdepotd (pid {holder}) is already serving {self.target}; "
+                "stop it first, or give this one another --listen address"
+            )
+        self._lock_fd = fd
+        if self.socket_path and os.path.exists(self.socket_path):
+            log.info("removing the stale socket %s left by a daemon that is gone", self.socket_path)
+            os.unlink(self.socket_path)
+
+    def _refuse_non_socket(self) -> None:
+        # A mistyped --listen must not cost someone a file: only a socket is
+        # ever removed from where the daemon listens.
+        if not self.socket_path:
+            return
+        try:
+            mode = os.lstat(self.socket_path).st_mode
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise StartupError(f"cannot check {self.socket_path}: {e.strerror}") from e
+        if not stat.S_ISSOCK(mode):
+            raise StartupError(
+                f"{self.socket_path} exists and is not a socket: refusing to replace it; "
+                "give --listen a path that is free (or a socket a kvdepotd left)"
+            )
+
+    def release(self) -> None:
+        if self.socket_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def take_address(stack: contextlib.AsyncExitStack, address: Address, lock_path: str) -> None:
+    guard = AddressGuard(address.target, lock_path, address.unix_path)
+    guard.acquire()
+    stack.callback(guard.release)
+
+
+def open_metrics(stack: contextlib.AsyncExitStack, listen: str) -> MetricsServer:
+    metrics = MetricsServer(listen)
+    stack.callback(metrics.close)
+    return metrics
+
+
+def open_pool(
+    stack: contextlib.AsyncExitStack, config: DaemonConfig, directory: str, name: str, adopt: bool,
+    serving: asyncio.Event,
+) -> HostPool:
+    started = time.monotonic()
+    pool = HostPool(
+        size=config.pool.size,
+        slot_bytes=config.pool.slot_size,
+        directory=directory,
+        name=name,
+        pin=config.pool.pin,
+        threads=config.pool.pin_threads,
+        pin_chunk_bytes=config.pool.pin_chunk_bytes,
+        progress=startup_progress,
+        adopt=adopt,
+    )
+    # A pool this start made holds nothing until the daemon serves: if the
+    # start fails it only takes memory (a tmpfs file), so it goes. A kept
+    # pool's blocks stay for the next daemon whatever happens.
+    stack.callback(lambda: pool.close(discard=not pool.adopted and not serving.is_set()))
+    log.info(
+        "pool ready in %.2f s: %d slots of %d bytes (%.2f GiB) at %s, %s",
+        time.monotonic() - started, pool.num_slots, pool.slot_bytes, pool.size / 2**30, pool.path,
+        "pinned" if pool.pinned else "not pinned",
+    )
+    return pool
+
+
+async def open_job_socket(
+    stack: contextlib.AsyncExitStack, depot, tenants: Tenants, unix_path: str, limits: Limits
+) -> str:
+    """On a unix socket the job socket is where clients prove who they are
+    (gRPC does not tell a server its peer's credentials), and the fast way in
+    for jobs (proto: "job socket"). On TCP the token names the client and
+    jobs go through the calls."""
+    path = job_socket.job_socket_path(unix_path)
+    limits = job_socket.JobSocketLimits(
+        connections=limits.max_job_connections,
+        connections_per_uid=limits.max_job_connections_per_uid,
+        hello_timeout=limits.job_hello_timeout,
+        max_unread_replies=limits.max_unread_job_replies,
+    )
+    try:
+        server = await job_socket.listen(depot, tenants, path, limits)
+    except OSError as e:
+        raise StartupError(f"cannot serve the job socket {path}: {e}") from e
+    stack.callback(_close_job_socket, server, path)
+    return path
+
+
+def _close_job_socket(server: asyncio.AbstractServer, path: str) -> None:
+    server.close()
+    with contextlib.suppress(FileNotFoundError):  # some event loops remove it on close
+        os.unlink(path)
+
+
+async def open_grpc_server(
+    stack: contextlib.AsyncExitStack, depot, tenants: Tenants, address: Address,
+    credentials: grpc.ServerCredentials | None, job_path: str, max_queued_keys: int,
+):
+    """The gRPC server, started; returns its health servicer."""
+    server = grpc.aio.server(
+        options=[
+            # Without this a second daemon could bind the same TCP port.
+            ("grpc.so_reuseport", 0),
+            # Notice dead TCP peers; unix sockets report them at once anyway.
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # Small messages that engine steps wait on (see the client's channel).
+            ("grpc.optimization_target", "latency"),
+        ],
+    )
+    stack.push_async_callback(server.stop, 1.0)
+    add_to_server(KVDepotService(depot, tenants, job_path, max_queued_keys), server)
+    servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    # So that grpcurl and similar tools list and call the service without the
+    # .proto. It tells only the schema, which is public; every call made with
+    # it is checked as any other.
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    target = address.target
+    try:
+        bound = server.add_secure_port(target, credentials) if credentials else server.add_insecure_port(target)
+    except RuntimeError as e:
+        bound, reason = 0, str(e)
+    else:
+        reason = "the address is in use or not allowed"
+    if not bound:
+        raise StartupError(f"cannot listen on {target}: {reason}")
+    await server.start()
+    if address.unix_path:
+        os.chmod(address.unix_path, 0o660)
+    await set_health(servicer, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+async def set_health(servicer, status) -> None:
+    for name in ("", SERVICE_NAME):
+        result = servicer.set(name, status)
+        if asyncio.iscoroutine(result):
+            await result
+
+
+async def set_not_serving(servicer) -> None:
+    await set_health(servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def start_housekeeping(stack: contextlib.AsyncExitStack, depot) -> None:
+    task = asyncio.create_task(depot.housekeeping())
+
+    async def stop() -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    stack.push_async_callback(stop)
+
+
+def tcp_credentials(network: Network, target: str, tenants: Tenants) -> grpc.ServerCredentials | None:
+    """TLS for a TCP listener, and the checks that TCP clients can be named at all."""
+    if not tenants.has_tokens and not network.tls_client_ca_file:
+        raise StartupError(
+            f"refusing to serve TCP ({target}) without authentication: set --auth-token-file "
+            "(clients send it as 'authorization: Bearer TOKEN'), tenants' token_file, or "
+            "--tls-client-ca-file with tenants' cert_names; or listen on a unix socket"
+        )
+    if network.tls_cert_file is None:
+        host = target.rsplit(":", 1)[0].strip("[]")
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            raise StartupError(
+                f"refusing to serve TCP on {target} without TLS: tokens would travel in clear. "
+                "Set --tls-cert-file and --tls-key-file (plain TCP is allowed on loopback only)"
+            )
+        log.warning("serving TCP on %s without TLS (loopback only)", target)
+        return None
+    try:
+        with open(network.tls_cert_file, "rb") as f:
+            chain = f.read()
+        with open(network.tls_key_file, "rb") as f:
+            key = f.read()
+        client_ca = None
+        if network.tls_client_ca_file:
+            with open(network.tls_client_ca_file, "rb") as f:
+                client_ca = f.read()
+    except OSError as e:
+        raise StartupError(f"cannot read a TLS file: {e.filename}: {e.strerror}") from e
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca, require_client_auth=bool(client_ca))
