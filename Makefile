@@ -31,5 +31,9 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/kvdepotd $(ARGS)
 
+# The product (not its tests and benchmarks) is linted before the tests run.
+LINTED := server client connector kvdepot proto
+
 test: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

@@ -152,7 +152,10 @@ def format_stats(stats: pb.GetStatsResponse) -> str:
     for gpu in stats.gpus:
         lines.append(f"gpu {gpu.index}     daemon holds {gpu.daemon_memory_bytes / 2**20:.0f} MiB ({gpu.uuid})")
     lines.append("")
-    header = f"{'namespace':<48} {'ready':>8} {'slots':>8} {'hits':>8} {'misses':>8} {'stored':>8} {'loaded':>8} {'evicted':>8}"
+    header = (
+        f"{'namespace':<48} {'ready':>8} {'slots':>8} {'hits':>8} {'misses':>8} {'stored':>8} {'loaded':>8} "
+        f"{'evicted':>8}"
+    )
     lines.append(header)
     for ns in stats.namespaces:
         c = ns.counters
@@ -164,12 +167,14 @@ def format_stats(stats: pb.GetStatsResponse) -> str:
         lines.append("(no namespaces yet)")
     lines.append("")
     lines.append(
-        f"{'client':<32} {'tenant':<16} {'pid':>8} {'workers':>8} {'in flight':>10} {'hits':>8} {'stored':>8} {'loaded':>8}"
+        f"{'client':<32} {'tenant':<16} {'pid':>8} {'workers':>8} {'in flight':>10} {'hits':>8} {'stored':>8} "
+        f"{'loaded':>8}"
     )
     for client in stats.clients:
         c = client.counters
         lines.append(
-            f"{client.client_name[:32]:<32} {client.tenant:<16} {client.pid:>8} {client.workers:>8} {client.jobs_in_flight:>10} "
+            f"{client.client_name[:32]:<32} {client.tenant:<16} {client.pid:>8} {client.workers:>8} "
+            f"{client.jobs_in_flight:>10} "
             f"{c.hit_blocks:>8} {c.stored_blocks:>8} {c.loaded_blocks:>8}"
         )
     if not stats.clients:

@@ -25,8 +25,8 @@ lock, held across registration calls and always taken first (session.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 from kvdepot import jobtrace
 from kvdepot.client.jobs import JobBook, JobResult
@@ -160,7 +160,8 @@ class KVDepotClient:
 
         CPU tensors use the shared-memory transport (the daemon copies through
         a staging memory this process hands it; shm_copy.py); CUDA tensors the
-        CUDA transport (the daemon copies over CUDA IPC, on its own streams). `block_dim` says which dimension of each tensor indexes
+        CUDA transport (the daemon copies over CUDA IPC, on its own streams). `block_dim` says which dimension of
+        each tensor indexes
         blocks, e.g. 1 for vLLM's [2, num_blocks, block_size, heads, head_dim].
         """
         worker = make_worker(namespace_spec(namespace), rank, tensors, block_dim, device, names)
@@ -252,7 +253,9 @@ class KVDepotClient:
         if connection is None or worker_id is None:
             self._jobs.finish(job_id, False, "kvdepotd is not available")
             return
-        fields = dict(session_id=connection.session_id, worker_id=worker_id, job_id=job_id, keys=keys, block_ids=block_ids)
+        fields = dict(
+            session_id=connection.session_id, worker_id=worker_id, job_id=job_id, keys=keys, block_ids=block_ids
+        )
         if kind == "store" and worker.compute_fence is not None:
             fields["cuda_event_handle"], fields["cuda_fence_seq"] = worker.compute_fence.mark()
         elif kind == "store" and copier is not None and all(0 <= b < worker.layout.num_blocks for b in block_ids):

@@ -16,13 +16,13 @@ import itertools
 import logging
 import threading
 from abc import ABC, abstractmethod
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
 from kvdepot import jobtrace
-from kvdepot.client.jobs import JobBook
 from kvdepot.client.job_socket import JobSocket, JobSocketRefused, hand_over
+from kvdepot.client.jobs import JobBook
 from kvdepot.client.rpc import typed_error, unary
 from kvdepot.errors import FailedPrecondition, KVDepotError, Unavailable, status_code
 from kvdepot.proto import kvdepot_pb2 as pb
@@ -206,7 +206,8 @@ class SocketJobChannel(JobChannel):
         elif kind == "refused":
             submit_failed(self._book, unanswered[0], unanswered[1], _refusal(reply.refused))
         elif kind == "store_submitted":
-            self._book.store_counts(unanswered[1], reply.store_submitted.already_stored, reply.store_submitted.not_stored)
+            submitted = reply.store_submitted
+            self._book.store_counts(unanswered[1], submitted.already_stored, submitted.not_stored)
 
 
 def _refusal(refused: pb.JobRefused) -> KVDepotError:

@@ -16,8 +16,8 @@ between two notifications could say as well.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from kvdepot.proto import kvdepot_pb2 as pb
 

@@ -45,7 +45,9 @@ class Tls:
         if (self.cert_file is None) != (self.key_file is None):
             raise InvalidArgument("a client certificate needs its key: give both tls_cert_file and tls_key_file")
         return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca_file), private_key=_read(self.key_file), certificate_chain=_read(self.cert_file)
+            root_certificates=_read(self.ca_file),
+            private_key=_read(self.key_file),
+            certificate_chain=_read(self.cert_file),
         )
 
 

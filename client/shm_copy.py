@@ -15,12 +15,12 @@ import ctypes
 import fcntl
 import mmap
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from kvdepot.layout import WorkerLayout
 from kvdepot.client.tensors import block_view
+from kvdepot.layout import WorkerLayout
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
@@ -47,7 +47,8 @@ class StagingMemory:
         except BaseException:
             os.close(self.fd)
             raise
-        self.rows = torch.frombuffer(self._mmap, dtype=torch.uint8)[: num_blocks * row_bytes].view(num_blocks, row_bytes)
+        raw = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.rows = raw[: num_blocks * row_bytes].view(num_blocks, row_bytes)
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Gives back the memory of the pages inside the rows (they read as
@@ -113,7 +114,8 @@ class BlockCopier:
         for tensor, tl, offset in zip(tensors, layout.tensors, layout.slot_offsets):
             unit, dtype = _copy_unit(tensor, tl, offset, layout.block_bytes)
             rows = self.staging.rows.view(dtype)
-            self._views.append((_typed_block_view(tensor, tl, unit, dtype), rows, offset // unit, tl.block_bytes // unit))
+            view = _typed_block_view(tensor, tl, unit, dtype)
+            self._views.append((view, rows, offset // unit, tl.block_bytes // unit))
 
     # Copies run in inference mode whichever mode the caller is in: vLLM runs
     # its steps in inference mode, so views made there are inference tensors,

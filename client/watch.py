@@ -157,7 +157,8 @@ class WatchView:
         lines = [f"{'namespace':<48} {'slots':>7} {'pool':>6} {'hits/s':>8} {'store':>11} {'load':>11}"]
         for ns in stats.namespaces:
             share = ns.used_slots / stats.pool.num_slots if stats.pool.num_slots else 0.0
-            lines.append(f"{ns.name[:48]:<48} {ns.used_slots:>7} {100 * share:>5.1f}% " + _rate_columns(rates.get(ns.name)))
+            columns = _rate_columns(rates.get(ns.name))
+            lines.append(f"{ns.name[:48]:<48} {ns.used_slots:>7} {100 * share:>5.1f}% " + columns)
         if stats.namespaces_omitted:
             lines.append(f"(and {stats.namespaces_omitted} more)")
         elif not stats.namespaces:

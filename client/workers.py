@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvdepot.client.shm_copy import BlockCopier
 from kvdepot.client.tensors import normalize_block_dims, tensor_layout, tensor_spec

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from kvdepot.defaults import default_socket_path, read_token
 from kvdepot.settings import ConfigError
@@ -114,7 +115,7 @@ class ConnectorConfig:
     model_id: str | None = None
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
         if unknown:
@@ -147,10 +148,13 @@ class ConnectorConfig:
                 raise ConfigError(f"kv_connector_extra_config.store: {e}") from e
         if "store_decode" in extra:
             if not isinstance(extra["store_decode"], bool):
-                raise ConfigError(f"kv_connector_extra_config.store_decode must be true or false, not {extra['store_decode']!r}")
+                raise ConfigError(
+                    f"kv_connector_extra_config.store_decode must be true or false, not {extra['store_decode']!r}"
+                )
             decode = extra["store_decode"]
         fields["default_policy"] = StorePolicy(amount, decode)
-        for key, minimum in (("min_prompt_tokens", 0), ("max_defer_s", 0), ("call_timeout_s", 0.1), ("connect_timeout_s", 0)):
+        minimums = (("min_prompt_tokens", 0), ("max_defer_s", 0), ("call_timeout_s", 0.1), ("connect_timeout_s", 0))
+        for key, minimum in minimums:
             if key in extra:
                 value = extra[key]
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
@@ -164,7 +168,6 @@ class ConnectorConfig:
         Without the daemon the engine starts anyway: the client attaches when it can.
         """
         from kvdepot.client import KVDepotClient
-
         from kvdepot.client.rpc import Tls
 
         tls = None
@@ -202,7 +205,9 @@ class ConnectorConfig:
                     else:
                         decode = value
                 else:
-                    log.warning("request %s: ignoring kv_transfer_params.%s: %r is not true or false", request_id, key, value)
+                    log.warning(
+                        "request %s: ignoring kv_transfer_params.%s: %r is not true or false", request_id, key, value
+                    )
         return StorePolicy(amount, decode, load)
 
 

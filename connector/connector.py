@@ -12,7 +12,8 @@ each worker (role WORKER); each delegates to its side. Load it out of tree:
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from kvdepot.connector import vllm_compat
 from kvdepot.connector.config import ConnectorConfig

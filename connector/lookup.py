@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvdepot.connector.config import ConnectorConfig
 from kvdepot.connector.keys import GroupInfo
@@ -154,7 +154,9 @@ class Lookup:
 
     # ------------------------------------------------------------ the load that follows a hit
 
-    def plan_load(self, st: RequestState, blocks, num_external_tokens: int) -> tuple[list[GroupTransfer], list[bytes], int]:
+    def plan_load(
+        self, st: RequestState, blocks, num_external_tokens: int
+    ) -> tuple[list[GroupTransfer], list[bytes], int]:
         """(transfers per group, keys, end block) of the load of the hit vLLM accepted into `blocks`.
 
         The load starts after the GPU prefix-cache hit of the lookup. Its keys

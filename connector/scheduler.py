@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 from kvdepot.connector.block_ids import BlockIds
 from kvdepot.connector.config import ConnectorConfig

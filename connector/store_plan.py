@@ -24,7 +24,7 @@ Rules:
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 from kvdepot.connector.block_ids import BlockIds
 from kvdepot.connector.keys import GroupInfo
@@ -164,7 +164,8 @@ class StorePlan:
     # ------------------------------------------------------------ fences
 
     def fence(self, state: JobState) -> None:
-        """The store's blocks are read until it is done (with sliding windows; nothing else frees a running request's blocks)."""
+        """The store's blocks are read until it is done (with sliding windows; nothing else frees a running
+        request's blocks)."""
         state.fenced_blocks = sorted({b for transfer in state.job.groups for b in transfer.block_ids})
         job_id = state.job.job_id
         for b in state.fenced_blocks:

@@ -19,8 +19,9 @@ import dataclasses
 import importlib
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("kvdepot.connector")
 

@@ -143,7 +143,8 @@ class WorkerSide:
                 state.failed = True
                 continue
             except Exception:  # nothing here may fail the engine's step
-                log.exception("kvdepot %s job %d could not be submitted", "store" if job.is_store else "load", job.job_id)
+                kind = "store" if job.is_store else "load"
+                log.exception("kvdepot %s job %d could not be submitted", kind, job.job_id)
                 state.failed = True
                 continue
             self._daemon_jobs[daemon_id] = job.job_id

@@ -34,7 +34,7 @@ def _loaded_library(stem: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cudart() -> ctypes.CDLL:
     torch.cuda.init()
     path = _loaded_library("libcudart.so")
@@ -46,7 +46,7 @@ def _cudart() -> ctypes.CDLL:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _libcuda() -> ctypes.CDLL:
     torch.cuda.init()
     path = _loaded_library("libcuda.so")
@@ -107,7 +107,7 @@ def current_raw_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stream_ops():
     lib = _libcuda()
     write = getattr(lib, "cuStreamWriteValue64_v2", None) or lib.cuStreamWriteValue64

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvdepot.errors import InvalidArgument
 
@@ -155,7 +155,7 @@ def describe(
 
     # The dimensions after block_dim must cover a dense run of elements.
     inner = sorted(
-        ((strides[d], shape[d]) for d in range(block_dim + 1, len(shape)) if shape[d] > 1)
+        (strides[d], shape[d]) for d in range(block_dim + 1, len(shape)) if shape[d] > 1
     )
     expected_stride = 1
     for stride, size in inner:
@@ -259,7 +259,7 @@ class WorkerLayout:
     num_blocks: int
 
     @classmethod
-    def of(cls, tensors: Sequence[TensorLayout]) -> "WorkerLayout":
+    def of(cls, tensors: Sequence[TensorLayout]) -> WorkerLayout:
         if not tensors:
             raise InvalidArgument("a worker must register at least one KV-cache tensor")
         if len(tensors) > MAX_TENSORS_PER_WORKER:

@@ -235,7 +235,8 @@ class JobConnection(asyncio.Protocol):
             if kind == "submit_store":
                 self._check_session(request.submit_store.session_id)
                 job = requests.store_job(request.submit_store)
-                reply.store_submitted.CopyFrom(answers.store_submitted(self._depot.submit(self.session.id, job, received)))
+                submitted = self._depot.submit(self.session.id, job, received)
+                reply.store_submitted.CopyFrom(answers.store_submitted(submitted))
             elif kind == "submit_load":
                 self._check_session(request.submit_load.session_id)
                 self._depot.submit(self.session.id, requests.load_job(request.submit_load), received)

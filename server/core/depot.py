@@ -35,8 +35,8 @@ from kvdepot.errors import (
     Unavailable,
 )
 from kvdepot.server.core import report
-from kvdepot.server.core.counters import BusyClock, Counters, JobTimes, saturating_add
 from kvdepot.server.core.blocks import Block
+from kvdepot.server.core.counters import BusyClock, Counters, JobTimes, saturating_add
 from kvdepot.server.core.index import BlockIndex, LookupResult
 from kvdepot.server.core.limits import Limits, shown
 from kvdepot.server.core.namespaces import Namespace, Namespaces

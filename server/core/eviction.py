@@ -7,7 +7,7 @@ by an in-flight job never does) and frees their slots.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 Key = Hashable
 Evictable = Callable[[Key], bool]

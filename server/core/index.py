@@ -19,8 +19,8 @@ tests run) every mutation ends by recomputing them from the blocks.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from kvdepot.errors import FailedPrecondition
 from kvdepot.server.core import index_check
@@ -119,16 +119,13 @@ class BlockIndex:
         stored or promoted (NOT_YET: ask again when they are ready). A block
         that only a lower tier holds starts its promotion here."""
         ready = loading = storing = 0
-        position = 0
-        for position, key in enumerate(keys):
+        for key in keys:
             block = self._blocks.get((ns.id, key))
             if block is None or not block.ready:
                 break
             ready += 1
             loading += block.loading > 0
-        else:
-            position = len(keys)
-        for key in keys[position:]:
+        for key in keys[ready:]:
             block = self._blocks.get((ns.id, key))
             if block is None:
                 if self.tiers.promote(ns, key):

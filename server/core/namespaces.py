@@ -11,15 +11,16 @@ that come and go with ever new namespaces leave nothing behind.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from kvdepot.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvdepot.layout import WorkerLayout
+from kvdepot.server.core.counters import Counters
 from kvdepot.server.core.limits import Limits, shown
 from kvdepot.server.core.requests import NamespaceSpec
-from kvdepot.server.core.counters import Counters
 from kvdepot.server.host.shard_record import ns_digest
+
 
 @dataclass(eq=False)
 class Namespace:

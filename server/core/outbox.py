@@ -16,8 +16,9 @@ wrong anyway; the client attaches again and gets a fresh snapshot.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Protocol, Union
+from typing import TYPE_CHECKING, Protocol
 
 from kvdepot.errors import KVDepotError, ResourceExhausted
 from kvdepot.server.core.blocks import BlockState
@@ -48,7 +49,7 @@ class BlocksChanged:
     lower: tuple[bytes, ...] = ()
 
 
-Notice = Union[JobDone, BlocksChanged]
+Notice = JobDone | BlocksChanged
 
 
 class JobChannel(Protocol):

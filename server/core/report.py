@@ -11,8 +11,8 @@ tenant's counts would tell what it asks).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 from kvdepot.errors import PermissionDenied
 from kvdepot.server.core.counters import Counters, JobTimes

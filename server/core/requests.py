@@ -8,8 +8,8 @@ and block ids are sequences the core checks and reserves in bulk.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvdepot.defaults import KEY_BYTES
 from kvdepot.errors import InvalidArgument, ResourceExhausted

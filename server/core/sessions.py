@@ -10,8 +10,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvdepot.layout import WorkerLayout
-from kvdepot.server.core.counters import Counters
 from kvdepot.server.core.blocks import Block
+from kvdepot.server.core.counters import Counters
 from kvdepot.server.core.namespaces import Namespace
 from kvdepot.server.core.outbox import Outbox
 from kvdepot.server.core.requests import JobKind

@@ -18,7 +18,7 @@ Within a scope, the policy (LRU or ARC) picks the block.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from kvdepot.server.core.eviction import make_policy
 

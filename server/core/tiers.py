@@ -23,8 +23,9 @@ more entry in its list, and neither the index nor the depot changes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 # Keys below DRAM an engine's registration snapshot lists, at most (8 MiB of
 # keys): half of what a session may have queued by default.

@@ -23,9 +23,9 @@ to wait for but the daemon's own copies.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable
-
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvdepot.errors import FailedPrecondition
 

@@ -22,7 +22,7 @@ import os
 import stat
 import struct
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import xxhash
 

@@ -77,7 +77,9 @@ def check_fingerprint(directory: str, fresh: bool, log: logging.Logger) -> None:
     if isinstance(found, dict):
         found = {k: found.get(k) for k in FINGERPRINT}
     if found not in (None, FINGERPRINT) and not fresh:
-        what = f"a fingerprint of format {found['format']}, kind {found['kind']!r}" if isinstance(found, dict) else found
+        what = found
+        if isinstance(found, dict):
+            what = f"a fingerprint of format {found['format']}, kind {found['kind']!r}"
         raise DiskTierError(
             f"{directory} holds {what} ({path}), and this kvdepot's disk tier is format "
             f"{FORMAT_VERSION}: start with a fresh disk tier to discard its segments, or choose another directory"

@@ -17,8 +17,8 @@ import struct
 
 import xxhash
 
-from kvdepot.server.tiers.disk_folder import PAGE
 from kvdepot.server.host.shard_record import FORMAT_VERSION, unpack
+from kvdepot.server.tiers.disk_folder import PAGE
 
 RecordKey = tuple[bytes, bytes, int]  # (namespace digest, block key, rank)
 

@@ -22,7 +22,8 @@ import triton.language as tl
 from kvdepot import cuda
 from kvdepot.layout import WorkerLayout
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def pcie_programs(device: int) -> int:
     """Programs of a copy that reads or writes the pinned pool over PCIe ("kernel"
     mode): one per SM keeps enough bytes in flight to fill PCIe; more only
@@ -30,7 +31,7 @@ def pcie_programs(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def staging_programs(device: int) -> int:
     """Programs of a gather into (or scatter from) a GPU staging buffer: memory on
     both sides is HBM, so more bytes in flight pay, up to two per SM
@@ -112,7 +113,7 @@ class PageTable:
         return self.page_gpu.numel()
 
     @classmethod
-    def build(cls, layout: WorkerLayout, tensor_addresses: list[int], device: torch.device) -> "PageTable":
+    def build(cls, layout: WorkerLayout, tensor_addresses: list[int], device: torch.device) -> PageTable:
         """tensor_addresses[t]: GPU address of element 0 of tensor t (byte_offset applied)."""
         gpu, stride, slot_offset, nbytes = [], [], [], []
         for tensor, address, base_in_slot in zip(layout.tensors, tensor_addresses, layout.slot_offsets):

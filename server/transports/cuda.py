@@ -22,9 +22,9 @@ import torch
 
 from kvdepot import cuda, jobtrace
 from kvdepot.errors import FailedPrecondition, InvalidArgument
-from kvdepot.server.transports import copy_kernel, gpu_memory
 from kvdepot.server.core.requests import JobKind
 from kvdepot.server.core.transport import Finish, GpuStats, Transport
+from kvdepot.server.transports import copy_kernel, gpu_memory
 from kvdepot.server.transports.cuda_streams import ComputeGate, CopyStream, completed, staging_chunks
 
 log = logging.getLogger("kvdepot.cuda")
@@ -113,7 +113,9 @@ class CudaTransport(Transport):
         if mode not in COPY_MODES:
             raise ValueError(f"copy mode must be one of {COPY_MODES}, not {mode!r}")
         if staging_bytes < pool.slot_bytes:
-            raise ValueError(f"staging_bytes ({staging_bytes}) must hold at least one pool slot ({pool.slot_bytes} bytes)")
+            raise ValueError(
+                f"staging_bytes ({staging_bytes}) must hold at least one pool slot ({pool.slot_bytes} bytes)"
+            )
         self._finish_job = finish
         self._pool = pool
         self._pool_base = pool.base_address

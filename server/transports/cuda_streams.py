@@ -176,7 +176,8 @@ class ComputeGate:
                 try:
                     completed = event.query()
                 except RuntimeError as e:  # one bad event must not stop every other store
-                    self._loop.call_soon_threadsafe(self._on_failed, job, f"waiting for the worker's compute failed: {e}")
+                    why = f"waiting for the worker's compute failed: {e}"
+                    self._loop.call_soon_threadsafe(self._on_failed, job, why)
                     continue
                 if completed:
                     self._loop.call_soon_threadsafe(self._on_open, job)

@@ -25,7 +25,7 @@ class _ProcessInfo(ctypes.Structure):
     ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _nvml():
     try:
         lib = ctypes.CDLL("libnvidia-ml.so.1")
@@ -55,7 +55,8 @@ def process_memory(uuid: str, pid: int | None = None) -> int | None:
     pid = os.getpid() if pid is None else pid
     count = ctypes.c_uint(64)
     infos = (_ProcessInfo * 64)()
-    getter = getattr(lib, "nvmlDeviceGetComputeRunningProcesses_v3", None) or lib.nvmlDeviceGetComputeRunningProcesses_v2
+    getter = getattr(lib, "nvmlDeviceGetComputeRunningProcesses_v3", None)
+    getter = getter or lib.nvmlDeviceGetComputeRunningProcesses_v2
     if getter(handle, ctypes.byref(count), infos) != 0:
         return None
     for info in infos[: count.value]:
