@@ -333,10 +333,10 @@ def open_disk_tier(config: DaemonConfig, pool: HostPool, loop) -> DiskMover:
         disk = DiskTier(config.disk_dir, config.disk_size, segment_bytes=segment, fresh=config.fresh)
     except DiskTierError as e:
         raise StartupError(str(e)) from e
-    stats = disk.stats
+    counters = disk.counters
     log.info(
         "disk tier in %s: %d shard(s), %.2f of %.2f GiB, %s",
-        config.disk_dir, stats.get("records", 0), stats.get("bytes_used", 0) / 2**30, config.disk_size / 2**30,
+        config.disk_dir, counters.records, counters.bytes_used / 2**30, config.disk_size / 2**30,
         "O_DIRECT" if disk.direct else "buffered I/O (the filesystem refuses O_DIRECT)",
     )
     # At most a quarter of the pool on its way up from disk at once.
