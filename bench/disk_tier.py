@@ -130,7 +130,7 @@ def tier_run(directory: str, total: int, record_bytes: int, batch_bytes: int, th
         os.sync()
         write_s = time.perf_counter() - started
         if written != count:
-            raise SystemExit(f"the tier wrote {written} of {count} records: {tier.stats}")
+            raise SystemExit(f"the tier wrote {written} of {count} records: {tier.counters}")
         for name in os.listdir(tier.directory):
             if name.startswith("seg-"):
                 drop_cache(os.path.join(tier.directory, name))
@@ -148,12 +148,12 @@ def tier_run(directory: str, total: int, record_bytes: int, batch_bytes: int, th
             failed = sum(pool.map(read_some, parts))
         read_s = time.perf_counter() - started
         if failed:
-            raise SystemExit(f"{failed} reads failed: {tier.stats}")
-        stats = tier.stats
+            raise SystemExit(f"{failed} reads failed: {tier.counters}")
+        segments = tier.counters.segments
     finally:
         tier.close()
-    return {"direct": bool(stats["direct"]), "write_gbs": count * record_bytes / write_s / 1e9,
-            "read_gbs": count * record_bytes / read_s / 1e9, "records": count, "segments": stats["segments"]}
+    return {"direct": tier.direct, "write_gbs": count * record_bytes / write_s / 1e9,
+            "read_gbs": count * record_bytes / read_s / 1e9, "records": count, "segments": segments}
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ import threading
 import pytest
 
 from kvdepot.server.host.pool import filesystem_type
+from kvdepot.server.tiers import disk_io
 from kvdepot.server.tiers import disk_store as disk_module
 from kvdepot.server.tiers.disk_store import PAGE, DiskTier, DiskTierError, segment_header
 from kvdepot.server.tiers.disk_folder import probe_direct
@@ -76,8 +77,8 @@ def test_bytes_round_trip_exactly(tmp_path, direct):
             into = memoryview(mmap.mmap(-1, max(PAGE, -(-record.length // PAGE) * PAGE)))
             assert tier.read(key(record), into)
             assert into[: record.length] == bytes(data)
-        assert tier.stats["bytes_written"] == tier.stats["bytes_read"] // 2 == sum(r.length for r, _ in items)
-        assert tier.stats["corrupt"] == tier.stats["read_errors"] == 0
+        assert tier.counters.bytes_written == tier.counters.bytes_read // 2 == sum(r.length for r, _ in items)
+        assert tier.counters.corrupt == tier.counters.read_errors == 0
         assert tier.direct == (direct == "auto" and filesystem_type(str(tmp_path)) not in ("tmpfs", "ramfs"))
 
 
@@ -89,7 +90,7 @@ def test_restart_finds_every_record_bit_exact(tmp_path, direct):
             tier.write([(r, memoryview(d)) for r, d in items[start : start + 7]])
     with DiskTier(str(tmp_path), 16 << 20, segment_bytes=SEGMENT, direct=direct) as tier:
         assert sorted(tier.keys()) == sorted(key(r) for r, _ in items)
-        assert tier.stats["scan_records"] == 30 and tier.stats["scan_torn"] == 0
+        assert tier.counters.scan.records == 30 and tier.counters.scan.torn == 0
         for record, data in items:
             assert tier.record(key(record)) == record
             assert read_back(tier, record) == data
@@ -104,7 +105,7 @@ def test_flipped_data_byte_fails_the_read_and_drops_the_key(tmp_path):
         flip(segment_files(tmp_path)[0], 2 * PAGE + 7000)
         assert read_back(tier, record) is None
         assert not tier.contains(key(record))
-        assert tier.stats["corrupt"] == 1 and tier.stats["records"] == 0
+        assert tier.counters.corrupt == 1 and tier.counters.records == 0
 
 
 def test_flipped_header_byte_is_skipped_at_restart(tmp_path):
@@ -114,7 +115,7 @@ def test_flipped_header_byte_is_skipped_at_restart(tmp_path):
         tier.write([(r, memoryview(d)) for r, d in items])
     flip(segment_files(tmp_path)[0], PAGE + 3 * PAGE + 100)  # the second record's header
     with DiskTier(str(tmp_path), 4 << 20, segment_bytes=SEGMENT) as tier:
-        assert tier.stats["scan_torn"] == 1
+        assert tier.counters.scan.torn == 1
         # The chain of headers stops there: a data page is never taken for a header.
         assert tier.keys() == [key(items[0][0])]
         assert read_back(tier, items[0][0]) == items[0][1]
@@ -152,8 +153,8 @@ def test_segment_of_another_format_is_skipped_and_left_alone(tmp_path):
     rng = random.Random(5)
     record, data = make(1, 5000, rng)
     with DiskTier(str(tmp_path), 4 << 20, segment_bytes=SEGMENT) as tier:
-        assert tier.stats["scan_segments_skipped"] == 2
-        assert tier.stats["segments"] == 0 and tier.stats["bytes_used"] == 0
+        assert tier.counters.scan.segments_skipped == 2
+        assert tier.counters.segments == 0 and tier.counters.bytes_used == 0
         tier.write([(record, memoryview(data))])
         assert read_back(tier, record) == data
     assert foreign.read_bytes().startswith(b"not a segment")
@@ -206,9 +207,9 @@ def test_capacity_holds_evicting_oldest_whole_segments_across_restarts(tmp_path,
         with DiskTier(str(tmp_path), capacity, segment_bytes=SEGMENT, direct=direct) as tier:
             for start in range(0, len(part), 6):
                 tier.write([(r, memoryview(d)) for r, d in part[start : start + 6]])
-                assert tier.stats["bytes_used"] <= capacity
+                assert tier.counters.bytes_used <= capacity
                 assert physical_bytes(tmp_path) <= capacity
-            assert tier.stats["segments_evicted"] > 0 and tier.stats["records_evicted"] > 0
+            assert tier.counters.segments_evicted > 0 and tier.counters.records_evicted > 0
     with DiskTier(str(tmp_path), capacity, segment_bytes=SEGMENT, direct=direct) as tier:
         kept = set(tier.keys())
         assert physical_bytes(tmp_path) <= capacity
@@ -227,7 +228,7 @@ def test_lower_capacity_at_restart_evicts_down_to_it(tmp_path):
         tier.write([(r, memoryview(d)) for r, d in items])
     capacity = 2 * SEGMENT + (64 << 10)
     with DiskTier(str(tmp_path), capacity, segment_bytes=SEGMENT) as tier:
-        assert tier.stats["bytes_used"] <= capacity and physical_bytes(tmp_path) <= capacity
+        assert tier.counters.bytes_used <= capacity and physical_bytes(tmp_path) <= capacity
         assert tier.contains(key(items[-1][0]))
 
 
@@ -243,7 +244,7 @@ def test_a_key_already_on_disk_is_not_rewritten(tmp_path):
         assert tier.write([(items[2][0], memoryview(items[2][1]))] * 2) == [key(items[2][0])]
     with DiskTier(str(tmp_path), 4 << 20, segment_bytes=SEGMENT) as tier:
         assert tier.write([(r, memoryview(d)) for r, d in items]) == [key(items[3][0])]
-        assert tier.stats["bytes_written"] == 9000
+        assert tier.counters.bytes_written == 9000
 
 
 def test_files_are_0600_and_the_directory_0700(tmp_path):
@@ -335,17 +336,17 @@ def test_a_failed_write_returns_what_landed_and_raises_nothing(tmp_path, monkeyp
         return written
 
     with DiskTier(str(tmp_path), 4 << 20, segment_bytes=1 << 20) as tier:
-        monkeypatch.setattr(disk_module.os, "pwritev", full_disk)
+        monkeypatch.setattr(disk_io.os, "pwritev", full_disk)
         written = tier.write([(r, memoryview(d)) for r, d in items])
-        monkeypatch.setattr(disk_module.os, "pwritev", real)
+        monkeypatch.setattr(disk_io.os, "pwritev", real)
         assert written == [key(r) for r, _ in items[:5]]
-        assert tier.stats["write_errors"] == 1
+        assert tier.counters.write_errors == 1
         assert sorted(tier.keys()) == sorted(written)
         # The next write goes on, in a new segment.
         assert tier.write([(r, memoryview(d)) for r, d in items]) == [key(r) for r, _ in items[5:]]
         assert len(segment_files(tmp_path)) == 2
     with DiskTier(str(tmp_path), 4 << 20, segment_bytes=1 << 20) as tier:
-        assert tier.stats["scan_records"] == 12
+        assert tier.counters.scan.records == 12
         for record, data in items:
             assert read_back(tier, record) == data
 
@@ -356,7 +357,7 @@ def test_a_record_larger_than_the_capacity_is_skipped(tmp_path):
     small, small_data = make(2, 100, rng)
     with DiskTier(str(tmp_path), 4 << 20, segment_bytes=SEGMENT) as tier:
         assert tier.write([(big, memoryview(data)), (small, memoryview(small_data))]) == [key(small)]
-        assert tier.stats["too_large"] == 1
+        assert tier.counters.too_large == 1
 
 
 def test_reads_on_several_threads_while_writing_and_evicting(tmp_path):
@@ -384,5 +385,5 @@ def test_reads_on_several_threads_while_writing_and_evicting(tmp_path):
         for t in threads:
             t.join()
         assert problems == []
-        assert tier.stats["corrupt"] == 0 and tier.stats["read_errors"] == 0
-        assert tier.stats["segments_evicted"] > 0
+        assert tier.counters.corrupt == 0 and tier.counters.read_errors == 0
+        assert tier.counters.segments_evicted > 0

@@ -35,6 +35,7 @@ STEPS = [
     (startup, "open_pool"),
     (main, "scope_quotas"),
     (main, "wire_depot"),
+    (main, "open_tiers"),
     (main, "open_disk_tier"),
     (main, "add_transports"),
     (startup, "open_job_socket"),
@@ -141,7 +142,7 @@ def test_a_failed_start_leaves_nothing_taken(setup, monkeypatch, module, name):
 
 
 def test_every_step_is_injected_above():
-    source = inspect.getsource(main.start) + inspect.getsource(main.wire_depot)
+    source = inspect.getsource(main.start) + inspect.getsource(main.wire_depot) + inspect.getsource(main.open_tiers)
     for module, name in STEPS:
         assert f"{name}(" in source, f"start-up no longer calls {name}: update STEPS"
 

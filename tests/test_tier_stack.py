@@ -57,4 +57,6 @@ def test_under_the_disk_the_third_tier_serves_what_the_disk_dropped(start_daemon
     stats = client.stats()
     assert [t.name for t in stats.tiers] == ["dram", "disk", "memory"]
     assert tier(stats, "disk").promotions > 0 and tier(stats, "memory").promotions > 0
-    assert tier(stats, "disk").failed_promotions == 0 and tier(stats, "memory").failed_promotions == 0
+    # A disk promotion can fail as the disk drops a segment the blocks promoted
+    # from the memory tier push out: that block's next lookup finds it below.
+    assert tier(stats, "memory").failed_promotions == 0

@@ -156,10 +156,10 @@ def open_disk_tier(config: DaemonConfig, pool: HostPool, loop: asyncio.AbstractE
     # Space comes back a segment at a time: an eighth of the tier at most.
     segment = max(64 << 10, min(SEGMENT_BYTES, tiers.disk_size // 8))
     disk = DiskTier(tiers.disk_dir, tiers.disk_size, segment_bytes=segment, fresh=config.lifecycle.fresh)
-    stats = disk.stats
+    counters = disk.counters
     log.info(
         "disk tier in %s: %d shard(s), %.2f of %.2f GiB, %s",
-        tiers.disk_dir, stats.get("records", 0), stats.get("bytes_used", 0) / 2**30, tiers.disk_size / 2**30,
+        tiers.disk_dir, counters.records, counters.bytes_used / 2**30, tiers.disk_size / 2**30,
         "O_DIRECT" if disk.direct else "buffered I/O (the filesystem refuses O_DIRECT)",
     )
     try:

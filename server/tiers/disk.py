@@ -211,30 +211,30 @@ class DiskMover(Tier):
         self.disk.close()
 
     def stats(self) -> TierStats:
-        s = self.disk.stats
+        c = self.disk.counters
         discarded = {
-            name: s[reason]
-            for reason, name in (("scan_torn", "torn"), ("scan_format", "format"), ("corrupt", "corrupt"),
-                                 ("scan_segments_skipped", "segments_skipped"), ("read_errors", "read_errors"))
-            if s.get(reason)
+            reason: count
+            for reason, count in (("torn", c.scan.torn), ("format", c.scan.format), ("corrupt", c.corrupt),
+                                  ("segments_skipped", c.scan.segments_skipped), ("read_errors", c.read_errors))
+            if count
         }
         if self.not_demoted:
             discarded["evicted_before_written"] = self.not_demoted
         return TierStats(
             name=self.name,
-            shards=s.get("records", 0),
-            bytes=s.get("bytes_used", 0),
-            capacity_bytes=s.get("capacity", 0),
+            shards=c.records,
+            bytes=c.bytes_used,
+            capacity_bytes=self.disk.capacity,
             written_shards=self.demoted_shards,
-            written_bytes=s.get("bytes_written", 0),
+            written_bytes=c.bytes_written,
             read_shards=self.read_shards,
-            read_bytes=s.get("bytes_read", 0),
+            read_bytes=c.bytes_read,
             promotions=self.promotions,
             failed_promotions=self.failed_promotions,
-            evicted_shards=s.get("records_evicted", 0),
-            recovered_shards=s.get("scan_records", 0),
+            evicted_shards=c.records_evicted,
+            recovered_shards=c.scan.records,
             direct_io=bool(self.disk.direct),
-            write_errors=s.get("write_errors", 0),
+            write_errors=c.write_errors,
             discarded=discarded,
         )
 

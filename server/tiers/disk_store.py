@@ -4,7 +4,9 @@ A directory (disk_folder.py: its lock and fingerprint) holds segments of at
 most `segment_bytes` each (segments.py: their format and scan). Space comes
 back a whole segment at a time: the oldest goes when a new one would not fit
 in the capacity. This module is the store over them: the index of records,
-batched writes, checked reads and eviction, which share one lock's state.
+batched writes, checked reads and eviction, which share one lock's state
+(disk_io.py: how one record is written and read; disk_counters.py: what
+the store counts).
 
 Nothing but the files is trusted at start: the scan follows each segment's
 chain of self-hashed record headers (one 4 KiB read a record, no data read),
@@ -16,15 +18,17 @@ as headers, so a tenant cannot forge a record of another namespace.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
 import os
 import threading
 import time
+from dataclasses import replace
 
 from kvdepot.logsafe import RateLimitedLog
+from kvdepot.server.host.shard_record import ShardRecord
+from kvdepot.server.tiers.disk_counters import DiskCounters, ScanCounts
 from kvdepot.server.tiers.disk_folder import (
     PAGE,
     DiskTierError,
@@ -35,65 +39,16 @@ from kvdepot.server.tiers.disk_folder import (
     save_cleared,
     take_lock,
 )
-from kvdepot.server.host.shard_record import RECORD_BYTES, ShardRecord, data_hash, pack, unpack
-from kvdepot.server.tiers.segments import (
-    SEGMENT_NAME,
-    RecordKey,
-    Segment,
-    page_padded,
-    scan_segment,
-    segment_header,
-)
+from kvdepot.server.tiers.disk_io import FLUSH_BYTES, ZEROS, Batch, bytes_view, read_record
+from kvdepot.server.tiers.segments import RecordKey, Segment, page_padded, scan_folder, segment_header
 
-# A pwritev gathers up to this much (and IOV_MAX buffers): few, large syscalls.
-FLUSH_BYTES = 32 << 20
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 # Kept free beyond a segment's bytes for the filesystem's own blocks of it (extent trees).
 SLACK = 64 << 10
-_ZEROS = memoryview(bytes(PAGE))
 SEGMENT_BYTES = 256 << 20
 
 
-def _address(view: memoryview) -> int | None:
-    """The address of a writable buffer; None for a read-only or empty one."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except (TypeError, ValueError):
-        return None
-
-
-def _bytes_view(data) -> memoryview:
-    view = memoryview(data)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _pwritev_all(fd: int, iov: list, offset: int) -> tuple[int, OSError | None]:
-    """Writes all of `iov` at `offset`: the bytes written, and the error that stopped it."""
-    done = 0
-    while iov:
-        try:
-            n = os.pwritev(fd, iov, offset + done)
-        except OSError as e:
-            return done, e
-        if n == 0:
-            return done, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        done += n
-        while iov and n >= len(iov[0]):
-            n -= len(iov.pop(0))
-        if n:
-            iov[0] = iov[0][n:]
-    return done, None
-
-
-class _Batch:
-    """Records gathered for one pwritev at `start` of the current segment."""
-
-    def __init__(self, start: int):
-        self.start = start
-        self.iov: list = []
-        self.pending: list[tuple[RecordKey, ShardRecord, int, int]] = []  # key, record, offset, end
-        self.nbytes = 0
-        self.bounce_used = 0
+# The log a tier writes to unless told another (the tests give their own).
+DISK_LOG = logging.getLogger("kvdepot.disk")
 
 
 class DiskTier:
@@ -105,7 +60,7 @@ class DiskTier:
         segment_bytes: int = SEGMENT_BYTES,
         direct: str = "auto",
         fresh: bool = False,
-        log: logging.Logger = logging.getLogger("kvdepot.disk"),
+        log: logging.Logger = DISK_LOG,
     ):
         if direct not in ("auto", "on", "off"):
             raise ValueError(f"direct must be auto, on or off, not {direct!r}")
@@ -131,10 +86,8 @@ class DiskTier:
         self._lock_fd = -1
         self._bounce: mmap.mmap | None = None
         self._direct = False
-        self._counts = dict.fromkeys(
-            ("bytes_written", "bytes_read", "segments_evicted", "records_evicted", "write_errors", "read_errors",
-             "corrupt", "too_large"), 0)
-        self._scan: dict[str, int] = {}
+        # Its records, bytes_used and segments are left at 0: the snapshot counts them.
+        self._counts = DiskCounters()
         # Called (on the writing thread) with the keys each evicted segment held.
         self.on_evict = None
         make_directory(self.directory)
@@ -166,45 +119,25 @@ class DiskTier:
             pages = self._local.pages = (view[:PAGE], view[PAGE:])
         return pages
 
-    def scan(self) -> dict[str, int]:
+    def scan(self) -> ScanCounts:
         """Rebuilds the index from the segment files; returns what it found."""
         with self._write_lock:
             self._seal()
-            counts = dict.fromkeys(
-                ("records", "bytes", "format", "torn", "empty", "segments", "segments_skipped", "cleared"), 0)
-            index: dict[RecordKey, tuple[int, int, ShardRecord]] = {}
-            segments: dict[int, Segment] = {}
-            found = []
-            for name in os.listdir(self.directory):
-                match = SEGMENT_NAME.match(name)
-                if match and match.group(2):  # a segment whose header was never written
-                    os.unlink(self._path(name))
-                elif match:
-                    found.append((int(match.group(1)), name))
-            found.sort()
-            started = last = time.monotonic()
-            for i, (seq, name) in enumerate(found):
-                segment = scan_segment(seq, self._path(name), index, counts, self._pages()[0], self._direct, self._log)
-                if segment is not None:
-                    segments[seq] = segment
-                if time.monotonic() - last >= 1.0:
-                    last = time.monotonic()
-                    self._log.info("scanning the disk tier: %d of %d segments, %d records", i + 1, len(found),
-                                   len(index))
+            started = time.monotonic()
+            index, segments, counts, last = scan_folder(self.directory, self._pages()[0], self._direct, self._log)
             self._drop_cleared(index, segments, counts)
-            counts["records"] = len(index)
-            counts["bytes"] = sum(loc[2].length for loc in index.values())
+            counts.records = len(index)
+            counts.bytes = sum(loc[2].length for loc in index.values())
             with self._lock:
-                self._index, self._segments, self._scan = index, segments, counts
-                self._next_seq = max([seq for seq, _ in found] + [self._next_seq - 1]) + 1
-            problems = ", ".join(f"{v} {k}" for k, v in counts.items() if v and k in ("format", "torn",
-                                                                                        "segments_skipped"))
+                self._index, self._segments, self._counts.scan = index, segments, counts
+                self._next_seq = max(last, self._next_seq - 1) + 1
+            problems = counts.problems()
             self._log.info(
                 "disk tier at %s: %d records (%.2f GiB) in %d segments, scanned in %.1f s%s (%s I/O)",
-                self.directory, counts["records"], counts["bytes"] / 2**30, counts["segments"],
+                self.directory, counts.records, counts.bytes / 2**30, counts.segments,
                 time.monotonic() - started, f"; {problems}" if problems else "",
                 "direct" if self._direct else "buffered")
-            return dict(counts)
+            return replace(counts)
 
     # ------------------------------------------------------------ queries
 
@@ -225,7 +158,7 @@ class DiskTier:
             loc = self._index.get(key)
         return None if loc is None else loc[2]
 
-    def _drop_cleared(self, index: dict, segments: dict, counts: dict) -> None:
+    def _drop_cleared(self, index: dict, segments: dict, counts: ScanCounts) -> None:
         """Leaves out the records of namespaces cleared after they were written."""
         if not self._cleared:
             return
@@ -233,7 +166,7 @@ class DiskTier:
         for key, (seq, _, _) in list(index.items()):
             if seq <= max(everything, self._cleared.get(key[0].hex(), 0)):
                 del index[key]
-                counts["cleared"] += 1
+                counts.cleared += 1
         # A clear older than every segment left has nothing more to hide.
         oldest = min(segments, default=None)
         kept = {n: seq for n, seq in self._cleared.items() if oldest is not None and seq >= oldest}
@@ -260,14 +193,11 @@ class DiskTier:
             self._index.pop(key, None)
 
     @property
-    def stats(self) -> dict[str, int]:
+    def counters(self) -> DiskCounters:
         with self._lock:
-            stats = dict(self._counts)
-            stats.update(
-                records=len(self._index), bytes_used=sum(s.physical for s in self._segments.values()),
-                capacity=self.capacity, segments=len(self._segments), direct=int(self._direct))
-            stats.update({f"scan_{k}": v for k, v in self._scan.items()})
-        return stats
+            return replace(
+                self._counts, records=len(self._index), bytes_used=sum(s.physical for s in self._segments.values()),
+                segments=len(self._segments), scan=replace(self._counts.scan))
 
     # ------------------------------------------------------------ writing
 
@@ -277,7 +207,7 @@ class DiskTier:
         without raising: what landed before it is indexed and returned."""
         checked = []
         for record, data in items:
-            view = _bytes_view(data)
+            view = bytes_view(data)
             if len(view) != record.length:
                 raise ValueError(f"a record of {record.length} bytes given {len(view)} bytes of data")
             checked.append((record, view))
@@ -298,21 +228,20 @@ class DiskTier:
                     size = PAGE + page_padded(record.length)
                     if max(self.segment_bytes, PAGE + size) + SLACK > self.capacity:
                         with self._lock:
-                            self._counts["too_large"] += 1
+                            self._counts.too_large += 1
                         self._limited.warning("too_large", "a record of %d bytes does not fit in the disk tier's "
                                               "capacity: not written", record.length)
                         continue
                     segment = self._current
-                    end = batch.start + batch.nbytes if batch is not None else segment.end if segment else 0
+                    end = batch.end if batch is not None else segment.end if segment else 0
                     if segment is None or (end + size > self.segment_bytes and end > PAGE):
                         self._flush(batch, written)
                         self._roll(size)
                         batch = None
-                    if batch is None or batch.bounce_used + PAGE + page_padded(record.length) > len(self._bounce) \
-                            or len(batch.iov) + 3 > _IOV_MAX:
+                    if batch is None or not batch.fits(record):
                         self._flush(batch, written)
-                        batch = _Batch(self._current.end)
-                    self._add(batch, key, record, view)
+                        batch = Batch(self._current.end, self._bounce, self._direct)
+                    batch.add(key, record, view)
                     if batch.nbytes >= FLUSH_BYTES:
                         self._flush(batch, written)
                         batch = None
@@ -321,41 +250,11 @@ class DiskTier:
                 self._write_failed(e, len(written))
         return written
 
-    def _add(self, batch: _Batch, key: RecordKey, record: ShardRecord, view: memoryview) -> None:
-        bounce = memoryview(self._bounce)
-        offset = batch.start + batch.nbytes
-        header = bounce[batch.bounce_used : batch.bounce_used + PAGE]
-        header[:RECORD_BYTES] = pack(record)
-        header[RECORD_BYTES:] = _ZEROS[RECORD_BYTES:]
-        batch.bounce_used += PAGE
-        batch.iov.append(header)
-        length, padded = record.length, page_padded(record.length)
-        if length:
-            address = _address(view) if self._direct else None
-            if not self._direct:
-                batch.iov.append(view)
-                if padded > length:
-                    batch.iov.append(_ZEROS[: padded - length])
-            elif address is not None and address % PAGE == 0 and length == padded:
-                batch.iov.append(view)  # zero copy
-            else:  # O_DIRECT needs aligned memory and whole pages
-                if PAGE + padded > len(self._bounce):
-                    copy = memoryview(mmap.mmap(-1, padded))  # larger than the bounce buffer: its own
-                else:
-                    copy = bounce[batch.bounce_used : batch.bounce_used + padded]
-                    batch.bounce_used += padded
-                copy[:length] = view
-                copy[length:] = bytes(padded - length)
-                batch.iov.append(copy)
-        batch.nbytes += PAGE + padded
-        batch.pending.append((key, record, offset, offset + PAGE + padded))
-
-    def _flush(self, batch: _Batch | None, written: list[RecordKey]) -> None:
+    def _flush(self, batch: Batch | None, written: list[RecordKey]) -> None:
         if batch is None or not batch.iov:
             return
         segment = self._current
-        done, error = _pwritev_all(segment.fd, batch.iov, batch.start)
-        landed = [p for p in batch.pending if p[3] <= batch.start + done]
+        landed, error = batch.write(segment.fd)
         if landed:
             segment.end = landed[-1][3]
         try:
@@ -366,17 +265,15 @@ class DiskTier:
             for key, record, offset, _ in landed:
                 self._index[key] = (segment.seq, offset, record)
                 segment.keys.append(key)
-                self._counts["bytes_written"] += record.length
+                self._counts.bytes_written += record.length
             segment.physical = physical
         written.extend(p[0] for p in landed)
-        batch.iov.clear()
-        batch.pending.clear()
         if error is not None:
             raise error
 
     def _write_failed(self, error: OSError, landed: int) -> None:
         with self._lock:
-            self._counts["write_errors"] += 1
+            self._counts.write_errors += 1
         segment = self._current
         self._limited.warning("write", "writing to the disk tier failed (%s) in %s; %d records were written",
                               error.strerror or error, segment.path if segment else self.directory, landed)
@@ -402,7 +299,7 @@ class DiskTier:
                 segment.physical = physical
         except OSError as e:
             with self._lock:
-                self._counts["write_errors"] += 1
+                self._counts.write_errors += 1
             self._limited.warning("seal", "syncing disk tier segment %s failed: %s", segment.path, e.strerror)
         finally:
             os.close(segment.fd)
@@ -420,7 +317,7 @@ class DiskTier:
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
             page = self._pages()[0]
-            page[:] = _ZEROS
+            page[:] = ZEROS
             header = segment_header(seq)
             page[: len(header)] = header
             if os.pwrite(fd, page, 0) != PAGE:
@@ -463,8 +360,8 @@ class DiskTier:
                     self._segments = {oldest.seq: oldest, **self._segments}
                 raise
             with self._lock:
-                self._counts["segments_evicted"] += 1
-                self._counts["records_evicted"] += len(dropped)
+                self._counts.segments_evicted += 1
+                self._counts.records_evicted += len(dropped)
             if self.on_evict is not None and dropped:
                 self.on_evict(dropped)
             self._log.debug("evicted disk tier segment %s (%d records)", oldest.path, len(dropped))
@@ -479,58 +376,33 @@ class DiskTier:
         if loc is None:
             return False
         seq, offset, record = loc
-        into = _bytes_view(into)
+        into = bytes_view(into)
         if len(into) < record.length:
             raise ValueError(f"a record of {record.length} bytes read into {len(into)} bytes")
         path = self._path(f"seg-{seq:012d}.kvd")
         try:
-            why = self._read_at(path, offset, record, into)
-            counter = "corrupt"
+            why = read_record(path, offset, record, into, self._pages(), self._direct)
+            io_error = False
         except OSError as e:
             with self._lock:
                 if self._index.get(key) is not loc:
                     return False  # evicted or discarded meanwhile
-            why, counter = e.strerror or str(e), "read_errors"
+            why, io_error = e.strerror or str(e), True
         with self._lock:
             if not why:
-                self._counts["bytes_read"] += record.length
+                self._counts.bytes_read += record.length
                 return True
             if self._index.get(key) is loc:
                 del self._index[key]
-            self._counts[counter] += 1
-        self._limited.warning(counter, "disk tier record %s rank %d at %d of %s failed (%s): dropped",
-                              key[1][:8].hex(), key[2], offset, path, why)
+            if io_error:
+                self._counts.read_errors += 1
+            else:
+                self._counts.corrupt += 1
+        self._limited.warning(
+            "read_errors" if io_error else "corrupt", "disk tier record %s rank %d at %d of %s failed (%s): dropped",
+            key[1][:8].hex(), key[2], offset, path, why,
+        )
         return False
-
-    def _read_at(self, path: str, offset: int, record: ShardRecord, into: memoryview) -> str:
-        """Why the record at `offset` is not `record`; "" when its data, now in `into`, is."""
-        header, tail_page = self._pages()
-        length = record.length
-        tail = 0
-        address = _address(into) if self._direct else None
-        if address is not None and address % PAGE == 0:
-            floor = length & -PAGE
-            tail = length - floor
-            iov = [header] + ([into[:floor]] if floor else []) + ([tail_page] if tail else [])
-            expect, flags = PAGE + page_padded(length), os.O_DIRECT
-        else:
-            iov = [header] + ([into[:length]] if length else [])
-            expect, flags = PAGE + length, 0
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
-        try:
-            n = os.preadv(fd, iov, offset)
-        finally:
-            os.close(fd)
-        if n < expect:
-            return "the segment ends inside it"
-        found, why = unpack(header)
-        if found != record:
-            return f"its header changed ({why or 'another record'})"
-        if tail:
-            into[length - tail : length] = tail_page[:tail]
-        if data_hash(into[:length]) != record.data_hash:
-            return "its data does not match its hash"
-        return ""
 
     # ------------------------------------------------------------ end
 

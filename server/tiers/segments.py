@@ -1,4 +1,4 @@
-"""The disk tier's segment files: their header, their name, and the scan of one.
+"""The disk tier's segment files: their header, their name, and the scan of them.
 
 A segment, seg-<sequence>.kvd, is a 4 KiB segment header (magic, format,
 sequence, their hash), then records: each a 4 KiB header page (the shard's
@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 import re
 import struct
+import time
 
 import xxhash
 
-from kvdepot.server.host.shard_record import FORMAT_VERSION, unpack
+from kvdepot.server.host.shard_record import FORMAT_VERSION, ShardRecord, unpack
+from kvdepot.server.tiers.disk_counters import ScanCounts
 from kvdepot.server.tiers.disk_folder import PAGE
 
 RecordKey = tuple[bytes, bytes, int]  # (namespace digest, block key, rank)
@@ -62,7 +64,7 @@ class Segment:
         self.keys: list[RecordKey] = []
 
 
-def scan_segment(seq: int, path: str, index: dict, counts: dict, page, direct: bool, log) -> Segment | None:
+def scan_segment(seq: int, path: str, index: dict, counts: ScanCounts, page, direct: bool, log) -> Segment | None:
     """Indexes segment `seq`'s records into `index` by following its chain of
     record headers (one page read a record, `page` a page-aligned buffer);
     None, counted, for a segment that is not ours."""
@@ -70,7 +72,7 @@ def scan_segment(seq: int, path: str, index: dict, counts: dict, page, direct: b
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
     except OSError as e:
         log.warning("skipping disk tier segment %s: %s", path, e.strerror)
-        counts["segments_skipped"] += 1
+        counts.segments_skipped += 1
         return None
     try:
         st = os.fstat(fd)
@@ -78,31 +80,58 @@ def scan_segment(seq: int, path: str, index: dict, counts: dict, page, direct: b
         why = "it is too short" if size < PAGE or os.preadv(fd, [page], 0) < PAGE else _segment_problem(page, seq)
         if why:
             log.warning("skipping %s, %s: left in place, its space not counted", path, why)
-            counts["segments_skipped"] += 1
+            counts.segments_skipped += 1
             return None
         segment = Segment(seq, path, st.st_blocks * 512)
         offset = PAGE
         while offset < size:
             if offset + PAGE > size or os.preadv(fd, [page], offset) < PAGE:
-                counts["torn"] += 1
+                counts.torn += 1
                 break
             record, why = unpack(page)
             if record is None:
-                counts[why] += 1
+                counts.ended_at(why)
                 break
             end = offset + PAGE + page_padded(record.length)
             if end > size:
-                counts["torn"] += 1
+                counts.torn += 1
                 break
             key = (record.ns, record.key, record.rank)
             index[key] = (seq, offset, record)  # a later copy of a key wins
             segment.keys.append(key)
             offset = end
-        counts["segments"] += 1
+        counts.segments += 1
         return segment
     except OSError as e:
         log.warning("reading disk tier segment %s failed (%s): skipped", path, e.strerror)
-        counts["segments_skipped"] += 1
+        counts.segments_skipped += 1
         return None
     finally:
         os.close(fd)
+
+
+def scan_folder(directory: str, page, direct: bool, log) -> tuple[dict, dict[int, Segment], ScanCounts, int]:
+    """Indexes the segments in `directory`, oldest first, so that a later copy
+    of a key wins: the index, the segments by sequence, what the scan found,
+    and the highest sequence a file names (0 for none), a skipped one's too,
+    since a new segment must not take its name."""
+    counts = ScanCounts()
+    index: dict[RecordKey, tuple[int, int, ShardRecord]] = {}  # key -> (sequence, offset, record)
+    segments: dict[int, Segment] = {}
+    found = []
+    for name in os.listdir(directory):
+        match = SEGMENT_NAME.match(name)
+        if match and match.group(2):  # a segment whose header was never written
+            os.unlink(os.path.join(directory, name))
+        elif match:
+            found.append((int(match.group(1)), name))
+    found.sort()
+    last = time.monotonic()
+    for i, (seq, name) in enumerate(found):
+        segment = scan_segment(seq, os.path.join(directory, name), index, counts, page, direct, log)
+        if segment is not None:
+            segments[seq] = segment
+        if time.monotonic() - last >= 1.0:
+            last = time.monotonic()
+            log.info("scanning the disk tier: %d of %d segments, %d records", i + 1, len(found), len(index))
+    return index, segments, counts, max((seq for seq, _ in found), default=0)
