@@ -16,7 +16,7 @@ log = logging.getLogger("kvdepot.jobs")
 
 @dataclass
 class JobSocketLimits:
-    """What one client can make the job socket hold (server/daemon/config.py has the options)."""
+    """What one client can make the job socket hold (server/daemon/options.py has the options)."""
 
     connections: int = 1024
     connections_per_uid: int = 512

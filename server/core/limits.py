@@ -4,7 +4,7 @@ Every number a client sends is checked against a bound before the daemon does
 arithmetic with it or keeps anything for it: how many engines, workers and
 jobs a session has, how long its strings are, how large its tensors claim to
 be, and what it adds to the counters everyone's stats show. A refusal names
-the option that raises the bound (server/daemon/options.py, README "Limits").
+the option that raises the bound (server/daemon/options.py; docs/configuration.md, "Limits").
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ OPTIONS = [
         "admin_uids", "network", "",
         "Uids whose unix-socket clients may see every tenant's stats and clear every namespace, separated "
         "by commas; empty: root and the daemon's own user. Tenants are set in the configuration file "
-        "([[tenant]] tables, see the README's security section).",
+        "([[tenant]] tables, see docs/security.md).",
         shown_default="root and the daemon's user",
     ),
     Option(
