@@ -37,6 +37,18 @@ def fill_round(client, worker, tensors, round_: int, job_id: int) -> list[torch.
     return saved
 
 
+def fill_rounds(client, worker, tensors, rounds: int, first_job: int) -> list[list[torch.Tensor]]:
+    """Stores `rounds` rounds, each on disk before the next is stored: a block
+    DRAM evicts before the disk's writer reached it is not written (by design),
+    and one the writer holds is not evicted, so without the wait a busy machine
+    decides which rounds the disk has and which DRAM still holds."""
+    saved = []
+    for r in range(rounds):
+        saved.append(fill_round(client, worker, tensors, r, first_job + r))
+        wait_until(lambda: disk(client.stats()).written_shards >= (r + 1) * NUM_BLOCKS, what=f"round {r} on disk")
+    return saved
+
+
 def wait_ready(client, engine, keys, timeout=20.0) -> int:
     """Looks up (a Lookup call: it starts promotions) until every key is ready."""
     deadline = time.monotonic() + timeout
@@ -67,9 +79,7 @@ def test_a_working_set_three_times_the_pool_cycles_through_disk_and_loads_bit_ex
     client = client_factory(daemon)
     worker, engine, tensors = attach_worker(client, seed=1)
     rounds = 3 * POOL_SLOTS // NUM_BLOCKS  # 768 blocks through a pool of 256
-    saved = [fill_round(client, worker, tensors, r, 100 + r) for r in range(rounds)]
-    wait_until(lambda: disk(client.stats()).written_shards >= rounds * NUM_BLOCKS - POOL_SLOTS,
-               what="the evicted blocks on disk")
+    saved = fill_rounds(client, worker, tensors, rounds, 100)
     for r in range(rounds):
         keys = prompt_keys(NUM_BLOCKS, prompt=r)
         assert wait_ready(client, engine, keys) == NUM_BLOCKS, f"round {r} did not come back"
@@ -89,9 +99,7 @@ def test_an_engine_copy_waits_for_disk_blocks_and_its_cached_lookup_brings_them_
     daemon = start(start_daemon, tmp_path)
     client = client_factory(daemon)
     worker, engine, tensors = attach_worker(client, seed=2)
-    first = fill_round(client, worker, tensors, 0, 1)
-    for r in range(1, 3):  # evicts round 0 from DRAM
-        fill_round(client, worker, tensors, r, 1 + r)
+    first = fill_rounds(client, worker, tensors, 3, 1)[0]  # round 2 evicts round 0 from DRAM
     keys = prompt_keys(NUM_BLOCKS, prompt=0)
     wait_until(lambda: keys[0] in engine.lower, what="the engine's copy listing round 0 on disk")
     answer = client.cached_lookup(engine, keys)
@@ -109,10 +117,7 @@ def test_a_corrupt_record_on_disk_is_a_miss_never_served(start_daemon, client_fa
     daemon = start(start_daemon, tmp_path)
     client = client_factory(daemon)
     worker, engine, tensors = attach_worker(client, seed=3)
-    fill_round(client, worker, tensors, 0, 1)
-    for r in range(1, 3):
-        fill_round(client, worker, tensors, r, 1 + r)
-    wait_until(lambda: disk(client.stats()).written_shards >= NUM_BLOCKS, what="round 0 on disk")
+    fill_rounds(client, worker, tensors, 3, 1)  # and no write is under way while the test edits the files
     # Flip a byte in the data of every record of round 0's first block: find
     # its header page by the key, then the data page after it.
     key = prompt_keys(1, prompt=0)[0]
@@ -189,7 +194,7 @@ def test_stats_and_metrics_show_each_tier(start_daemon, client_factory, tmp_path
     daemon = start(start_daemon, tmp_path, metrics_listen="127.0.0.1:0")
     client = client_factory(daemon)
     worker, engine, tensors = attach_worker(client, seed=6)
-    saved = [fill_round(client, worker, tensors, r, 1 + r) for r in range(3)]
+    saved = fill_rounds(client, worker, tensors, 3, 1)
     keys = prompt_keys(NUM_BLOCKS, prompt=0)
     assert wait_ready(client, engine, keys) == NUM_BLOCKS
     load_and_check(client, worker, tensors, keys, saved[0], 100)

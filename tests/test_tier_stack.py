@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import wait_until
 from kvcache import NUM_BLOCKS, attach_worker, prompt_keys
-from test_disk_tier_daemon import POOL_SLOTS, fill_round, load_and_check, wait_ready
+from test_disk_tier_daemon import POOL_SLOTS, fill_round, fill_rounds, load_and_check, wait_ready
 
 LAUNCHER = str(Path(__file__).with_name("daemon_with_memory_tier.py"))
 
@@ -43,12 +42,7 @@ def test_under_the_disk_the_third_tier_serves_what_the_disk_dropped(start_daemon
     client = client_factory(daemon)
     worker, engine, tensors = attach_worker(client, seed=2)
     rounds = 4 * POOL_SLOTS // NUM_BLOCKS
-    saved = []
-    for r in range(rounds):
-        saved.append(fill_round(client, worker, tensors, r, 100 + r))
-        # Each round on disk before the next: none is evicted from DRAM unwritten.
-        wait_until(lambda: tier(client.stats(), "disk").written_shards >= (r + 1) * NUM_BLOCKS,
-                   what=f"round {r} on disk")
+    saved = fill_rounds(client, worker, tensors, rounds, 100)
     assert tier(client.stats(), "disk").evicted_shards > 0
     for r in reversed(range(rounds)):
         keys = prompt_keys(NUM_BLOCKS, prompt=r)

@@ -147,7 +147,7 @@ class KVDepotService(pb_grpc.KVDepotServicer):
                 started=pb.SessionStarted(
                     session_id=session.id,
                     daemon_instance=self.depot.instance,
-                    pool=answers.pool_info(self.depot.report(None).pool),
+                    pool=answers.pool_info(self.depot.pool_info()),
                     daemon_version=self.depot.version,
                     job_socket=self.job_socket,
                     tenant=identity.tenant if identity else "",

@@ -97,6 +97,9 @@ class Depot:
         self._idle.set()
         self._next_id = 1
 
+    def pool_info(self) -> report.PoolInfo:
+        return report.PoolInfo(self.pool.slot_bytes, self.pool.num_slots, self.pool.pinned)
+
     def add_transport(self, transport: Transport) -> None:
         self.transports[transport.handle_kind] = transport
 

@@ -101,7 +101,7 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
         version=depot.version,
         instance=depot.instance,
         uptime_seconds=time.monotonic() - depot.started,
-        pool=PoolInfo(pool.slot_bytes, pool.num_slots, pool.pinned),
+        pool=depot.pool_info(),
         used_slots=pool.used_slots,
         eviction=depot.evictions.name,
         tiers=depot.index.tiers.stats(
