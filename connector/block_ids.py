@@ -25,7 +25,7 @@ Rules:
 from __future__ import annotations
 
 from kvdepot.connector import vllm_compat
-from kvdepot.connector.keys import GroupInfo
+from kvdepot.connector.engine_keys import GroupInfo
 from kvdepot.connector.state import RequestState
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvdepot.connector import vllm_compat
 from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.keys import offloaded_groups
+from kvdepot.connector.engine_keys import offloaded_groups
 from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata
 from kvdepot.connector.metrics import KVDepotConnectorStats, KVDepotPromMetrics
 from kvdepot.connector.vllm_compat import (

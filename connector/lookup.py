@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 
 from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.keys import GroupInfo
+from kvdepot.connector.engine_keys import GroupInfo
 from kvdepot.connector.metadata import GroupTransfer
 from kvdepot.connector.state import RequestState
 

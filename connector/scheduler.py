@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 from kvdepot.connector.block_ids import BlockIds
 from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.keys import GroupInfo, RequestKeys
+from kvdepot.connector.engine_keys import GroupInfo, RequestKeys
 from kvdepot.connector.kv_events import KVEvents
 from kvdepot.connector.lookup import Lookup
 from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata, TransferJob

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvdepot.connector.config import StorePolicy
-from kvdepot.connector.keys import RequestKeys
+from kvdepot.connector.engine_keys import RequestKeys
 from kvdepot.connector.kv_events import StoredRun
 from kvdepot.connector.metadata import TransferJob
 

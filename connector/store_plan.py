@@ -27,7 +27,7 @@ import math
 from collections.abc import Iterable
 
 from kvdepot.connector.block_ids import BlockIds
-from kvdepot.connector.keys import GroupInfo
+from kvdepot.connector.engine_keys import GroupInfo
 from kvdepot.connector.kv_events import KVEvents, StoredRun
 from kvdepot.connector.metadata import GroupTransfer
 from kvdepot.connector.state import JobState, RequestState

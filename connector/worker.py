@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kvdepot.connector import vllm_compat
 from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.keys import GroupInfo
+from kvdepot.connector.engine_keys import GroupInfo
 from kvdepot.connector.metadata import KVDepotMetadata, KVDepotWorkerMetadata, TransferJob
 from kvdepot.errors import KVDepotError
 

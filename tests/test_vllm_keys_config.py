@@ -17,7 +17,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import vllm_harness as h
 from vllm.lora.request import LoRARequest
-from kvdepot.connector.keys import RequestKeys
+from kvdepot.connector.engine_keys import RequestKeys
 tokens = list(range(3, 3 + 48))
 variants = {
     "plain": {},
@@ -66,7 +66,7 @@ def test_request_keys_grown_block_by_block_are_the_keys_any_client_computes():
     sys.path.insert(0, str(REPO / "tests"))
     import vllm_harness as h
 
-    from kvdepot.connector.keys import RequestKeys
+    from kvdepot.connector.engine_keys import RequestKeys
     from kvdepot.keys import block_keys
 
     prompt = [(i * 7919) % 30000 + 3 for i in range(40)]
@@ -136,7 +136,7 @@ def test_a_group_of_uniform_layer_specs_is_offloaded_as_its_layers_kind():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, UniformTypeKVCacheSpecs
 
-    from kvdepot.connector.keys import offloaded_groups
+    from kvdepot.connector.engine_keys import offloaded_groups
 
     layer = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     group = KVCacheGroupSpec(["l0", "l1"], UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l0": layer, "l1": layer}))

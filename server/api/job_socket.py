@@ -44,7 +44,7 @@ from kvdepot.errors import (
     ResourceExhausted,
 )
 from kvdepot.proto import kvdepot_pb2 as pb
-from kvdepot.server.api import answers, requests
+from kvdepot.server.api import answers, parse
 from kvdepot.server.api.job_gate import Gate, JobSocketLimits, fit_fd_limit
 from kvdepot.server.host.peer import peer_of
 
@@ -234,12 +234,12 @@ class JobConnection(asyncio.Protocol):
         try:
             if kind == "submit_store":
                 self._check_session(request.submit_store.session_id)
-                job = requests.store_job(request.submit_store)
+                job = parse.store_job(request.submit_store)
                 submitted = self._depot.submit(self.session.id, job, received)
                 reply.store_submitted.CopyFrom(answers.store_submitted(submitted))
             elif kind == "submit_load":
                 self._check_session(request.submit_load.session_id)
-                self._depot.submit(self.session.id, requests.load_job(request.submit_load), received)
+                self._depot.submit(self.session.id, parse.load_job(request.submit_load), received)
                 reply.load_submitted.SetInParent()
             elif kind in ("hello", "staging"):
                 raise FailedPrecondition(f"{kind} must be the first frame of a job socket connection")

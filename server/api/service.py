@@ -13,7 +13,7 @@ from kvdepot.defaults import PROTOCOL_VERSION
 from kvdepot.errors import FailedPrecondition, InvalidArgument, KVDepotError, PermissionDenied, Unauthenticated
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
-from kvdepot.server.api import answers, requests
+from kvdepot.server.api import answers, parse
 from kvdepot.server.core.depot import Depot
 from kvdepot.server.core.tenants import Identity, Tenants
 
@@ -164,12 +164,12 @@ class KVDepotService(pb_grpc.KVDepotServicer):
 
     @_unary
     def RegisterEngine(self, request, context):
-        engine_id, ns = self.depot.register_engine(request.session_id, requests.namespace_spec(request.namespace))
+        engine_id, ns = self.depot.register_engine(request.session_id, parse.namespace_spec(request.namespace))
         return pb.RegisterEngineResponse(engine_id=engine_id, namespace_name=ns.name)
 
     @_unary
     def RegisterWorker(self, request, context):
-        worker = self.depot.register_worker(request.session_id, requests.worker_spec(request))
+        worker = self.depot.register_worker(request.session_id, parse.worker_spec(request))
         return pb.RegisterWorkerResponse(
             worker_id=worker.id,
             namespace_name=worker.ns.name,
@@ -190,11 +190,11 @@ class KVDepotService(pb_grpc.KVDepotServicer):
 
     @_unary
     def SubmitStore(self, request, context):
-        return answers.store_submitted(self.depot.submit(request.session_id, requests.store_job(request)))
+        return answers.store_submitted(self.depot.submit(request.session_id, parse.store_job(request)))
 
     @_unary
     def SubmitLoad(self, request, context):
-        self.depot.submit(request.session_id, requests.load_job(request))
+        self.depot.submit(request.session_id, parse.load_job(request))
         return pb.SubmitLoadResponse()
 
     @_unary

@@ -1,4 +1,4 @@
-"""The wire's requests read into the core's plain values (core/requests.py).
+"""The wire's messages read into the core's plain values (core/requests.py).
 
 Nothing here checks more than the message's shape: the core checks what the
 values mean, whichever way they came (gRPC or the job socket).
