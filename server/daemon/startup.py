@@ -30,6 +30,7 @@ from kvdepot.server.core.tenants import TenantConfigError, Tenants
 from kvdepot.server.daemon.config import DaemonConfig, Network
 from kvdepot.server.daemon.metrics import MetricsListenError, MetricsServer
 from kvdepot.server.host import pidlock
+from kvdepot.server.host.own_files import ForeignFile, check_own_folder
 from kvdepot.server.host.pool import HostPool, PoolError
 from kvdepot.server.tiers.disk_store import DiskTierError
 
@@ -125,7 +126,12 @@ class AddressGuard:
             os.makedirs(directory, mode=0o700, exist_ok=True)
         except OSError as e:
             raise StartupError(f"cannot create the folder {directory}: {e.strerror}") from e
-        fd, holder = pidlock.take(self.lock_path)
+        try:
+            if self.socket_path:
+                check_own_folder(directory, "the socket's folder")
+            fd, holder = pidlock.take(self.lock_path)
+        except ForeignFile as e:
+            raise StartupError(f"refusing to serve {self.target}: {e}") from None
         if fd < 0:
             raise StartupError(
                 f"another kvdepotd (pid {holder}) is already serving {self.target}; "

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import xxhash
 
 from kvdepot.keys import KEY_VERSION
+from kvdepot.server.host.own_files import open_own
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES
 
 log = logging.getLogger("kvdepot.pool")
@@ -225,10 +226,9 @@ class HostPool:
             )
         # The daemon's user alone: the pool holds every tenant's KV, and a
         # process that maps it could read or overwrite any of it.
-        if adopt:
-            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
-        else:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        # Checked again on the descriptor: a name in /dev/shm can change hands
+        # between read_header and here.
+        fd = open_own(self.path, os.O_RDWR if adopt else os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
             if not adopt:
