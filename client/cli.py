@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvdepot.client.daemon_identity import check_daemon, daemon_uids_setting, trusted_uids
 from kvdepot.client.job_socket import JobSocket
 from kvdepot.client.rpc import Tls, open_channel
 from kvdepot.defaults import PROTOCOL_VERSION, default_socket_path, grpc_target, read_token
@@ -52,8 +53,13 @@ def message_to_dict(message: Message) -> dict:
 
 
 class OperatorClient:
-    def __init__(self, target: str, auth_token: str | None = None, timeout: float = 5.0, tls: Tls | None = None):
+    def __init__(
+        self, target: str, auth_token: str | None = None, timeout: float = 5.0, tls: Tls | None = None,
+        daemon_uids=None,
+    ):
         self.target = grpc_target(target)
+        self._trusted = trusted_uids(daemon_uids_setting(daemon_uids))
+        check_daemon(self.target, self._trusted, timeout)
         self._channel = open_channel(self.target, tls.credentials() if tls is not None else None)
         self._stub = pb_grpc.KVDepotStub(self._channel)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
@@ -74,7 +80,8 @@ class OperatorClient:
             raise from_rpc_error(e) from None
         try:
             self._job_socket = JobSocket(
-                started.job_socket, started.session_id, lambda reply: None, lambda reason: None, self._timeout
+                started.job_socket, started.session_id, lambda reply: None, lambda reason: None, self._timeout,
+                self._trusted,
             )
         except OSError as e:
             raise Unavailable(f"cannot say hello on the job socket {started.job_socket}: {e}") from None

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvdepot import jobtrace
+from kvdepot.client.daemon_identity import daemon_uids_setting, trusted_uids
 from kvdepot.client.jobs import JobBook, JobResult
 from kvdepot.client.key_copy import EngineCopies, EngineHandle
 from kvdepot.client.promote import Promoter
@@ -80,7 +81,11 @@ class KVDepotClient:
         call_timeout: float = 10.0,
         backoff_initial: float = 0.05,
         backoff_max: float = 2.0,
+        daemon_uids: Iterable[int] | None = None,
     ):
+        """`daemon_uids`: uids besides root and this process's own whose daemon
+        this client may talk to (default: $KVDEPOT_DAEMON_UIDS, comma-separated);
+        on a unix socket the kernel names the daemon's uid before anything is sent."""
         self.target = grpc_target(target or default_socket_path())
         self.name = name
         self._jobs = JobBook()
@@ -90,7 +95,7 @@ class KVDepotClient:
         credentials = tls.credentials() if tls is not None else None
         self._session = Session(
             self.target, name, metadata, credentials, call_timeout, (backoff_initial, backoff_max), self._jobs,
-            self._copies,
+            self._copies, trusted_uids(daemon_uids_setting(daemon_uids)),
         )
 
     # ------------------------------------------------------------ connection
@@ -98,6 +103,8 @@ class KVDepotClient:
     def connect(self, timeout: float = 10.0) -> KVDepotClient:
         """Waits until attached to the daemon; raises Unavailable after `timeout`."""
         if not self.wait_connected(timeout):
+            if self._session.refusal is not None:
+                raise self._session.refusal
             raise Unavailable(f"kvdepotd is not answering on {self.target} after {timeout:.1f} s")
         return self
 

@@ -108,7 +108,8 @@ class SocketJobChannel(JobChannel):
     kind = "socket"
 
     def __init__(
-        self, path: str, session_id: str, book: JobBook, timeout: float, on_lost: Callable[[JobChannel, str], None]
+        self, path: str, session_id: str, book: JobBook, timeout: float, on_lost: Callable[[JobChannel, str], None],
+        trusted: frozenset[int],
     ):
         self._book = book
         self._timeout = timeout
@@ -121,13 +122,13 @@ class SocketJobChannel(JobChannel):
         self._replies: dict[int, pb.JobReply] = {}
         self._unanswered: dict[int, tuple[str, int]] = {}
         self._closed = False
-        self._path, self._session_id = path, session_id
+        self._path, self._session_id, self._trusted = path, session_id, trusted
         # Raises OSError when the daemon cannot be reached or refuses the hello.
-        self.socket = JobSocket(path, session_id, self._on_reply, self._lost, timeout)
+        self.socket = JobSocket(path, session_id, self._on_reply, self._lost, timeout, trusted)
 
     def hand_over(self, fd: int) -> int:
         try:
-            return hand_over(self._path, self._session_id, fd, self._timeout)
+            return hand_over(self._path, self._session_id, fd, self._timeout, self._trusted)
         except JobSocketRefused as e:
             raise FailedPrecondition(str(e)) from None
         except OSError as e:

@@ -14,6 +14,7 @@ import struct
 import threading
 from collections.abc import Callable
 
+from kvdepot.client.daemon_identity import check_peer, trusted_uids
 from kvdepot.defaults import JOB_FRAME_HEADER, MAX_JOB_FRAME_BYTES
 from kvdepot.proto import kvdepot_pb2 as pb
 
@@ -26,7 +27,8 @@ class JobSocketRefused(OSError):
 
 class JobSocket:
     """Connects and says hello; raises OSError (JobSocketRefused when the daemon
-    answers no) within `timeout` seconds, which also bounds every later write."""
+    answers no) within `timeout` seconds, which also bounds every later write;
+    UntrustedDaemon, before anything is sent, when the peer's uid is not in `trusted`."""
 
     def __init__(
         self,
@@ -35,6 +37,7 @@ class JobSocket:
         on_reply: Callable[[pb.JobReply], None],
         on_lost: Callable[[str], None],
         timeout: float,
+        trusted: frozenset[int] | None = None,
     ):
         self._on_reply = on_reply
         self._on_lost = on_lost
@@ -44,6 +47,7 @@ class JobSocket:
         try:
             self._sock.settimeout(timeout)
             self._sock.connect(path)
+            check_peer(self._sock, path, trusted or trusted_uids())
             self.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=session_id)))
             self._reader = self._sock.makefile("rb", buffering=1 << 16)
             answer = self._read_reply()
@@ -54,7 +58,7 @@ class JobSocket:
             # cannot go out within `timeout` (a daemon that stopped reading) fails.
             self._sock.settimeout(None)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
-        except OSError:
+        except BaseException:
             self._sock.close()
             raise
         self._thread = threading.Thread(target=self._read, name="kvdepot-jobs", daemon=True)
@@ -97,13 +101,15 @@ class JobSocket:
                 self._on_lost(reason)
 
 
-def hand_over(path: str, session_id: str, fd: int, timeout: float) -> int:
+def hand_over(path: str, session_id: str, fd: int, timeout: float, trusted: frozenset[int] | None = None) -> int:
     """Hands the daemon a descriptor of the worker's staging memory; returns
     its staging id. Raises OSError when the daemon cannot be reached, and
-    JobSocketRefused (with the daemon's reason) when it does not take it."""
+    JobSocketRefused (with the daemon's reason) when it does not take it, and
+    UntrustedDaemon, before the memory is offered, when the peer is not trusted."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(path)
+        check_peer(sock, path, trusted or trusted_uids())
         data = pb.JobFrame(staging=pb.StagingOffer(session_id=session_id)).SerializeToString()
         sock.sendall(JOB_FRAME_HEADER.pack(len(data)) + data)
         with sock.makefile("rb") as reader:

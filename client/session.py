@@ -24,13 +24,14 @@ from dataclasses import dataclass
 import grpc
 
 from kvdepot.client import announce
+from kvdepot.client.daemon_identity import check_daemon
 from kvdepot.client.job_channel import GrpcJobChannel, JobChannel, SocketJobChannel
 from kvdepot.client.jobs import JobBook
 from kvdepot.client.key_copy import EngineCopies, EngineHandle
 from kvdepot.client.rpc import open_channel, unary
 from kvdepot.client.workers import WorkerHandle
 from kvdepot.defaults import PROTOCOL_VERSION
-from kvdepot.errors import KVDepotError, Unavailable
+from kvdepot.errors import KVDepotError, Unavailable, UntrustedDaemon
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 
@@ -59,8 +60,12 @@ class Session:
         backoff: tuple[float, float],
         book: JobBook,
         copies: EngineCopies,
+        trusted: frozenset[int],
     ):
         self.target = target
+        self.trusted = trusted
+        # Why the last attempt did not send anything: the socket is not a trusted daemon's.
+        self.refusal: UntrustedDaemon | None = None
         self.name = name
         self.call_timeout = call_timeout
         self.reconnects = 0
@@ -143,6 +148,9 @@ class Session:
             channel = open_channel(self.target, self._credentials)
             reason = "the stream ended"
             try:
+                # Before the first byte: the Attach says who this process is.
+                check_daemon(self.target, self.trusted, self.call_timeout)
+                self.refusal = None
                 stub = pb_grpc.KVDepotStub(channel)
                 call = stub.Attach(
                     pb.AttachRequest(client_name=self.name, pid=os.getpid(), protocol_version=PROTOCOL_VERSION),
@@ -160,6 +168,11 @@ class Session:
                         self._book.finish(done.job_id, done.ok, done.error)
                     elif kind == "blocks_changed":
                         self._copies.note(session_id, notification.blocks_changed)
+            except UntrustedDaemon as e:
+                reason = str(e)
+                if self.refusal is None or str(self.refusal) != reason:
+                    log.error("%s", reason)
+                self.refusal = e
             except Unavailable as e:
                 reason = str(e)
             except grpc.RpcError as e:
@@ -185,7 +198,8 @@ class Session:
             return GrpcJobChannel(stub, self._book, self.call_timeout, self._metadata)
         try:
             return SocketJobChannel(
-                started.job_socket, started.session_id, self._book, self.call_timeout, self._job_socket_lost
+                started.job_socket, started.session_id, self._book, self.call_timeout, self._job_socket_lost,
+                self.trusted,
             )
         except OSError as e:
             # The daemon learns who a unix-socket client is from this connection:

@@ -29,7 +29,8 @@ MODES = ("eager", "lazy")
 
 # Every key of kv_connector_extra_config (the README documents each).
 EXTRA_CONFIG_KEYS = (
-    "socket", "auth_token_file", "tls_ca_file", "tls_cert_file", "tls_key_file", "mode", "store", "store_decode",
+    "socket", "daemon_uids", "auth_token_file", "tls_ca_file", "tls_cert_file", "tls_key_file", "mode", "store",
+    "store_decode",
     "min_prompt_tokens", "max_defer_s", "call_timeout_s", "connect_timeout_s", "model_id",
 )  # fmt: skip
 
@@ -92,6 +93,9 @@ class StorePolicy:
 class ConnectorConfig:
     socket: str = field(default_factory=default_socket_path)
     auth_token: str | None = None
+    # Uids besides root and the engine's own whose daemon the engine may talk
+    # to on a unix socket (None: $KVDEPOT_DAEMON_UIDS, else none).
+    daemon_uids: tuple[int, ...] | None = None
     # TLS towards a daemon on TCP (files: its CA; this engine's certificate and key).
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
@@ -126,6 +130,15 @@ class ConnectorConfig:
         fields: dict[str, Any] = {}
         if "socket" in extra:
             fields["socket"] = _string(extra, "socket")
+        if "daemon_uids" in extra:
+            uids = extra["daemon_uids"]
+            if not isinstance(uids, (list, tuple)) or not all(
+                isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in uids
+            ):
+                raise ConfigError(
+                    f"kv_connector_extra_config.daemon_uids must be a list of uids (numbers >= 0), not {uids!r}"
+                )
+            fields["daemon_uids"] = tuple(uids)
         for key in ("model_id", "tls_ca_file", "tls_cert_file", "tls_key_file"):
             if key in extra:
                 fields[key] = _string(extra, key)
@@ -174,7 +187,8 @@ class ConnectorConfig:
         if self.tls_ca_file or self.tls_cert_file:
             tls = Tls(self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
         client = KVDepotClient(
-            self.socket, name=name, auth_token=self.auth_token, tls=tls, call_timeout=self.call_timeout_s
+            self.socket, name=name, auth_token=self.auth_token, tls=tls, call_timeout=self.call_timeout_s,
+            daemon_uids=self.daemon_uids,
         )
         # Without the daemon the client has said so (once per process), and attaches when it can.
         client.wait_connected(self.connect_timeout_s)

@@ -99,3 +99,8 @@ def from_status(code: grpc.StatusCode, details: str) -> KVDepotError:
     exc = cls(details or code.name)
     exc.code = code
     return exc
+
+
+class UntrustedDaemon(Unavailable):
+    """What answers on the daemon's socket is not a daemon this client trusts
+    (root, its own user, or a uid its configuration names): nothing is sent to it."""
