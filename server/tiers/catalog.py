@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
+import stat
 
+from kvdepot.server.host.own_files import described
 from kvdepot.server.host.shard_record import ns_digest
 
 log = logging.getLogger("kvdepot.tiers")
@@ -35,6 +38,8 @@ class Catalog:
         self.path = path
         # digest -> {"identity": [...], "ranks": {rank: signature}}
         self._entries: dict[bytes, dict] = {}
+        self.write_errors = 0
+        self._last_error = ""
 
     def load(self) -> str:
         """Reads the file; '' when loaded (or absent), else why it was ignored."""
@@ -85,6 +90,12 @@ class Catalog:
         self._write()
         return digest
 
+    def claim(self) -> None:
+        """Writes the (empty) catalog of a new pool at once: its name, known to
+        anyone who lists the pool's folder, is then this user's file, which
+        nobody else can remove or replace in a shared /dev/shm."""
+        self._write()
+
     def _write(self) -> None:
         body = {
             "namespaces": {
@@ -92,22 +103,34 @@ class Catalog:
                 for d, e in self._entries.items()
             }
         }
-        temporary = f"{self.path}.{os.getpid()}.tmp"
+        # A name nobody can guess, so nobody can have put something there first.
+        temporary = f"{self.path}.{secrets.token_hex(8)}.tmp"
         try:
-            # Never through a name someone else put there first (a shared /dev/shm).
-            try:
-                os.unlink(temporary)
-            except FileNotFoundError:
-                pass
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(body, f)
             os.replace(temporary, self.path)
         except OSError as e:
             # The records it would name are discarded at the next start: a
-            # smaller warm cache, not a wrong one.
-            log.warning("cannot write the namespace catalog %s: %s", self.path, e)
+            # smaller warm cache, not a wrong one; but an operator must hear of it.
+            self.write_errors += 1
+            why = e.strerror or str(e)
+            try:
+                st = os.lstat(self.path)
+                if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+                    why = f"{self.path} is {described(st)}, not this user's file"
+            except OSError:
+                pass
+            if why != self._last_error:
+                self._last_error = why
+                log.error(
+                    "cannot write the namespace catalog %s (%s): the blocks the pool keeps will not be adopted "
+                    "by the next daemon; remove what is in the way, or give --pool-dir a folder of this user's",
+                    self.path, why,
+                )
             try:
                 os.unlink(temporary)
             except OSError:
                 pass
+        else:
+            self._last_error = ""

@@ -115,6 +115,8 @@ class WarmPool(Tier):
     def __init__(self, pool: HostPool, loop=None, threads: int = 0, progress=lambda text: None):
         self.pool = pool
         self.catalog = Catalog(catalog_path(pool.path))
+        if not pool.adopted:
+            self.catalog.claim()
         self._loop = loop
         # Hashing threads for adoption (0: one a core, at most 16), and who shows its progress.
         self._adopt_threads = threads
@@ -209,7 +211,7 @@ class WarmPool(Tier):
         if self.skipped:
             discarded["not_sealed"] = self.skipped
         return TierStats(self.name, written_shards=self.sealed, recovered_shards=self.adopted_shards,
-                         discarded=discarded)
+                         write_errors=self.catalog.write_errors, discarded=discarded)
 
     def recover(self) -> None:
         """Adopts the kept pool's blocks, if the pool file was kept."""
@@ -217,6 +219,7 @@ class WarmPool(Tier):
             return
         self._progress(f"adopting the blocks of {self.pool.path}")
         found = self.adopt(self._adopt_threads)
+        self.catalog.claim()  # what it named, or where nothing was, this user's file from now on
         # The found blocks' slots are taken, every other one freed.
         self.pool.keep_only({slot for block in found.blocks for slot in block[3]})
         kept = []
