@@ -265,7 +265,11 @@ def test_files_are_0600_and_the_directory_0700(tmp_path):
 
 
 def supports_o_direct(folder) -> bool:
-    return probe_direct(str(folder), "auto", logging.getLogger("test"))
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return probe_direct(str(folder), fd, "auto", logging.getLogger("test"))
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture

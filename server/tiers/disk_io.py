@@ -116,9 +116,12 @@ class Batch:
         return landed, error
 
 
-def read_record(path: str, offset: int, record: ShardRecord, into: memoryview, pages: tuple, direct: bool) -> str:
-    """Why the record at `offset` of `path` is not `record`; "" when its data,
-    now in `into`, is. `pages`: two page-aligned pages (a header, a data tail)."""
+def read_record(
+    name: str, dir_fd: int, offset: int, record: ShardRecord, into: memoryview, pages: tuple, direct: bool
+) -> str:
+    """Why the record at `offset` of segment `name` (in the folder `dir_fd`) is
+    not `record`; "" when its data, now in `into`, is. `pages`: two
+    page-aligned pages (a header, a data tail)."""
     header, tail_page = pages
     length = record.length
     tail = 0
@@ -131,7 +134,7 @@ def read_record(path: str, offset: int, record: ShardRecord, into: memoryview, p
     else:
         iov = [header] + ([into[:length]] if length else [])
         expect, flags = PAGE + length, 0
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | flags, dir_fd=dir_fd)
     try:
         n = os.preadv(fd, iov, offset)
     finally:

@@ -34,7 +34,7 @@ from kvdepot.server.tiers.disk_folder import (
     DiskTierError,
     check_fingerprint,
     load_cleared,
-    make_directory,
+    open_directory,
     probe_direct,
     save_cleared,
     take_lock,
@@ -84,18 +84,24 @@ class DiskTier:
         self._current: Segment | None = None
         self._next_seq = 1
         self._lock_fd = -1
+        self._dir_fd = -1
         self._bounce: mmap.mmap | None = None
         self._direct = False
         # Its records, bytes_used and segments are left at 0: the snapshot counts them.
         self._counts = DiskCounters()
         # Called (on the writing thread) with the keys each evicted segment held.
         self.on_evict = None
-        make_directory(self.directory)
-        self._lock_fd = take_lock(self.directory)
+        # Every name below is reached through this descriptor (disk_folder.py).
+        self._dir_fd = open_directory(self.directory)
         try:
-            check_fingerprint(self.directory, fresh, log)
-            self._direct = probe_direct(self.directory, direct, log)
-            self._cleared = load_cleared(self.directory)
+            self._lock_fd = take_lock(self.directory, self._dir_fd)
+        except BaseException:
+            os.close(self._dir_fd)
+            raise
+        try:
+            check_fingerprint(self.directory, self._dir_fd, fresh, log)
+            self._direct = probe_direct(self.directory, self._dir_fd, direct, log)
+            self._cleared = load_cleared(self.directory, self._dir_fd)
             self._bounce = mmap.mmap(-1, FLUSH_BYTES + PAGE)
             self.scan()
             try:
@@ -124,7 +130,9 @@ class DiskTier:
         with self._write_lock:
             self._seal()
             started = time.monotonic()
-            index, segments, counts, last = scan_folder(self.directory, self._pages()[0], self._direct, self._log)
+            index, segments, counts, last = scan_folder(
+                self.directory, self._dir_fd, self._pages()[0], self._direct, self._log
+            )
             self._drop_cleared(index, segments, counts)
             counts.records = len(index)
             counts.bytes = sum(loc[2].length for loc in index.values())
@@ -172,7 +180,7 @@ class DiskTier:
         kept = {n: seq for n, seq in self._cleared.items() if oldest is not None and seq >= oldest}
         if kept != self._cleared:
             self._cleared = kept
-            save_cleared(self.directory, kept)
+            save_cleared(self.directory, self._dir_fd, kept)
 
     def forget(self, digest: bytes | None) -> None:
         """`kvdepot clear`: the namespace's records (all when None) leave the
@@ -185,7 +193,7 @@ class DiskTier:
                 for key in [k for k in self._index if digest is None or k[0] == digest]:
                     del self._index[key]
                 cleared = dict(self._cleared)
-            save_cleared(self.directory, cleared)
+            save_cleared(self.directory, self._dir_fd, cleared)
 
     def discard(self, key: RecordKey) -> None:
         """Forgets one record; its space comes back with its segment."""
@@ -311,9 +319,10 @@ class DiskTier:
             raise OSError(errno.ENOSPC, "no room in the disk tier's capacity")
         seq = self._next_seq
         self._next_seq += 1
-        path = self._path(f"seg-{seq:012d}.kvd")
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if self._direct else 0)
-        fd = os.open(path + ".partial", flags, 0o600)
+        name = f"seg-{seq:012d}.kvd"
+        path = self._path(name)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self._direct else 0)
+        fd = os.open(name + ".partial", flags, 0o600, dir_fd=self._dir_fd)
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
             page = self._pages()[0]
@@ -322,12 +331,12 @@ class DiskTier:
             page[: len(header)] = header
             if os.pwrite(fd, page, 0) != PAGE:
                 raise OSError(errno.EIO, "short write of a segment header")
-            os.rename(path + ".partial", path)
+            os.rename(name + ".partial", name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
             physical = os.fstat(fd).st_blocks * 512
         except BaseException:
             os.close(fd)
             try:
-                os.unlink(path + ".partial")
+                os.unlink(name + ".partial", dir_fd=self._dir_fd)
             except OSError:
                 pass
             raise
@@ -352,7 +361,7 @@ class DiskTier:
                 for key in dropped:
                     del self._index[key]
             try:
-                os.unlink(oldest.path)
+                os.unlink(os.path.basename(oldest.path), dir_fd=self._dir_fd)
             except FileNotFoundError:
                 pass
             except OSError:
@@ -379,9 +388,10 @@ class DiskTier:
         into = bytes_view(into)
         if len(into) < record.length:
             raise ValueError(f"a record of {record.length} bytes read into {len(into)} bytes")
-        path = self._path(f"seg-{seq:012d}.kvd")
+        name = f"seg-{seq:012d}.kvd"
+        path = self._path(name)
         try:
-            why = read_record(path, offset, record, into, self._pages(), self._direct)
+            why = read_record(name, self._dir_fd, offset, record, into, self._pages(), self._direct)
             io_error = False
         except OSError as e:
             with self._lock:
@@ -413,6 +423,9 @@ class DiskTier:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
+            if self._dir_fd >= 0:
+                os.close(self._dir_fd)
+                self._dir_fd = -1
             if self._bounce is not None:
                 try:
                     self._bounce.close()

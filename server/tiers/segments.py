@@ -64,12 +64,16 @@ class Segment:
         self.keys: list[RecordKey] = []
 
 
-def scan_segment(seq: int, path: str, index: dict, counts: ScanCounts, page, direct: bool, log) -> Segment | None:
+def scan_segment(
+    seq: int, path: str, dir_fd: int, index: dict, counts: ScanCounts, page, direct: bool, log
+) -> Segment | None:
     """Indexes segment `seq`'s records into `index` by following its chain of
     record headers (one page read a record, `page` a page-aligned buffer);
-    None, counted, for a segment that is not ours."""
+    None, counted, for a segment that is not ours. `path` names it in the
+    folder `dir_fd`, where it is opened."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if direct else 0)
+        fd = os.open(os.path.basename(path), flags, dir_fd=dir_fd)
     except OSError as e:
         log.warning("skipping disk tier segment %s: %s", path, e.strerror)
         counts.segments_skipped += 1
@@ -110,7 +114,9 @@ def scan_segment(seq: int, path: str, index: dict, counts: ScanCounts, page, dir
         os.close(fd)
 
 
-def scan_folder(directory: str, page, direct: bool, log) -> tuple[dict, dict[int, Segment], ScanCounts, int]:
+def scan_folder(
+    directory: str, dir_fd: int, page, direct: bool, log
+) -> tuple[dict, dict[int, Segment], ScanCounts, int]:
     """Indexes the segments in `directory`, oldest first, so that a later copy
     of a key wins: the index, the segments by sequence, what the scan found,
     and the highest sequence a file names (0 for none), a skipped one's too,
@@ -119,16 +125,16 @@ def scan_folder(directory: str, page, direct: bool, log) -> tuple[dict, dict[int
     index: dict[RecordKey, tuple[int, int, ShardRecord]] = {}  # key -> (sequence, offset, record)
     segments: dict[int, Segment] = {}
     found = []
-    for name in os.listdir(directory):
+    for name in os.listdir(dir_fd):
         match = SEGMENT_NAME.match(name)
         if match and match.group(2):  # a segment whose header was never written
-            os.unlink(os.path.join(directory, name))
+            os.unlink(name, dir_fd=dir_fd)
         elif match:
             found.append((int(match.group(1)), name))
     found.sort()
     last = time.monotonic()
     for i, (seq, name) in enumerate(found):
-        segment = scan_segment(seq, os.path.join(directory, name), index, counts, page, direct, log)
+        segment = scan_segment(seq, os.path.join(directory, name), dir_fd, index, counts, page, direct, log)
         if segment is not None:
             segments[seq] = segment
         if time.monotonic() - last >= 1.0:
