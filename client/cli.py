@@ -219,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
             f"--tls-{name}-file", default=os.environ.get(f"KVDEPOT_TLS_{name.upper()}_FILE"),
             help=f"{what} (also $KVDEPOT_TLS_{name.upper()}_FILE); any of these turns TLS on",
         )
+    parser.add_argument(
+        "--daemon-uids", default=None, metavar="UID,...",
+        help="uids besides root and your own whose daemon this command may talk to on a unix socket "
+        "(default: $KVDEPOT_DAEMON_UIDS)",
+    )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     commands = parser.add_subparsers(dest="command", required=True)
     stats = commands.add_parser("stats", help="cache statistics: hits, bytes, occupancy, per namespace and client")
@@ -252,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         tls = Tls(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
 
     def connect() -> OperatorClient:
-        return OperatorClient(args.socket or default_socket_path(), token, args.timeout, tls)
+        uids = None if args.daemon_uids is None else [u for u in args.daemon_uids.split(",") if u.strip()]
+        return OperatorClient(args.socket or default_socket_path(), token, args.timeout, tls, uids)
 
     try:
         client = connect()

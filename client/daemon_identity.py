@@ -57,7 +57,7 @@ def _who(uid: int) -> str:
 def _how_to_allow(uid: int) -> str:
     return (
         f"if {_who(uid)} runs your kvdepotd, allow it with KVDepotClient(daemon_uids=[{uid}]) "
-        f"(the connector's daemon_uids setting, or KVDEPOT_DAEMON_UIDS={uid} for the kvdepot command); "
+        f"(the connector's daemon_uids setting; `kvdepot --daemon-uids {uid}` or KVDEPOT_DAEMON_UIDS={uid}); "
         "otherwise use a socket in a folder of your own (set XDG_RUNTIME_DIR, or KVDEPOT_SOCKET)"
     )
 

@@ -241,3 +241,13 @@ def test_a_catalog_the_daemon_cannot_write_is_an_error_it_reports(shared_tmp, ca
     [record] = [r for r in caplog.records if r.levelname == "ERROR"]
     assert f"a directory of uid {NOBODY}" in record.getMessage() and "--pool-dir" in record.getMessage()
     assert sorted(p.name for p in shared_tmp.iterdir()) == [path.name]  # no temporary file left behind
+
+
+def test_the_kvdepot_command_names_the_uid_it_refused_and_talks_once_allowed(nobodys_daemon):
+    path, _ = nobodys_daemon
+    command = [sys.executable, "-m", "kvdepot.client.cli", "--socket", str(path)]
+    refused = subprocess.run([*command, "health"], capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert refused.returncode == 2 and f"uid {NOBODY}" in refused.stderr and "--daemon-uids" in refused.stderr
+    allowed = subprocess.run([*command, "--daemon-uids", str(NOBODY), "health"], capture_output=True, text=True,
+                             env=subprocess_env(), timeout=60)
+    assert allowed.returncode == 0 and "SERVING" in allowed.stdout, allowed.stderr
