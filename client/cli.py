@@ -59,8 +59,8 @@ class OperatorClient:
     ):
         self.target = grpc_target(target)
         self._trusted = trusted_uids(daemon_uids_setting(daemon_uids))
-        check_daemon(self.target, self._trusted, timeout)
-        self._channel = open_channel(self.target, tls.credentials() if tls is not None else None)
+        checked = check_daemon(self.target, self._trusted, timeout)
+        self._channel = open_channel(checked, tls.credentials() if tls is not None else None)
         self._stub = pb_grpc.KVDepotStub(self._channel)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self._timeout = timeout

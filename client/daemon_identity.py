@@ -82,27 +82,53 @@ def check_peer(sock: socket.socket, path: str, trusted: frozenset[int]) -> None:
         )
 
 
-def check_daemon(target: str, trusted: frozenset[int], timeout: float) -> None:
-    """UntrustedDaemon when the socket of `target` is not a trusted daemon's;
-    nothing when it is, or when nothing listens there (gRPC says so itself)."""
+def check_daemon(target: str, trusted: frozenset[int], timeout: float) -> str:
+    """The target to connect to: on a unix socket, its path with every link
+    resolved, checked; UntrustedDaemon when it is not a trusted daemon's. A
+    socket nothing listens on passes: gRPC says so itself."""
     path = socket_path(target)
     if path is None:
-        return
-    folder = os.path.dirname(path) or "."
+        return target
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
     try:
         st = os.stat(folder)
     except OSError:
-        return
+        return target
     if st.st_uid not in trusted or st.st_mode & 0o022 or not stat.S_ISDIR(st.st_mode):
         raise UntrustedDaemon(
             f"the daemon's socket folder {folder} belongs to {_who(st.st_uid)} with mode "
             f"{st.st_mode & 0o7777:o}: a folder that an untrusted user can change could hold their daemon, "
             f"so this client does not connect there. {_how_to_allow(st.st_uid)}"
         )
+    _check_ancestors(folder, trusted)
+    path = os.path.join(folder, os.path.basename(path))
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
             sock.connect(path)
         except OSError:
-            return
+            return "unix:" + path
         check_peer(sock, path, trusted)
+    return "unix:" + path
+
+
+def _check_ancestors(folder: str, trusted: frozenset[int]) -> None:
+    """Nobody untrusted can rename a folder above the socket's and put one of
+    theirs in its place: each is a trusted uid's, and writable by others only
+    with the sticky bit (as /tmp), which keeps others from renaming what is not theirs."""
+    above = os.path.dirname(folder)
+    while True:
+        try:
+            st = os.stat(above)
+        except OSError:
+            return
+        open_to_others = st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX
+        if st.st_uid not in trusted or open_to_others:
+            raise UntrustedDaemon(
+                f"{above}, a folder above the daemon's socket, belongs to {_who(st.st_uid)} with mode "
+                f"{st.st_mode & 0o7777:o}: an untrusted user could swap the socket's folder for one of theirs, "
+                f"so this client does not connect there. {_how_to_allow(st.st_uid)}"
+            )
+        if above == "/":
+            return
+        above = os.path.dirname(above)

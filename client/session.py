@@ -145,12 +145,13 @@ class Session:
     def _stream_loop(self) -> None:
         delay = self._backoff[0]
         while not self.closing.is_set():
-            channel = open_channel(self.target, self._credentials)
+            channel = None
             reason = "the stream ended"
             try:
                 # Before the first byte: the Attach says who this process is.
-                check_daemon(self.target, self.trusted, self.call_timeout)
+                target = check_daemon(self.target, self.trusted, self.call_timeout)
                 self.refusal = None
+                channel = open_channel(target, self._credentials)
                 stub = pb_grpc.KVDepotStub(channel)
                 call = stub.Attach(
                     pb.AttachRequest(client_name=self.name, pid=os.getpid(), protocol_version=PROTOCOL_VERSION),
@@ -188,7 +189,8 @@ class Session:
                 self._stream_call = None
                 reason, self._lost_reason = self._lost_reason or reason, None
                 self._on_detached(reason)
-                channel.close()
+                if channel is not None:
+                    channel.close()
             if self.closing.wait(delay * random.uniform(0.5, 1.0)):
                 break
             delay = min(delay * 2, self._backoff[1])

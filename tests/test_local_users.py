@@ -117,6 +117,26 @@ def test_a_client_sends_nothing_to_a_daemon_of_another_uid(nobodys_daemon):
     assert stats.sessions_ended == 0, stats
 
 
+def test_a_client_does_not_connect_below_a_folder_another_user_can_swap(shared_tmp, start_daemon):
+    """The socket's folder is root's, but the folder above it is nobody's, who
+    could rename it aside and put a daemon of theirs at the same path between
+    the client's check and its connection."""
+    from kvdepot.client import KVDepotClient
+    from kvdepot.errors import UntrustedDaemon
+
+    above = shared_tmp / "nobodys"
+    as_nobody("mkdir", "-m", "0755", str(above))
+    folder = above / "kvdepot"
+    folder.mkdir(mode=0o755)
+    daemon = start_daemon(folder=folder)
+    client = KVDepotClient(daemon.socket, name="victim", backoff_max=0.2)
+    try:
+        with pytest.raises(UntrustedDaemon, match=f"{above}, a folder above the daemon's socket, belongs to uid {NOBODY}"):
+            client.connect(3)
+    finally:
+        client.close(1)
+
+
 def test_the_job_socket_sends_nothing_to_a_peer_of_another_uid(shared_tmp):
     """The job socket carries the hello and the worker's staging memory: its
     peer is checked on the connection itself, before the first byte."""
