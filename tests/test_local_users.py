@@ -271,3 +271,16 @@ def test_the_kvdepot_command_names_the_uid_it_refused_and_talks_once_allowed(nob
     allowed = subprocess.run([*command, "--daemon-uids", str(NOBODY), "health"], capture_output=True, text=True,
                              env=subprocess_env(), timeout=60)
     assert allowed.returncode == 0 and "SERVING" in allowed.stdout, allowed.stderr
+
+
+def test_the_daemon_refuses_a_socket_folder_reached_through_another_users_link(shared_tmp, tmp_path):
+    """A link another user made may point at a folder of the daemon's today and
+    at one of theirs tomorrow, where clients following the path would go."""
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    link = shared_tmp / "kvdepot-0"
+    as_nobody("ln", "-s", str(mine), str(link))
+    proc = run_daemon(*daemon_args(str(link / "kvdepot.sock"), tmp_path))
+    assert proc.returncode == 1, proc.stderr
+    assert f"{link} is a symbolic link of uid {NOBODY}" in proc.stderr
+    assert not (mine / "kvdepot.sock").exists()

@@ -81,9 +81,12 @@ def check_own_folder(path: str, what: str) -> None:
     """A folder the daemon serves from (its socket's): only its user may
     create or replace names there, or a client could be sent elsewhere."""
     try:
+        link = os.lstat(path)
         st = os.stat(path)
     except OSError as e:
         raise ForeignFile(f"cannot check {what} {path}: {e.strerror}") from None
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (0, os.geteuid()):
+        raise _foreign(path, link, f"{what}, which its owner could point elsewhere")
     if not stat.S_ISDIR(st.st_mode):
         raise ForeignFile(f"{what} {path} is not a folder")
     if st.st_uid != os.geteuid() or st.st_mode & 0o022:
