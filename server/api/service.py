@@ -135,7 +135,7 @@ class KVDepotService(pb_grpc.KVDepotServicer):
             if request.protocol_version != PROTOCOL_VERSION:
                 raise FailedPrecondition(
                     f"this daemon speaks protocol version {PROTOCOL_VERSION}, the client "
-                    f"{request.protocol_version}: upgrade the older of the two"
+                    f"{request.protocol_version}: use a client and a daemon of the same release"
                 )
             session = self.depot.attach(request.client_name, identity)
         except KVDepotError as e:
@@ -169,6 +169,9 @@ class KVDepotService(pb_grpc.KVDepotServicer):
 
     @_unary
     def RegisterWorker(self, request, context):
+        # Bounded before a single tensor is read: the request may hold a million.
+        self.depot.session(request.session_id)
+        self.depot.limits.check_worker_counts(len(request.tensors), len(request.handles))
         worker = self.depot.register_worker(request.session_id, parse.worker_spec(request))
         return pb.RegisterWorkerResponse(
             worker_id=worker.id,

@@ -130,15 +130,21 @@ class Limits:
 
     # ------------------------------------------------------------ workers
 
+    def check_worker_counts(self, tensors: int, handles: int) -> None:
+        """A registration's sizes, before any of its tensors is read."""
+        if tensors > self.max_tensors_per_worker:
+            raise InvalidArgument(
+                f"{tensors} tensors; a worker registers at most "
+                f"{self.max_tensors_per_worker} (--max-tensors-per-worker)"
+            )
+        if handles != tensors:
+            raise InvalidArgument(f"{tensors} tensors but {handles} handles: give one handle for each tensor")
+
     def check_worker(self, request) -> None:
         """Everything about a RegisterWorker request that needs no namespace,
         checked before its tensors' sizes are multiplied or summed."""
         self.check_text("device", request.device)
-        if len(request.tensors) > self.max_tensors_per_worker:
-            raise InvalidArgument(
-                f"{len(request.tensors)} tensors; a worker registers at most "
-                f"{self.max_tensors_per_worker} (--max-tensors-per-worker)"
-            )
+        self.check_worker_counts(len(request.tensors), len(request.handles))
         for position, t in enumerate(request.tensors):
             self.check_text(f"tensor {position} name", t.name)
             where = f"tensor {position} ({shown(t.name, 40)})"

@@ -81,6 +81,10 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     """Takes, in order, what the daemon serves with, each entered into `stack`;
     returns the depot and the health servicer once calls are answered."""
     loop = asyncio.get_running_loop()
+    # Removed last on the way out: a second SIGTERM or SIGINT while the tiers
+    # close or the warm pool seals must not cut that short.
+    handled: list[int] = []
+    stack.callback(lambda: [loop.remove_signal_handler(sig) for sig in handled])
     address = startup.Address.of(config.network.listen)
     unix_path = address.unix_path
     tenants = Tenants(list(config.tenants), config.admin_uids, config.auth_token)
@@ -114,7 +118,7 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     startup.start_housekeeping(stack, depot)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-        stack.callback(loop.remove_signal_handler, sig)
+        handled.append(sig)
     log.info("kvdepotd %s ready on %s (instance %s)", kvdepot.__version__, address.target, instance)
     # Only now: systemd starts units ordered after this one on READY=1, and
     # they expect calls to be answered.
@@ -135,6 +139,9 @@ def wire_depot(
     tiers.recover()
     add_transports(depot, pool, config.copy)
     metrics.attach(depot, asyncio.get_running_loop())
+    # Scrapes end before the copies and the tiers do: they would read
+    # transports being shut down, from a loop blocked on the tiers' threads.
+    stack.callback(metrics.close)
     return depot
 
 

@@ -120,6 +120,9 @@ class DiskMover(Tier):
             self._write_next()
 
     def _write_next(self) -> None:
+        if self.closing:
+            self._writing = False
+            return
         batch, held, size = [], [], 0
         host, disk = self.host, self.disk
         while self._queue and size < DEMOTE_BATCH_BYTES:
@@ -135,7 +138,7 @@ class DiskMover(Tier):
             held.append(block)
             batch.append((key, block.ns.tp_size, slot, length))
             size += length
-        if not batch or self.closing:
+        if not batch:
             self._writing = False
             return
         self._writing = True

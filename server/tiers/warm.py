@@ -111,6 +111,7 @@ class WarmPool(Tier):
     not, and its counters are DRAM's."""
 
     name = "dram"
+    below_dram = False
 
     def __init__(self, pool: HostPool, loop=None, threads: int = 0, progress=lambda text: None):
         self.pool = pool
