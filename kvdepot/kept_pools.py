@@ -94,14 +94,34 @@ def lock_holders() -> set[tuple[int, int]]:
 
 
 def served(lock_path: str, held: set[tuple[int, int]] | None = None) -> bool:
-    """Whether a live daemon holds the address lock at `lock_path`."""
+    """Whether a live daemon holds the address lock at `lock_path`. Where
+    /proc/locks may not tell (a filesystem whose inode it names otherwise), a
+    live process of the pid the lock names counts too: a pid used again keeps
+    a stale pool a while, which is the safe way to be wrong."""
     if not lock_path:
         return False
     try:
-        st = os.stat(lock_path, follow_symlinks=False)
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
-    return (st.st_dev, st.st_ino) in (lock_holders() if held is None else held)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) in (lock_holders() if held is None else held):
+            return True
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    if not text.isdigit() or int(text) <= 0:
+        return False
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 @dataclass(frozen=True)
