@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _pools(args) -> int:
     """`kvdepot pools`: lists this user's pool files, or discards one."""
-    socket_dir = os.path.dirname(grpc_target(args.socket or default_socket_path())[len("unix:"):])
+    target = grpc_target(args.socket or default_socket_path())
+    socket_dir = os.path.dirname(target[len("unix:"):]) if target.startswith("unix:") else ""
     folders = [*args.pool_dir, "/dev/shm", "/tmp", socket_dir]
     found = kept_pools.kept_pools([d for d in folders if d and os.path.isdir(d)])
     if args.discard:
