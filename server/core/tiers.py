@@ -102,6 +102,16 @@ class TierHost(Protocol):
         """Blocks kept in the pool's slots (which the pool counts as used)
         come back as ready, oldest first; returns those refused, their slots freed."""
 
+    # The pool's share rule (core/shares.py), for a tier's own room: pure, so
+    # a tier may ask from its own threads.
+
+    def share(self, scope: str, active: int) -> float:
+        """The part (of 1) of any tier that `scope` may hold while `active` scopes hold some."""
+
+    def victims(self, incoming: str, used: dict[str, int], total: int) -> list[str]:
+        """The scopes to take room from, in turn, for `incoming` in a full tier of
+        `total` units of which each scope holds `used`."""
+
 
 class Tier(ABC):
     # As stats and metrics name it.

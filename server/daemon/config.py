@@ -81,6 +81,8 @@ class Logging:
 class Lifecycle:
     config_file: str | None
     fresh: bool
+    kept_pool_max_age: float
+    kept_pools_max_bytes: int
     drain_timeout: float
 
 
@@ -199,6 +201,8 @@ def _check(config: DaemonConfig) -> None:
         parse_listen(config.metrics.listen)
     except ValueError as e:
         raise ConfigError(f"metrics_listen: {e}") from None
+    if config.lifecycle.kept_pool_max_age < 0 or config.lifecycle.kept_pools_max_bytes < 0:
+        raise ConfigError("kept_pool_max_age and kept_pools_max_bytes must not be negative")
     if config.lifecycle.drain_timeout < 0:
         raise ConfigError("drain_timeout must not be negative")
     chunk = copy.chunk_bytes

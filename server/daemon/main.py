@@ -20,7 +20,7 @@ from kvdepot.server.daemon import startup
 from kvdepot.server.daemon.config import ConfigError, Copy, DaemonConfig, describe, load_config
 from kvdepot.server.daemon.metrics import MetricsServer
 from kvdepot.server.daemon.startup import StartupError, notify_systemd, startup_progress
-from kvdepot.server.host.pool import HostPool, choose_pool_dir
+from kvdepot.server.host.pool import HostPool, choose_pool_dir, pool_folders
 from kvdepot.server.tiers.disk import DiskMover
 from kvdepot.server.tiers.disk_store import SEGMENT_BYTES, DiskTier
 from kvdepot.server.tiers.warm import WarmPool, pick_pool_file
@@ -90,12 +90,16 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     tenants = Tenants(list(config.tenants), config.admin_uids, config.auth_token)
     credentials = None if unix_path else startup.tcp_credentials(config.network, address.target, tenants)
     if unix_path:
-        startup.take_address(stack, address, unix_path + ".lock")
+        lock_path = unix_path + ".lock"
+        startup.take_address(stack, address, lock_path)
+    pool_dirs = pool_folders(config.pool.dir, os.path.dirname(unix_path) if unix_path else None)
+    startup.discard_kept_pools(pool_dirs, address.pool_prefix, config.lifecycle)
     pool_dir = choose_pool_dir(
         config.pool.dir, os.path.dirname(unix_path) if unix_path else None, config.pool.size, address.pool_prefix
     )
     if not unix_path:
-        startup.take_address(stack, address, os.path.join(pool_dir, address.pool_prefix + "tcp.lock"))
+        lock_path = os.path.join(pool_dir, address.pool_prefix + "tcp.lock")
+        startup.take_address(stack, address, lock_path)
     # The pool an earlier daemon on this address left, if it fits this
     # configuration; any other it left is removed.
     kept = pick_pool_file(
@@ -106,7 +110,10 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     metrics = startup.open_metrics(stack, config.metrics.listen)
     instance = secrets.token_hex(6)
     serving = asyncio.Event()
-    pool = startup.open_pool(stack, config, pool_dir, kept or address.pool_prefix + instance, kept is not None, serving)
+    pool = startup.open_pool(
+        stack, config, pool_dir, kept or address.pool_prefix + instance, kept is not None, serving,
+        (address.target, lock_path),
+    )
     quotas = scope_quotas(list(config.tenants), pool.size, pool.slot_bytes)
     depot = wire_depot(stack, config, pool, metrics, instance, quotas)
     job_path = ""

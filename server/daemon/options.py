@@ -233,6 +233,19 @@ OPTIONS = [
         kind=bool, in_file=False, in_environment=False, shown_default="off",
     ),
     Option(
+        "kept_pool_max_age", "lifecycle", 6 * 3600.0,
+        "Seconds a pool that a stopped daemon on another address kept (for its next start to adopt) may stay "
+        "in RAM: at start, the daemon discards its user's kept pools that no live daemon serves and that "
+        "were kept longer, and logs each. `kvdepot pools` lists them.",
+        kind=float, shown_default="21600 (6 h)",
+    ),
+    Option(
+        "kept_pools_max_bytes", "lifecycle", 0,
+        "RAM that pools kept by stopped daemons on other addresses may hold together: past it, the daemon "
+        "discards the oldest at start (never a pool a live daemon serves). 0: a quarter of the node's memory.",
+        size=True, shown_default="a quarter of the node's memory",
+    ),
+    Option(
         "drain_timeout", "lifecycle", 30.0,
         "Seconds SIGTERM waits for jobs in flight before the daemon exits anyway.",
         kind=float,

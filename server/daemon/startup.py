@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvdepot import kept_pools
 from kvdepot.defaults import grpc_target
 from kvdepot.server.api import job_socket
 from kvdepot.server.api.service import KVDepotService, add_to_server
@@ -174,11 +175,34 @@ def open_metrics(stack: contextlib.AsyncExitStack, listen: str) -> MetricsServer
     return metrics
 
 
+def discard_kept_pools(directories: list[str], own_prefix: str, lifecycle) -> None:
+    """Pools that daemons on other addresses kept and that no live daemon
+    serves go once kept longer than the bound, and the oldest while all of
+    them hold more RAM than the cap: each holds its size in RAM until then.
+    This address's own kept pool is pick_pool_file's to adopt or remove."""
+    pools = [p for p in kept_pools.kept_pools(directories) if not os.path.basename(p.path).startswith(own_prefix)]
+    cap = lifecycle.kept_pools_max_bytes or kept_pools_default_cap()
+    for pool, why in kept_pools.stale(pools, lifecycle.kept_pool_max_age, cap):
+        try:
+            kept_pools.discard(pool.path)
+        except OSError as e:
+            log.warning("cannot discard the pool %s kept for %s: %s", pool.path, pool.address, e.strerror)
+            continue
+        log.warning("discarded the pool %s (%.2f GiB) kept for %s since %s: %s", pool.path, pool.bytes / 2**30,
+                    pool.address, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pool.since)), why)
+
+
+def kept_pools_default_cap() -> int:
+    """A quarter of the node's memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
 def open_pool(
     stack: contextlib.AsyncExitStack, config: DaemonConfig, directory: str, name: str, adopt: bool,
-    serving: asyncio.Event,
+    serving: asyncio.Event, owner: tuple[str, str],
 ) -> HostPool:
     started = time.monotonic()
+    address, lock_path = owner
     pool = HostPool(
         size=config.pool.size,
         slot_bytes=config.pool.slot_size,
@@ -189,6 +213,8 @@ def open_pool(
         pin_chunk_bytes=config.pool.pin_chunk_bytes,
         progress=startup_progress,
         adopt=adopt,
+        address=address,
+        lock_path=lock_path,
     )
     # A pool this start made holds nothing until the daemon serves: if the
     # start fails it only takes memory (a tmpfs file), so it goes. A kept
