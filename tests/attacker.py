@@ -9,10 +9,12 @@ keep it until a line comes on stdin.
   flood SOCKET MIB        attach, say hello, send MIB MiB of requests, read no reply
   garbage SOCKET N        N connections, each sends one frame that is no JobFrame
   forge SOCKET TEXT       attach with TEXT as client name and namespace model
+  sparse SOCKET N         attach, say hello, hand over N sparse sealed memfds of 64 GiB
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -147,6 +149,28 @@ def forge(socket_path: str, text: str) -> None:
     print(json.dumps({"attached": True}), flush=True)
 
 
+def sparse(socket_path: str, count: int) -> None:
+    from kvdepot.client.job_socket import hand_over
+    from raw_client import RawSession
+
+    session = RawSession(socket_path, name="sparse")
+    taken, refusal = 0, None
+    for _ in range(count):
+        fd = os.memfd_create("sparse", os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, 64 << 30)  # costs nothing: no page is ever touched
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            hand_over(session.started.job_socket, session.id, fd, 10)
+            taken += 1
+        except Exception as e:
+            refusal = str(e)
+            break
+        finally:
+            os.close(fd)
+    hold({"taken": taken, "refusal": refusal})
+    session.close()
+
+
 def main() -> int:
     command, socket_path, arg = sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else ""
     if command == "stuck-engine":
@@ -157,6 +181,8 @@ def main() -> int:
         flood(socket_path, int(arg))
     elif command == "garbage":
         garbage(socket_path, int(arg))
+    elif command == "sparse":
+        sparse(socket_path, int(arg))
     elif command == "forge":
         forge(socket_path, arg)
     else:

@@ -246,6 +246,11 @@ async def open_grpc_server(
             ("grpc.keepalive_permit_without_calls", 1),
             # Small messages that engine steps wait on (see the client's channel).
             ("grpc.optimization_target", "latency"),
+            # A connection costs a descriptor before any call proves anything:
+            # one that never finishes its handshake, or holds no call, is
+            # closed (an engine's Attach stream keeps its own busy).
+            ("grpc.server_handshake_timeout_ms", int(depot.limits.grpc_handshake_timeout * 1000)),
+            ("grpc.max_connection_idle_ms", int(depot.limits.grpc_idle_timeout * 1000)),
         ],
     )
     stack.push_async_callback(server.stop, 1.0)
