@@ -17,16 +17,17 @@ import time
 
 import grpc
 import pytest
-
+from attacker import H2_PREFACE, answer_h2
 from conftest import subprocess_env, wait_until
 from kvcache import attach_worker, make_kv_cache, namespace
-from kvdepot.client.tensors import tensor_layout, tensor_spec
-from kvdepot.layout import WorkerLayout
-from kvdepot.proto import kvdepot_pb2 as pb
 from raw_client import RawSession
 from test_limits_connections import ATTACKER, store_and_check
 from test_staging import daemon_staging_maps, memfd, offer, refused
 from test_trust import NOBODY, as_uid, needs_second_uid, open_folder, start_shared  # noqa: F401 (a fixture)
+
+from kvdepot.client.tensors import tensor_layout, tensor_spec
+from kvdepot.layout import WorkerLayout
+from kvdepot.proto import kvdepot_pb2 as pb
 
 GIB = 1 << 30
 
@@ -107,6 +108,20 @@ def test_a_registered_worker_keeps_only_its_rows_mapped_and_its_budget(start_dae
     wait_until(lambda: daemon_staging_maps(daemon) == 0, what="the session's staging unmapped")
 
 
+def test_the_daemons_staging_budget_holds_whatever_the_uids(start_daemon):
+    daemon = start_daemon(max_staging_bytes="100GiB")
+    session = RawSession(daemon.socket, name="oversized")
+    fds = [memfd(64 * GIB, fcntl.F_SEAL_SHRINK) for _ in range(2)]
+    try:
+        assert offer(session, [fds[0]]).HasField("staging_taken")
+        refused(offer(session, [fds[1]]), grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-staging-bytes (")
+    finally:
+        for fd in fds:
+            os.close(fd)
+        session.close()
+    wait_until(lambda: daemon_staging_maps(daemon) == 0, what="the session's staging unmapped")
+
+
 def hugetlb_memfd() -> int:
     try:
         fd = os.memfd_create("huge", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
@@ -139,33 +154,21 @@ def closed_by_daemon(sock: socket.socket, within: float, http2: bool) -> bool:
     """Whether the daemon closes the connection within `within` seconds; as an
     HTTP/2 client that answers every SETTINGS and PING, when `http2`."""
     if http2:
-        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + h2_frame(4, 0, b""))
+        sock.sendall(H2_PREFACE)
     sock.settimeout(0.2)
     pending = b""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
             data = sock.recv(65536)
+            if not data:
+                return True
+            pending = answer_h2(sock, pending + data)
         except TimeoutError:
             continue
-        except ConnectionResetError:
+        except (ConnectionResetError, BrokenPipeError):
             return True
-        if not data:
-            return True
-        pending += data
-        while len(pending) >= 9 and len(pending) >= 9 + int.from_bytes(pending[:3], "big"):
-            length, kind, flags = int.from_bytes(pending[:3], "big"), pending[3], pending[4]
-            payload, pending = pending[9:9 + length], pending[9 + length:]
-            if kind in (4, 6) and not flags & 1:  # SETTINGS, PING: acknowledged
-                try:
-                    sock.sendall(h2_frame(kind, 1, b"" if kind == 4 else payload))
-                except BrokenPipeError:
-                    return True
     return False
-
-
-def h2_frame(kind: int, flags: int, payload: bytes) -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + (0).to_bytes(4, "big") + payload
 
 
 def test_grpc_connections_that_never_finish_the_handshake_or_never_call_are_closed(start_daemon, client_factory):
@@ -186,3 +189,32 @@ def test_grpc_connections_that_never_finish_the_handshake_or_never_call_are_clos
     client = client_factory(daemon, name="engine")
     worker, _, tensors = attach_worker(client, seed=63)
     store_and_check(client, worker, tensors, 1, prompt=630)
+
+
+@needs_second_uid
+def test_one_uids_idle_grpc_connections_are_cut_to_its_cap_and_another_uid_attaches_and_stores(
+    open_folder, start_daemon, client_factory  # noqa: F811
+):
+    daemon = start_shared(start_daemon, open_folder, max_grpc_connections_per_uid=20)
+    attacker = subprocess.Popen(
+        [*as_uid(NOBODY), sys.executable, ATTACKER, "grpc-idle", daemon.socket, "200:20"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=subprocess_env(), cwd="/",
+    )
+    try:
+        line = attacker.stdout.readline()
+        assert line, attacker.stderr.read()
+        report = json.loads(line)
+        # Without the cap all 200 stay open (they answer the keepalive pings).
+        assert report["open"] == 20, report
+        client = client_factory(daemon, name="victim")
+        worker, _, tensors = attach_worker(client, seed=64)
+        store_and_check(client, worker, tensors, 1, prompt=640)
+        client.close()
+    finally:
+        attacker.stdin.write("\n")
+        attacker.stdin.close()
+        attacker.wait(30)
+    logged = [line for line in daemon.log_path.read_text().splitlines() if "--max-grpc-connections-per-uid" in line]
+    assert logged and f"uid {NOBODY} held" in logged[0], logged
+    assert daemon.running

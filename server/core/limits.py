@@ -71,6 +71,8 @@ class Limits:
     # handshake, and seconds a connection with no call in flight stays open.
     grpc_handshake_timeout: float = 10.0
     grpc_idle_timeout: float = 300.0
+    # gRPC connections one user id may hold on the unix socket (an engine holds one to three).
+    max_grpc_connections_per_uid: int = 256
 
     # ------------------------------------------------------------ sessions
 

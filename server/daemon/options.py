@@ -297,6 +297,10 @@ OPTIONS = [
           "Seconds a gRPC connection with no call in flight stays open; then the daemon closes it (GOAWAY) "
           "and a client's channel reconnects on its next call. An engine's Attach stream keeps its "
           "connection busy.", kind=float),
+    limit("max_grpc_connections_per_uid",
+          "gRPC connections on the unix socket that processes of one user id (from the kernel) may hold at "
+          "once; the daemon closes the newest past it within a fraction of a second, and logs it. See "
+          "docs/security.md.", kind=int),
     limit("max_unread_job_replies",
           "Replies a job socket connection may leave unread before it is closed. Past 256 KiB the daemon "
           "already stops reading that connection's requests until it reads.", size=True),

@@ -27,6 +27,7 @@ from kvdepot.server.api import job_socket
 from kvdepot.server.api.service import KVDepotService, add_to_server
 from kvdepot.server.core.limits import Limits
 from kvdepot.server.core.tenants import TenantConfigError, Tenants
+from kvdepot.server.daemon import grpc_cap
 from kvdepot.server.daemon.config import DaemonConfig, Network
 from kvdepot.server.daemon.metrics import MetricsListenError, MetricsServer
 from kvdepot.server.host import pidlock
@@ -273,8 +274,16 @@ async def open_grpc_server(
     await server.start()
     if address.unix_path:
         os.chmod(address.unix_path, 0o660)
+        cap = asyncio.create_task(grpc_cap.keep_cap(address.unix_path, depot.limits.max_grpc_connections_per_uid))
+        stack.push_async_callback(_cancel, cap)
     await set_health(servicer, health_pb2.HealthCheckResponse.SERVING)
     return servicer
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def set_health(servicer, status) -> None:
@@ -289,14 +298,7 @@ async def set_not_serving(servicer) -> None:
 
 
 def start_housekeeping(stack: contextlib.AsyncExitStack, depot) -> None:
-    task = asyncio.create_task(depot.housekeeping())
-
-    async def stop() -> None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    stack.push_async_callback(stop)
+    stack.push_async_callback(_cancel, asyncio.create_task(depot.housekeeping()))
 
 
 def tcp_credentials(network: Network, target: str, tenants: Tenants) -> grpc.ServerCredentials | None:
