@@ -43,34 +43,50 @@ def staging_mapped_bytes(daemon) -> list[int]:
     return sizes
 
 
+def attack_as_nobody(*args: str) -> tuple[subprocess.Popen, dict]:
+    """tests/attacker.py run as a second uid, and the report it holds on to."""
+    attacker = subprocess.Popen(
+        [*as_uid(NOBODY), sys.executable, ATTACKER, *args],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=subprocess_env(), cwd="/",
+    )
+    line = attacker.stdout.readline()
+    if not line:
+        attacker.wait(30)
+        raise AssertionError(f"the attacker failed: {attacker.stderr.read()}")
+    return attacker, json.loads(line)
+
+
+def let_go(attacker: subprocess.Popen) -> None:
+    attacker.stdin.write("\n")
+    attacker.stdin.close()
+    attacker.wait(30)
+
+
+def victim_stores(daemon, client_factory, seed: int) -> None:
+    """A CPU worker of the test's own uid registers, stores and loads exact bytes."""
+    client = client_factory(daemon, name="victim")
+    worker, _, tensors = attach_worker(client, seed=seed)
+    store_and_check(client, worker, tensors, 1, prompt=10 * seed)
+    client.close()
+
+
 @needs_second_uid
 def test_sparse_memfds_of_one_uid_stop_at_its_budget_and_another_uids_worker_registers(
     open_folder, start_daemon, client_factory  # noqa: F811
 ):
     daemon = start_shared(start_daemon, open_folder, max_staging_bytes_per_uid="256GiB",
                           max_staging_bytes="320GiB")
-    attacker = subprocess.Popen(
-        [*as_uid(NOBODY), sys.executable, ATTACKER, "sparse", daemon.socket, "16"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=subprocess_env(), cwd="/",
-    )
+    attacker, report = attack_as_nobody("sparse", daemon.socket, "16")
     try:
-        line = attacker.stdout.readline()
-        assert line, attacker.stderr.read()
-        report = json.loads(line)
         # 4 of 64 GiB fill the uid's 256 GiB; the fifth is refused, naming the option.
         assert report["taken"] == 4, report
         assert "--max-staging-bytes-per-uid" in report["refusal"], report
         assert sum(staging_mapped_bytes(daemon)) == 256 * GIB
         # Another uid's CPU worker still registers, stores and loads exact bytes.
-        client = client_factory(daemon, name="victim")
-        worker, _, tensors = attach_worker(client, seed=61)
-        store_and_check(client, worker, tensors, 1, prompt=610)
-        client.close()
+        victim_stores(daemon, client_factory, seed=61)
     finally:
-        attacker.stdin.write("\n")
-        attacker.stdin.close()
-        attacker.wait(30)
+        let_go(attacker)
     # The attacker's session ended: its budget is back, nothing stays mapped.
     wait_until(lambda: daemon_staging_maps(daemon) == 0, what="the attacker's memfds unmapped")
     assert daemon.running
@@ -186,9 +202,7 @@ def test_grpc_connections_that_never_finish_the_handshake_or_never_call_are_clos
         for sock in [*silent, idle]:
             sock.close()
     # An engine's client, whose Attach stream keeps its connection busy, works on.
-    client = client_factory(daemon, name="engine")
-    worker, _, tensors = attach_worker(client, seed=63)
-    store_and_check(client, worker, tensors, 1, prompt=630)
+    victim_stores(daemon, client_factory, seed=63)
 
 
 @needs_second_uid
@@ -196,25 +210,13 @@ def test_one_uids_idle_grpc_connections_are_cut_to_its_cap_and_another_uid_attac
     open_folder, start_daemon, client_factory  # noqa: F811
 ):
     daemon = start_shared(start_daemon, open_folder, max_grpc_connections_per_uid=20)
-    attacker = subprocess.Popen(
-        [*as_uid(NOBODY), sys.executable, ATTACKER, "grpc-idle", daemon.socket, "200:20"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=subprocess_env(), cwd="/",
-    )
+    attacker, report = attack_as_nobody("grpc-idle", daemon.socket, "200:20")
     try:
-        line = attacker.stdout.readline()
-        assert line, attacker.stderr.read()
-        report = json.loads(line)
         # Without the cap all 200 stay open (they answer the keepalive pings).
         assert report["open"] == 20, report
-        client = client_factory(daemon, name="victim")
-        worker, _, tensors = attach_worker(client, seed=64)
-        store_and_check(client, worker, tensors, 1, prompt=640)
-        client.close()
+        victim_stores(daemon, client_factory, seed=64)
     finally:
-        attacker.stdin.write("\n")
-        attacker.stdin.close()
-        attacker.wait(30)
+        let_go(attacker)
     logged = [line for line in daemon.log_path.read_text().splitlines() if "--max-grpc-connections-per-uid" in line]
     assert logged and f"uid {NOBODY} held" in logged[0], logged
     assert daemon.running

@@ -25,20 +25,27 @@ log = logging.getLogger("kvdepot.grpc")
 _PEERCRED = struct.Struct("3i")
 
 
+def _duplicate(fd: int) -> socket.socket | None:
+    """A socket object of our own on the socket at `fd`; None if it is none."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+
+
 def _connection(fd: int, path: str) -> tuple[int, int] | None:
     """(socket inode, peer uid) of a connection to the socket at `path`, else None.
 
     Looked at through a duplicate, so that a descriptor gRPC closes and reuses
     meanwhile is never mistaken for another.
     """
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        sock = socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
+    sock = _duplicate(fd)
+    if sock is None:
         return None
     with sock:
         try:
@@ -53,14 +60,8 @@ def _connection(fd: int, path: str) -> tuple[int, int] | None:
 
 
 def _shut_down(fd: int, inode: int) -> bool:
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return False
-    try:
-        sock = socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
+    sock = _duplicate(fd)
+    if sock is None:
         return False
     with sock:
         try:
@@ -121,7 +122,11 @@ async def keep_cap(path: str, per_uid: int, interval: float = 0.25) -> None:
     cap = ConnectionCap(path, per_uid)
     events = RateLimitedLog(log)
     while True:
-        over = await asyncio.to_thread(cap.sweep)
+        try:
+            over = await asyncio.to_thread(cap.sweep)
+        except Exception:  # a sweep that fails must not end the ones after it
+            events.warning("failed", "a sweep of the gRPC connections failed", exc_info=True)
+            over = {}
         for uid, (held, closed) in over.items():
             events.warning(
                 f"uid {uid}",
