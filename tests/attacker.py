@@ -200,8 +200,12 @@ def grpc_idle(socket_path: str, count: int, keep: int) -> None:
     pending: dict[socket.socket, bytes] = {}
     for _ in range(count):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(socket_path)
-        sock.sendall(H2_PREFACE)
+        try:
+            sock.connect(socket_path)
+            sock.sendall(H2_PREFACE)
+        except OSError:  # shut down by the daemon already
+            sock.close()
+            continue
         sock.setblocking(False)
         selector.register(sock, selectors.EVENT_READ)
         pending[sock] = b""
