@@ -233,8 +233,9 @@ def _check_limits(limits: Limits) -> None:
                 raise ConfigError(f"{opt.key} must be 0 (automatic) or more")
         elif value < 1:
             raise ConfigError(f"{opt.key} must be at least 1, not {value}")
-    if limits.job_hello_timeout <= 0:
-        raise ConfigError("job_hello_timeout must be more than 0 seconds")
+    for key in ("job_hello_timeout", "grpc_handshake_timeout", "grpc_idle_timeout"):
+        if getattr(limits, key) <= 0:
+            raise ConfigError(f"{key} must be more than 0 seconds")
     if limits.max_unread_job_replies < 1 << 20:
         raise ConfigError(f"max_unread_job_replies must be at least 1MiB, not {limits.max_unread_job_replies}")
 

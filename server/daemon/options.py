@@ -271,6 +271,14 @@ OPTIONS = [
     limit("max_shm_worker_bytes",
           "The largest memory a shared-memory worker (a CPU engine) may hand the daemon to copy through: "
           "its KV cache's size. The daemon maps it. Larger: INVALID_ARGUMENT.", size=True),
+    limit("max_staging_bytes_per_uid",
+          "Staging memory (the memfds of shared-memory workers) the daemon maps at once for the processes of "
+          "one user id: a memfd is charged whole when it is handed over and cut to its worker's rows when the "
+          "worker registers, released when the worker or session ends. More: RESOURCE_EXHAUSTED. See "
+          "docs/security.md.", size=True),
+    limit("max_staging_bytes",
+          "Staging memory the daemon maps at once for all users, which keeps its address space bounded "
+          "whatever sparse memfds clients hand over. More: RESOURCE_EXHAUSTED.", size=True),
     limit("max_namespaces_per_tenant",
           "Namespaces one tenant (or sharing group) may hold at once, so that no tenant can take the "
           "daemon's --max-namespaces from the others. More: RESOURCE_EXHAUSTED.", kind=int),
@@ -295,6 +303,17 @@ OPTIONS = [
           "Job socket connections open at once from processes of one user id (from the kernel).", kind=int),
     limit("job_hello_timeout",
           "Seconds a new job socket connection has to say hello before it is closed.", kind=float),
+    limit("grpc_handshake_timeout",
+          "Seconds a new gRPC connection has to finish its handshake (the HTTP/2 preface and settings; TLS "
+          "on TCP) before the daemon closes it.", kind=float),
+    limit("grpc_idle_timeout",
+          "Seconds a gRPC connection with no call in flight stays open; then the daemon closes it (GOAWAY) "
+          "and a client's channel reconnects on its next call. An engine's Attach stream keeps its "
+          "connection busy.", kind=float),
+    limit("max_grpc_connections_per_uid",
+          "gRPC connections on the unix socket that processes of one user id (from the kernel) may hold at "
+          "once; the daemon closes the newest past it within a fraction of a second, and logs it. See "
+          "docs/security.md.", kind=int),
     limit("max_unread_job_replies",
           "Replies a job socket connection may leave unread before it is closed. Past 256 KiB the daemon "
           "already stops reading that connection's requests until it reads.", size=True),

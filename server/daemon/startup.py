@@ -28,6 +28,7 @@ from kvdepot.server.api import job_socket
 from kvdepot.server.api.service import KVDepotService, add_to_server
 from kvdepot.server.core.limits import Limits
 from kvdepot.server.core.tenants import TenantConfigError, Tenants
+from kvdepot.server.daemon import grpc_cap
 from kvdepot.server.daemon.config import DaemonConfig, Network
 from kvdepot.server.daemon.metrics import MetricsListenError, MetricsServer
 from kvdepot.server.host import pidlock
@@ -272,6 +273,11 @@ async def open_grpc_server(
             ("grpc.keepalive_permit_without_calls", 1),
             # Small messages that engine steps wait on (see the client's channel).
             ("grpc.optimization_target", "latency"),
+            # A connection costs a descriptor before any call proves anything:
+            # one that never finishes its handshake, or holds no call, is
+            # closed (an engine's Attach stream keeps its own busy).
+            ("grpc.server_handshake_timeout_ms", int(depot.limits.grpc_handshake_timeout * 1000)),
+            ("grpc.max_connection_idle_ms", int(depot.limits.grpc_idle_timeout * 1000)),
         ],
     )
     stack.push_async_callback(server.stop, 1.0)
@@ -294,8 +300,16 @@ async def open_grpc_server(
     await server.start()
     if address.unix_path:
         os.chmod(address.unix_path, 0o660)
+        cap = asyncio.create_task(grpc_cap.keep_cap(address.unix_path, depot.limits.max_grpc_connections_per_uid))
+        stack.push_async_callback(_cancel, cap)
     await set_health(servicer, health_pb2.HealthCheckResponse.SERVING)
     return servicer
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def set_health(servicer, status) -> None:
@@ -310,14 +324,7 @@ async def set_not_serving(servicer) -> None:
 
 
 def start_housekeeping(stack: contextlib.AsyncExitStack, depot) -> None:
-    task = asyncio.create_task(depot.housekeeping())
-
-    async def stop() -> None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    stack.push_async_callback(stop)
+    stack.push_async_callback(_cancel, asyncio.create_task(depot.housekeeping()))
 
 
 def tcp_credentials(network: Network, target: str, tenants: Tenants) -> grpc.ServerCredentials | None:
