@@ -29,6 +29,7 @@ from kvdepot.server.core.limits import Limits
 from kvdepot.server.core.tenants import TenantConfigError, Tenants
 from kvdepot.server.daemon.config import DaemonConfig, Network
 from kvdepot.server.daemon.metrics import MetricsListenError, MetricsServer
+from kvdepot.server.daemon.metrics_http import MetricsLimits
 from kvdepot.server.host import pidlock
 from kvdepot.server.host.pool import HostPool, PoolError
 from kvdepot.server.tiers.disk_store import DiskTierError
@@ -168,8 +169,10 @@ def take_address(stack: contextlib.AsyncExitStack, address: Address, lock_path: 
     stack.callback(guard.release)
 
 
-def open_metrics(stack: contextlib.AsyncExitStack, listen: str) -> MetricsServer:
-    metrics = MetricsServer(listen)
+def open_metrics(stack: contextlib.AsyncExitStack, config: DaemonConfig) -> MetricsServer:
+    settings = config.metrics
+    limits = MetricsLimits(max_connections=settings.max_connections, timeout=settings.timeout)
+    metrics = MetricsServer(settings.listen, limits, config.metrics_token)
     stack.callback(metrics.close)
     return metrics
 
