@@ -13,7 +13,9 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import socket
+import ssl
 import stat
 import time
 from dataclasses import dataclass
@@ -314,15 +316,59 @@ def tcp_credentials(network: Network, target: str, tenants: Tenants) -> grpc.Ser
             )
         log.warning("serving TCP on %s without TLS (loopback only)", target)
         return None
-    try:
-        with open(network.tls_cert_file, "rb") as f:
-            chain = f.read()
-        with open(network.tls_key_file, "rb") as f:
-            key = f.read()
-        client_ca = None
-        if network.tls_client_ca_file:
-            with open(network.tls_client_ca_file, "rb") as f:
-                client_ca = f.read()
-    except OSError as e:
-        raise StartupError(f"cannot read a TLS file: {e.filename}: {e.strerror}") from e
+    chain = _read_pem(network.tls_cert_file, "--tls-cert-file", _CERTIFICATE, "certificate")
+    key = _read_pem(network.tls_key_file, "--tls-key-file", _PRIVATE_KEY, "private key")
+    client_ca = None
+    if network.tls_client_ca_file:
+        client_ca = _read_pem(network.tls_client_ca_file, "--tls-client-ca-file", _CERTIFICATE, "CA certificate")
+    _check_key_pair(network.tls_cert_file, network.tls_key_file, network.tls_client_ca_file)
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca, require_client_auth=bool(client_ca))
+
+
+# gRPC reports any unusable certificate or key only as a failure to bind the
+# address; these checks name the file and what is wrong with it first.
+_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----")
+_PRIVATE_KEY = re.compile(rb"-----BEGIN (?:RSA |EC |ENCRYPTED )?PRIVATE KEY-----")
+
+
+def _read_pem(path: str, flag: str, block: re.Pattern, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise StartupError(f"cannot read the TLS file {path} ({flag}): {e.strerror}", exit_code=2) from e
+    if not block.search(data):
+        raise StartupError(f"the TLS file {path} ({flag}) holds no PEM {what} (no -----BEGIN line of one)",
+                           exit_code=2)
+    return data
+
+
+def _check_key_pair(cert_file: str, key_file: str, client_ca_file: str | None) -> None:
+    """Parses the certificates and the key as the TLS library will, and checks
+    that the key is the certificate's."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for path, flag in ((cert_file, "--tls-cert-file"), (client_ca_file, "--tls-client-ca-file")):
+        if path is None:
+            continue
+        try:
+            context.load_verify_locations(cafile=path)
+        except ssl.SSLError as e:
+            raise StartupError(
+                f"the TLS file {path} ({flag}) holds a certificate that does not parse: {e.reason or e}", exit_code=2
+            ) from None
+
+    def no_password() -> bytes:
+        raise StartupError(
+            f"the private key in {key_file} (--tls-key-file) is encrypted: give a key without a passphrase "
+            "(the file's permissions protect it)", exit_code=2,
+        )
+
+    try:
+        context.load_cert_chain(cert_file, key_file, password=no_password)
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            why = f"it is not the key of the certificate in {cert_file} (--tls-cert-file)"
+        else:
+            why = f"it does not parse ({e.reason or e})"
+        raise StartupError(f"the private key in {key_file} (--tls-key-file) cannot be used: {why}",
+                           exit_code=2) from None
