@@ -9,6 +9,8 @@ keep it until a line comes on stdin.
   flood SOCKET MIB        attach, say hello, send MIB MiB of requests, read no reply
   garbage SOCKET N        N connections, each sends one frame that is no JobFrame
   forge SOCKET TEXT       attach with TEXT as client name and namespace model
+  guess ADDRESS N         N GetStats calls one after the other over TCP, each with a wrong
+                          token: their status codes and how long each took to be answered
 """
 
 from __future__ import annotations
@@ -147,6 +149,22 @@ def forge(socket_path: str, text: str) -> None:
     print(json.dumps({"attached": True}), flush=True)
 
 
+def guess(address: str, count: int) -> None:
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.KVDepotStub(channel)
+    codes, seconds = [], []
+    for i in range(count):
+        started = time.monotonic()
+        try:
+            stub.GetStats(pb.GetStatsRequest(), metadata=[("authorization", f"Bearer guess-{i}")], timeout=30)
+            codes.append("OK")
+        except grpc.RpcError as e:
+            codes.append(e.code().name)
+        seconds.append(time.monotonic() - started)
+    channel.close()
+    print(json.dumps({"codes": codes, "seconds": seconds}), flush=True)
+
+
 def main() -> int:
     command, socket_path, arg = sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else ""
     if command == "stuck-engine":
@@ -159,6 +177,8 @@ def main() -> int:
         garbage(socket_path, int(arg))
     elif command == "forge":
         forge(socket_path, arg)
+    elif command == "guess":
+        guess(socket_path, int(arg))
     else:
         raise SystemExit(f"unknown command {command}")
     return 0
