@@ -26,10 +26,10 @@ def metrics_url(daemon) -> str:
 METRICS_TOKEN = "metrics-s3cret"
 
 
-def scrape(url: str, token: str | None = None) -> dict:
-    """{(sample name, frozenset of its labels): value}."""
+def scrape(url: str, token: str | None = None, tls=None) -> dict:
+    """{(sample name, frozenset of its labels): value}; `tls`: an ssl.SSLContext for https."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10, context=tls) as response:
         assert response.status == 200
         text = response.read().decode()
     return {
@@ -140,8 +140,9 @@ def sessions_ended(url: str, count: int) -> dict | None:
     return samples if value(samples, "kvdepot_sessions_ended_total") == count else None
 
 
-def listening_tcp_ports(pid: int) -> set[int]:
-    """TCP ports the process `pid` listens on (its socket inodes in /proc/net/tcp*)."""
+def tcp_ports(pid: int, state: str) -> list[int]:
+    """Local ports of the process `pid`'s TCP sockets in `state` ("0A" listening, "01" established),
+    by their socket inodes in /proc/net/tcp*; a port once per socket."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -150,14 +151,18 @@ def listening_tcp_ports(pid: int) -> set[int]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[len("socket:["):-1])
-    ports = set()
+    ports = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             for line in f.readlines()[1:]:
                 fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+                if fields[3] == state and fields[9] in inodes:
+                    ports.append(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
+
+
+def listening_tcp_ports(pid: int) -> set[int]:
+    return set(tcp_ports(pid, "0A"))
 
 
 def test_metrics_listen_none_serves_nothing(start_daemon):

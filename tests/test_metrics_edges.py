@@ -5,13 +5,15 @@ cost the daemon a bounded number of threads and descriptors."""
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import subprocess_env, wait_until
 from kvcache import attach_worker, prompt_keys
-from test_metrics import METRICS_TOKEN, metrics_token_file, metrics_url, scrape, value
+from test_metrics import METRICS_TOKEN, metrics_token_file, metrics_url, scrape, tcp_ports, value
 from test_trust import as_uid, needs_second_uid
 
 ATTACKER = str(Path(__file__).with_name("metrics_attacker.py"))
@@ -84,23 +86,7 @@ def threads(pid: int) -> int:
 
 def connections_to(pid: int, port: int) -> int:
     """The process's established TCP connections on its local `port`."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                local_port = int(fields[1].rsplit(":", 1)[1], 16)
-                if fields[3] == "01" and local_port == port and fields[9] in inodes:
-                    count += 1
-    return count
+    return tcp_ports(pid, "01").count(port)
 
 
 @needs_second_uid
@@ -132,3 +118,36 @@ def test_idle_connections_to_the_metrics_port_are_capped_and_a_scrape_still_answ
         idle.wait(30)
     wait_until(lambda: threads(pid) <= before, what="the metrics threads to end")
     assert connections_to(pid, port) == 0
+
+
+def test_over_https_a_client_certificate_shows_each_tenant_and_none_shows_none(start_daemon, client_factory, tmp_path):
+    from tls_certs import CA
+
+    ca = CA(tmp_path)
+    server_cert, server_key = ca.issue("kvdepotd", server=True)
+    scraper_cert, scraper_key = ca.issue("prometheus")
+    daemon = start_daemon(metrics_listen="127.0.0.1:0", metrics_tls_cert_file=server_cert,
+                          metrics_tls_key_file=server_key, metrics_tls_client_ca_file=ca.path)
+    url = metrics_url(daemon)
+    assert url.startswith("https://")
+    name = store_some(client_factory, daemon)
+
+    anonymous = ssl.create_default_context(cafile=str(ca.path))
+    samples = scrape(url, tls=anonymous)
+    assert not [n for n, _ in samples if n.startswith("kvdepot_namespace_")]
+    assert value(samples, "kvdepot_stored_blocks_total") == 4
+
+    prometheus = ssl.create_default_context(cafile=str(ca.path))
+    prometheus.load_cert_chain(scraper_cert, scraper_key)
+    ns = {"namespace": name, "scope": f"uid-{os.getuid()}"}
+    assert value(scrape(url, tls=prometheus), "kvdepot_namespace_stored_blocks_total", **ns) == 4
+
+    # A certificate of another CA is no credential: the handshake fails.
+    stranger = ssl.create_default_context(cafile=str(ca.path))
+    stranger.load_cert_chain(*CA(tmp_path, name="another CA").issue("stranger"))
+    with pytest.raises(OSError):  # an SSL error, a reset or a URLError, by when it is seen
+        scrape(url, tls=stranger)
+    # Nor is plain HTTP answered.
+    with pytest.raises(OSError):  # an SSL error, a reset or a URLError, by when it is seen
+        scrape(url.replace("https://", "http://"))
+    assert value(scrape(url, tls=prometheus), "kvdepot_namespace_stored_blocks_total", **ns) == 4

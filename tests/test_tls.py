@@ -123,3 +123,18 @@ def test_an_unusable_tls_file_is_named_with_what_is_wrong(tmp_path, pki):
         for part in wanted:
             assert part in proc.stderr, (files, proc.stderr)
         assert "Failed to bind" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_unusable_metrics_tls_key_is_named_too(tmp_path, pki):
+    _, server_cert, _ = pki
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_bytes(b"-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdepot.server", "--listen", str(tmp_path / "s.sock"), "--pool-size", "4MiB",
+         "--pin", "off", "--pool-dir", str(tmp_path), "--metrics-listen", f"127.0.0.1:{free_port()}",
+         "--metrics-tls-cert-file", str(server_cert), "--metrics-tls-key-file", str(garbage)],
+        capture_output=True, text=True, env=subprocess_env(), timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert str(garbage) in proc.stderr and "--metrics-tls-key-file" in proc.stderr and "does not parse" in proc.stderr
+    assert "Traceback" not in proc.stderr and list(tmp_path.glob("*.pool")) == []

@@ -70,6 +70,9 @@ class Copy:
 class Metrics:
     listen: str
     token_file: str | None
+    tls_cert_file: str | None
+    tls_key_file: str | None
+    tls_client_ca_file: str | None
     max_connections: int
     timeout: float
 
@@ -207,6 +210,11 @@ def _check(config: DaemonConfig) -> None:
         parse_listen(config.metrics.listen)
     except ValueError as e:
         raise ConfigError(f"metrics_listen: {e}") from None
+    metrics = config.metrics
+    if (metrics.tls_cert_file is None) != (metrics.tls_key_file is None):
+        raise ConfigError("metrics_tls_cert_file and metrics_tls_key_file go together: give both or neither")
+    if metrics.tls_client_ca_file and not metrics.tls_cert_file:
+        raise ConfigError("metrics_tls_client_ca_file needs HTTPS: give metrics_tls_cert_file and metrics_tls_key_file")
     if config.metrics.max_connections < 1:
         raise ConfigError(f"metrics_max_connections must be at least 1, not {config.metrics.max_connections}")
     if config.metrics.timeout <= 0:

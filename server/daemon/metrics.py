@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import ssl
 import sys
 import threading
 
@@ -292,11 +293,15 @@ class MetricsServer:
     that a taken port stops the daemon before it pins its pool) and shows the
     depot once attached."""
 
-    def __init__(self, listen: str, limits: MetricsLimits | None = None, token: str | None = None):
+    def __init__(
+        self, listen: str, limits: MetricsLimits | None = None, token: str | None = None,
+        tls: ssl.SSLContext | None = None,
+    ):
         address = parse_listen(listen)
         self.snapshots = Snapshots()
         public = self._registry(tenant_series=False)
-        full = self._registry(tenant_series=True) if token else None
+        client_certificates = tls is not None and tls.verify_mode != ssl.CERT_NONE
+        full = self._registry(tenant_series=True) if token or client_certificates else None
         self._server: BoundedMetricsServer | None = None
         self._thread: threading.Thread | None = None
         self.address = ""
@@ -306,7 +311,7 @@ class MetricsServer:
         host, port = address
         try:
             self._server = BoundedMetricsServer(
-                host, port, Views(public, full, token), limits or MetricsLimits(max_connections=16, timeout=10.0)
+                host, port, Views(public, full, token), limits or MetricsLimits(max_connections=16, timeout=10.0), tls
             )
         except OSError as e:
             raise MetricsListenError(
@@ -317,7 +322,7 @@ class MetricsServer:
         self._thread.start()
         bound_port = self._server.server_address[1]
         shown_host = f"[{host}]" if ":" in host else host
-        self.address = f"http://{shown_host}:{bound_port}/metrics"
+        self.address = f"{'https' if tls else 'http'}://{shown_host}:{bound_port}/metrics"
 
     def _registry(self, tenant_series: bool) -> CollectorRegistry:
         registry = CollectorRegistry()
@@ -330,7 +335,8 @@ class MetricsServer:
         if self.address:
             log.info(
                 "serving Prometheus metrics at %s (per-namespace series: %s)", self.address,
-                "to scrapes with the metrics token" if self.tenant_series else "off; set --metrics-token-file",
+                "to scrapes with the metrics token or a client certificate" if self.tenant_series
+                else "off; set --metrics-token-file",
             )
 
     def close(self) -> None:

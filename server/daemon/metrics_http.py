@@ -16,7 +16,8 @@ Refusals and failed requests are logged at most once per interval: anyone who
 can reach the port could flood the log otherwise.
 
 Who sees what: every scrape gets the node-wide series; the per-tenant ones
-(namespace names, scopes and counts) only a scrape that sends the metrics token.
+(namespace names, scopes and counts) only a scrape that sends the metrics token
+or, over HTTPS, presents a client certificate the metrics client CAs signed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import http.server
 import logging
 import socket
 import socketserver
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -46,8 +48,9 @@ class MetricsLimits:
 
 @dataclass(frozen=True)
 class Views:
-    """What a scrape is shown: `public` without the token, `full` with it
-    (None: no token is set, and no scrape sees per-tenant series)."""
+    """What a scrape is shown: `public` without a credential, `full` with the
+    token or a verified client certificate (None: neither is set up, and no
+    scrape sees per-tenant series)."""
 
     public: Collector
     full: Collector | None = None
@@ -70,10 +73,11 @@ class BoundedMetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     # empties it at once, and a connection past the cap is closed there.
     request_queue_size = 64
 
-    def __init__(self, host: str, port: int, views: Views, limits: MetricsLimits):
+    def __init__(self, host: str, port: int, views: Views, limits: MetricsLimits, tls: ssl.SSLContext | None = None):
         self.address_family = _family(host, port)
         self.views = views
         self.limits = limits
+        self.tls = tls
         self._lock = threading.Lock()
         self._open: dict[socket.socket, _Connection] = {}
         self.refused = 0
@@ -82,6 +86,14 @@ class BoundedMetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         super().__init__((host, port), _Handler)
 
     # ------------------------------------------------ connections, bounded
+
+    def get_request(self):
+        sock, address = super().get_request()
+        if self.tls is not None:
+            # The handshake is the connection's own thread's (_Handler.setup),
+            # under its timeout: this thread only accepts.
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, address
 
     def process_request(self, request, client_address) -> None:
         with self._lock:
@@ -116,8 +128,10 @@ class BoundedMetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         del self._open[victim.sock]
         self.evicted += 1
         try:
-            # Wakes its thread, whose read then ends; the thread closes it.
-            victim.sock.shutdown(socket.SHUT_RDWR)
+            # Wakes its thread, whose read then ends; the thread closes it. The
+            # plain socket's shutdown: a TLS socket's would drop its TLS state
+            # under the thread that reads it.
+            socket.socket.shutdown(victim.sock, socket.SHUT_RDWR)
         except OSError:
             pass
         self._rate_limited.warning(
@@ -155,10 +169,11 @@ class BoundedMetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
     # ------------------------------------------------ who sees what
 
-    def view_for(self, authorization: str | None) -> Collector | None:
-        """The registry to show; None for a wrong token (401)."""
+    def view_for(self, authorization: str | None, certified: bool = False) -> Collector | None:
+        """The registry to show; None for a wrong token (401). `certified`: the
+        scrape presented a client certificate the metrics client CAs signed."""
         if authorization is None:
-            return self.views.public
+            return self.views.full if certified and self.views.full is not None else self.views.public
         token = self.views.token
         scheme, _, given = authorization.partition(" ")
         if (
@@ -183,10 +198,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.timeout = self.server.limits.timeout
         super().setup()
+        if isinstance(self.connection, ssl.SSLSocket):
+            self.connection.do_handshake()
 
     def do_GET(self) -> None:
         self.server.mark_asked(self.request)
-        view = self.server.view_for(self.headers.get("Authorization"))
+        # Not empty only for a certificate the client CAs verified.
+        certified = isinstance(self.connection, ssl.SSLSocket) and bool(self.connection.getpeercert())
+        view = self.server.view_for(self.headers.get("Authorization"), certified)
         if view is None:
             self.server.wrong_token(self.client_address)
             self._answer(401, b"wrong metrics token\n", "text/plain; charset=utf-8",

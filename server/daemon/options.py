@@ -219,9 +219,25 @@ OPTIONS = [
     Option(
         "metrics_token_file", "metrics", None,
         "File holding the token a scrape sends (authorization: Bearer TOKEN) to see the per-namespace series, "
-        "which name each tenant's namespaces and count their hits, misses, stores and loads. Unset: no scrape "
-        "sees them. A wrong token is answered 401. See docs/security.md.",
+        "which name each tenant's namespaces and count their hits, misses, stores and loads. Unset (and no "
+        "--metrics-tls-client-ca-file): no scrape sees them. A wrong token is answered 401. See "
+        "docs/security.md.",
         field="token_file",
+    ),
+    Option(
+        "metrics_tls_cert_file", "metrics", None,
+        "PEM certificate chain: the metrics port then speaks HTTPS only, so that a token never travels in "
+        "clear.",
+        field="tls_cert_file",
+    ),
+    Option("metrics_tls_key_file", "metrics", None, "PEM private key of --metrics-tls-cert-file.",
+           field="tls_key_file"),
+    Option(
+        "metrics_tls_client_ca_file", "metrics", None,
+        "PEM CA certificates: a scrape presenting a client certificate they signed sees the per-namespace "
+        "series, as one with the token does (Prometheus: tls_config cert_file and key_file). Scrapes "
+        "without a certificate still get the node-wide series.",
+        field="tls_client_ca_file",
     ),
     Option(
         "metrics_max_connections", "metrics", 16,
