@@ -13,7 +13,10 @@ the peer keeps it open, without a cap or a timeout. Here:
   new connection is closed at once.
 
 Refusals and failed requests are logged at most once per interval: anyone who
-can reach the port could flood the log otherwise.
+can reach the port could flood the log otherwise. A scrape's snapshot is taken
+on the event loop and its text made under the GIL, so scrapes are rendered one
+at a time, and the open view's text is reused for PUBLIC_REUSE_S: scraping it
+in a loop costs the daemon one rendering a second, however many scrape.
 
 Who sees what: every scrape gets the node-wide series; the per-tenant ones
 (namespace names, scopes and counts) only a scrape that sends the metrics token
@@ -38,6 +41,10 @@ from prometheus_client.registry import Collector
 from kvdepot.logsafe import RateLimitedLog, one_line
 
 log = logging.getLogger("kvdepot.metrics")
+
+# Seconds a rendering of the node-wide view answers later scrapes (Prometheus
+# scrapes every 15 s or so; a scraper more often only sees the same numbers).
+PUBLIC_REUSE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,9 @@ class BoundedMetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.refused = 0
         self.evicted = 0
         self._rate_limited = RateLimitedLog(log)
+        self._render_lock = threading.Lock()
+        # content type -> (when, text) of the node-wide view
+        self._public_texts: dict[str, tuple[float, bytes]] = {}
         super().__init__((host, port), _Handler)
 
     # ------------------------------------------------ connections, bounded
@@ -184,6 +194,20 @@ class BoundedMetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
             return self.views.full
         return None
 
+    def render(self, view: Collector, accept: str | None) -> tuple[bytes, str]:
+        """The text of `view` in the format the scraper accepts, and its content type."""
+        encoder, content_type = choose_encoder(accept)
+        with self._render_lock:
+            now = time.monotonic()
+            if view is self.views.public:
+                when, text = self._public_texts.get(content_type, (None, b""))
+                if when is not None and now - when < PUBLIC_REUSE_S:
+                    return text, content_type
+            text = encoder(view)
+            if view is self.views.public:
+                self._public_texts[content_type] = (now, text)
+            return text, content_type
+
     def wrong_token(self, client_address) -> None:
         self._rate_limited.warning(
             "token", "metrics: a scrape from %s sent a wrong token (--metrics-token-file)", _peer(client_address)
@@ -211,8 +235,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._answer(401, b"wrong metrics token\n", "text/plain; charset=utf-8",
                          [("WWW-Authenticate", 'Bearer realm="kvdepot"')])
             return
-        encoder, content_type = choose_encoder(self.headers.get("Accept"))
-        self._answer(200, encoder(view), content_type)
+        text, content_type = self.server.render(view, self.headers.get("Accept"))
+        self._answer(200, text, content_type)
 
     def _answer(self, code: int, body: bytes, content_type: str, headers: list = ()) -> None:
         self.send_response(code)
