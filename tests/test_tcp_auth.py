@@ -40,8 +40,8 @@ def test_wrong_tokens_are_logged_now_and_then_and_slowed(start_daemon, tmp_path)
     assert answers["seconds"][-1] >= auth_throttle.MOST_DELAY_S
     refusals = [line for line in daemon.log().splitlines() if "refused a TCP call from ipv4:127.0.0.1" in line]
     assert 1 <= len(refusals) <= 2, refusals
-    # The right token is not slowed by the guesser's failures.
-    assert OperatorClient(address, auth_token="s3cret", timeout=auth_throttle.MOST_DELAY_S).stats().pool.num_slots
+    # The right token still gets in from the guesser's host (only wrong answers wait).
+    assert OperatorClient(address, auth_token="s3cret").stats().pool.num_slots
 
 
 def test_wrong_answers_to_one_peer_are_spaced_out_however_many_at_once():
