@@ -236,6 +236,9 @@ def run_job_script(state: State, script, counts: Counter) -> None:
                     raise Problem("job socket", f"answered request {reply.request_id} instead", request)
                 outcome = check_refusal(reply, request)
                 counts["jobs " + outcome] += 1
+                if not ready and outcome == "staging_ready":
+                    check_staging_without_descriptor(probe, request, counts)
+                    return
                 if not ready and outcome != "ready":
                     # Refused before its hello: the daemon closes the connection.
                     if probe.answer() is not None:
@@ -252,6 +255,18 @@ def run_job_script(state: State, script, counts: Counter) -> None:
             probe.send(JOB_FRAME_HEADER.pack(1000) + b"\x08" * 10)
     finally:
         probe.sock.close()
+
+
+def check_staging_without_descriptor(probe: JobSocketProbe, request: str, counts: Counter) -> None:
+    """After a staging offer is taken, the daemon reads one byte only, which
+    must carry the descriptor: one without it is refused, and the connection closed."""
+    probe.send(b"\0")
+    reply = probe.answer()
+    if reply is None or check_refusal(reply, request) != "refused:INVALID_ARGUMENT":
+        raise Problem("job socket", f"a staging offer's byte without a descriptor was answered {reply}", request)
+    if probe.answer() is not None:
+        raise Problem("job socket", "a refused staging offer's connection was left open", request)
+    counts["jobs staging refused: no descriptor"] += 1
 
 
 def drain(probe: JobSocketProbe, request: str, counts: Counter) -> None:
