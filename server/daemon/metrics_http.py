@@ -31,6 +31,7 @@ import logging
 import socket
 import socketserver
 import ssl
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -174,6 +175,12 @@ class BoundedMetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
             return len(self._open)
 
     def handle_error(self, request, client_address) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            # The peer's doing (a timeout, a reset, a failed TLS handshake, an
+            # eviction): anyone can cause it, and the scraper reports its own.
+            log.debug("metrics: a connection from %s failed: %s", _peer(client_address), one_line(error))
+            return
         self._rate_limited.warning("error", "metrics: a request from %s failed", _peer(client_address),
                                    exc_info=True)
 
