@@ -213,7 +213,8 @@ OPTIONS = [
     Option(
         "metrics_listen", "metrics", "127.0.0.1:9400",
         "HOST:PORT where the daemon serves Prometheus metrics (/metrics over HTTP), or none. Every scrape "
-        "gets the node-wide series; each tenant's namespaces only a scrape with --metrics-token-file's token.",
+        "gets the node-wide series; each tenant's namespaces only a scrape with --metrics-token-file's token "
+        "or a --metrics-tls-client-ca-file certificate.",
         field="listen",
     ),
     Option(
