@@ -13,6 +13,8 @@ keep it until a line comes on stdin.
   grpc-idle SOCKET N:K    open N HTTP/2 connections to the gRPC socket that make no call and
                           answer every SETTINGS and PING; say how many are open once at most K
                           are (or after 30 s), and keep answering until told
+  guess ADDRESS N         N GetStats calls one after the other over TCP, each with a wrong
+                          token: their status codes and how long each took to be answered
 """
 
 from __future__ import annotations
@@ -242,6 +244,20 @@ def grpc_idle(socket_path: str, count: int, keep: int) -> None:
     hold({"opened": count, "open": len(pending)})
     done.set()
     thread.join()
+def guess(address: str, count: int) -> None:
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.KVDepotStub(channel)
+    codes, seconds = [], []
+    for i in range(count):
+        started = time.monotonic()
+        try:
+            stub.GetStats(pb.GetStatsRequest(), metadata=[("authorization", f"Bearer guess-{i}")], timeout=30)
+            codes.append("OK")
+        except grpc.RpcError as e:
+            codes.append(e.code().name)
+        seconds.append(time.monotonic() - started)
+    channel.close()
+    print(json.dumps({"codes": codes, "seconds": seconds}), flush=True)
 
 
 def main() -> int:
@@ -261,6 +277,8 @@ def main() -> int:
         sparse(socket_path, int(arg))
     elif command == "forge":
         forge(socket_path, arg)
+    elif command == "guess":
+        guess(socket_path, int(arg))
     else:
         raise SystemExit(f"unknown command {command}")
     return 0

@@ -107,7 +107,7 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
         config.lifecycle.fresh,
     )
     # Before the pool, which may take tens of seconds to pin: a taken port fails at once.
-    metrics = startup.open_metrics(stack, config.metrics.listen)
+    metrics = startup.open_metrics(stack, config)
     instance = secrets.token_hex(6)
     serving = asyncio.Event()
     pool = startup.open_pool(

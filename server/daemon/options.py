@@ -212,9 +212,44 @@ OPTIONS = [
     ),
     Option(
         "metrics_listen", "metrics", "127.0.0.1:9400",
-        "HOST:PORT where the daemon serves Prometheus metrics (/metrics over HTTP), or none. They name "
-        "every tenant's namespaces: expose them off localhost only behind protection.",
+        "HOST:PORT where the daemon serves Prometheus metrics (/metrics over HTTP), or none. Every scrape "
+        "gets the node-wide series; each tenant's namespaces only a scrape with --metrics-token-file's token "
+        "or a --metrics-tls-client-ca-file certificate.",
         field="listen",
+    ),
+    Option(
+        "metrics_token_file", "metrics", None,
+        "File holding the token a scrape sends (authorization: Bearer TOKEN) to see the per-namespace series, "
+        "which name each tenant's namespaces and count their hits, misses, stores and loads. Unset (and no "
+        "--metrics-tls-client-ca-file): no scrape sees them. A wrong token is answered 401. See "
+        "docs/security.md.",
+        field="token_file",
+    ),
+    Option(
+        "metrics_tls_cert_file", "metrics", None,
+        "PEM certificate chain: the metrics port then speaks HTTPS only, so that a token never travels in "
+        "clear.",
+        field="tls_cert_file",
+    ),
+    Option("metrics_tls_key_file", "metrics", None, "PEM private key of --metrics-tls-cert-file.",
+           field="tls_key_file"),
+    Option(
+        "metrics_tls_client_ca_file", "metrics", None,
+        "PEM CA certificates: a scrape presenting a client certificate they signed sees the per-namespace "
+        "series, as one with the token does (Prometheus: tls_config cert_file and key_file). Scrapes "
+        "without a certificate still get the node-wide series.",
+        field="tls_client_ca_file",
+    ),
+    Option(
+        "metrics_max_connections", "metrics", 16,
+        "Connections to the metrics port open at once (one thread each). At the cap the oldest that has "
+        "sent no request is closed to make room; with none such the new one is.",
+        kind=int, field="max_connections",
+    ),
+    Option(
+        "metrics_timeout", "metrics", 10.0,
+        "Seconds a metrics connection may wait for each read or write before it is closed.",
+        kind=float, field="timeout",
     ),
     Option("log_level", "logging", "info", "debug, info, warning or error.",
            choices=("debug", "info", "warning", "error"), field="level"),
