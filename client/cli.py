@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvdepot import kept_pools
 from kvdepot.client.daemon_identity import check_daemon, daemon_uids_setting, trusted_uids
 from kvdepot.client.job_socket import JobSocket
 from kvdepot.client.rpc import Tls, open_channel
@@ -237,12 +238,58 @@ def build_parser() -> argparse.ArgumentParser:
     target = clear.add_mutually_exclusive_group(required=True)
     target.add_argument("namespace", nargs="?", help="namespace name as `kvdepot stats` shows it")
     target.add_argument("--all", action="store_true", help="clear every namespace")
+    pools = commands.add_parser(
+        "pools", help="this user's pools kept in RAM by stopped daemons: their address and age (no daemon needed)")
+    pools.add_argument("--pool-dir", action="append", default=[],
+                       help="a folder to look in besides /dev/shm, /tmp and the socket's folder (repeatable)")
+    pools.add_argument("--discard", metavar="PATH", help="remove this kept pool (never one a live daemon serves)")
+    pools.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
+
+
+def _pools(args) -> int:
+    """`kvdepot pools`: lists this user's pool files, or discards one."""
+    target = grpc_target(args.socket or default_socket_path())
+    socket_dir = os.path.dirname(target[len("unix:"):]) if target.startswith("unix:") else ""
+    folders = [*args.pool_dir, "/dev/shm", "/tmp", socket_dir]
+    found = kept_pools.kept_pools([d for d in folders if d and os.path.isdir(d)])
+    if args.discard:
+        target = os.path.realpath(args.discard)
+        pool = next((p for p in found if os.path.realpath(p.path) == target), None)
+        if pool is None:
+            print(f"kvdepot: {args.discard} is not a pool file of this user in {', '.join(folders)} "
+                  "(--pool-dir adds a folder)", file=sys.stderr)
+            return 1
+        if pool.live:
+            print(f"kvdepot: {pool.path} is served by a live daemon on {pool.address}: stop it first",
+                  file=sys.stderr)
+            return 1
+        try:
+            kept_pools.discard(pool.path)
+        except OSError as e:
+            print(f"kvdepot: cannot remove {pool.path}: {e.strerror}", file=sys.stderr)
+            return 1
+        print(f"discarded {pool.path} ({pool.bytes / 2**30:.2f} GiB, kept for {pool.address or 'an unknown address'})")
+        return 0
+    if args.json:
+        print(json.dumps([{"path": p.path, "bytes": p.bytes, "address": p.address, "since": p.since,
+                           "age_seconds": round(p.age()), "live": p.live, "unreadable": p.unreadable}
+                          for p in found], indent=2))
+        return 0
+    if not found:
+        print("(no pool files of this user)")
+    for p in found:
+        state = "served now" if p.live else f"kept {p.age() / 60:.0f} min"
+        print(f"{p.path}  {p.bytes / 2**30:.2f} GiB  {p.address or '(address unknown: ' + p.unreadable + ')'}  "
+              f"{state}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "pools":
+        return _pools(args)
     if args.command == "stats" and args.watch is not None and args.json:
         parser.error("--watch shows a table; for JSON, run `kvdepot stats --json` at each interval")
     token = None

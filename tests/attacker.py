@@ -9,10 +9,17 @@ keep it until a line comes on stdin.
   flood SOCKET MIB        attach, say hello, send MIB MiB of requests, read no reply
   garbage SOCKET N        N connections, each sends one frame that is no JobFrame
   forge SOCKET TEXT       attach with TEXT as client name and namespace model
+  sparse SOCKET N         attach, say hello, hand over N sparse sealed memfds of 64 GiB
+  grpc-idle SOCKET N:K    open N HTTP/2 connections to the gRPC socket that make no call and
+                          answer every SETTINGS and PING; say how many are open once at most K
+                          are (or after 30 s), and keep answering until told
+  guess ADDRESS N         N GetStats calls one after the other over TCP, each with a wrong
+                          token: their status codes and how long each took to be answered
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -147,6 +154,112 @@ def forge(socket_path: str, text: str) -> None:
     print(json.dumps({"attached": True}), flush=True)
 
 
+def sparse(socket_path: str, count: int) -> None:
+    from kvdepot.client.job_socket import hand_over
+    from raw_client import RawSession
+
+    session = RawSession(socket_path, name="sparse")
+    taken, refusal = 0, None
+    for _ in range(count):
+        fd = os.memfd_create("sparse", os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, 64 << 30)  # costs nothing: no page is ever touched
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            hand_over(session.started.job_socket, session.id, fd, 10)
+            taken += 1
+        except Exception as e:
+            refusal = str(e)
+            break
+        finally:
+            os.close(fd)
+    hold({"taken": taken, "refusal": refusal})
+    session.close()
+
+
+def h2_frame(kind: int, flags: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + (0).to_bytes(4, "big") + payload
+
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + h2_frame(4, 0, b"")
+
+
+def answer_h2(sock: socket.socket, buf: bytes) -> bytes:
+    """Acknowledges every SETTINGS and PING among the whole frames in `buf`, as
+    an HTTP/2 client that makes no call; returns what is left of `buf`."""
+    while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+        length, kind, flags = int.from_bytes(buf[:3], "big"), buf[3], buf[4]
+        payload, buf = buf[9:9 + length], buf[9 + length:]
+        if kind in (4, 6) and not flags & 1:
+            sock.sendall(h2_frame(kind, 1, b"" if kind == 4 else payload))
+    return buf
+
+
+def grpc_idle(socket_path: str, count: int, keep: int) -> None:
+    import selectors
+    import threading
+
+    selector = selectors.DefaultSelector()
+    pending: dict[socket.socket, bytes] = {}
+    for _ in range(count):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(socket_path)
+            sock.sendall(H2_PREFACE)
+        except OSError:  # shut down by the daemon already
+            sock.close()
+            continue
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+        pending[sock] = b""
+    done = threading.Event()
+
+    def drop(sock: socket.socket) -> None:
+        selector.unregister(sock)
+        del pending[sock]
+        sock.close()
+
+    def serve() -> None:
+        while not done.is_set():
+            for key, _ in selector.select(0.1):
+                sock = key.fileobj
+                try:
+                    data = sock.recv(65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    drop(sock)
+                    continue
+                try:
+                    pending[sock] = answer_h2(sock, pending[sock] + data)
+                except OSError:
+                    drop(sock)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while len(pending) > keep and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hold({"opened": count, "open": len(pending)})
+    done.set()
+    thread.join()
+def guess(address: str, count: int) -> None:
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.KVDepotStub(channel)
+    codes, seconds = [], []
+    for i in range(count):
+        started = time.monotonic()
+        try:
+            stub.GetStats(pb.GetStatsRequest(), metadata=[("authorization", f"Bearer guess-{i}")], timeout=30)
+            codes.append("OK")
+        except grpc.RpcError as e:
+            codes.append(e.code().name)
+        seconds.append(time.monotonic() - started)
+    channel.close()
+    print(json.dumps({"codes": codes, "seconds": seconds}), flush=True)
+
+
 def main() -> int:
     command, socket_path, arg = sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else ""
     if command == "stuck-engine":
@@ -157,8 +270,15 @@ def main() -> int:
         flood(socket_path, int(arg))
     elif command == "garbage":
         garbage(socket_path, int(arg))
+    elif command == "grpc-idle":
+        count, keep = arg.split(":")
+        grpc_idle(socket_path, int(count), int(keep))
+    elif command == "sparse":
+        sparse(socket_path, int(arg))
     elif command == "forge":
         forge(socket_path, arg)
+    elif command == "guess":
+        guess(socket_path, int(arg))
     else:
         raise SystemExit(f"unknown command {command}")
     return 0

@@ -38,7 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fuzz_messages import NUM_BLOCKS, job_script, request_strategy, valid_namespace, valid_worker  # noqa: E402
-from kvdepot.defaults import JOB_FRAME_HEADER, KEY_BYTES, PROTOCOL_VERSION  # noqa: E402
+from kvdepot.defaults import (  # noqa: E402
+    JOB_FRAME_HEADER,
+    KEY_BYTES,
+    MAX_HELLO_FRAME_BYTES,
+    MAX_JOB_FRAME_BYTES,
+    PROTOCOL_VERSION,
+)
 from kvdepot.proto import kvdepot_pb2 as pb  # noqa: E402
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -210,10 +216,19 @@ def run_job_script(state: State, script, counts: Counter) -> None:
             if action in ("hello", "frame"):
                 frame = pb.JobFrame(hello=pb.JobSocketHello(session_id=arg)) if action == "hello" else arg
                 request = text_format.MessageToString(frame, as_one_line=True)
-                probe.send(encode(frame))
+                data = encode(frame)
+                probe.send(data)
                 if not in_frames:
                     drain(probe, request, counts)
                     continue
+                # A frame over the limit (a small one until the hello is taken) is not
+                # answered: the daemon closes the connection, which is all it owes.
+                limit = MAX_JOB_FRAME_BYTES if ready else MAX_HELLO_FRAME_BYTES
+                if len(data) - JOB_FRAME_HEADER.size > limit:
+                    if probe.answer() is not None:
+                        raise Problem("job socket", f"answered a frame over the {limit}-byte limit", request)
+                    counts["jobs closed: too large"] += 1
+                    return
                 reply = probe.answer()
                 if reply is None:
                     raise Problem("job socket", "closed instead of answering a frame", request)
@@ -221,6 +236,9 @@ def run_job_script(state: State, script, counts: Counter) -> None:
                     raise Problem("job socket", f"answered request {reply.request_id} instead", request)
                 outcome = check_refusal(reply, request)
                 counts["jobs " + outcome] += 1
+                if not ready and outcome == "staging_ready":
+                    check_staging_without_descriptor(probe, request, counts)
+                    return
                 if not ready and outcome != "ready":
                     # Refused before its hello: the daemon closes the connection.
                     if probe.answer() is not None:
@@ -237,6 +255,18 @@ def run_job_script(state: State, script, counts: Counter) -> None:
             probe.send(JOB_FRAME_HEADER.pack(1000) + b"\x08" * 10)
     finally:
         probe.sock.close()
+
+
+def check_staging_without_descriptor(probe: JobSocketProbe, request: str, counts: Counter) -> None:
+    """After a staging offer is taken, the daemon reads one byte only, which
+    must carry the descriptor: one without it is refused, and the connection closed."""
+    probe.send(b"\0")
+    reply = probe.answer()
+    if reply is None or check_refusal(reply, request) != "refused:INVALID_ARGUMENT":
+        raise Problem("job socket", f"a staging offer's byte without a descriptor was answered {reply}", request)
+    if probe.answer() is not None:
+        raise Problem("job socket", "a refused staging offer's connection was left open", request)
+    counts["jobs staging refused: no descriptor"] += 1
 
 
 def drain(probe: JobSocketProbe, request: str, counts: Counter) -> None:

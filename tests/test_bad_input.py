@@ -177,3 +177,21 @@ def test_a_huge_registration_is_refused_before_any_work(setup):
     expect(grpc.StatusCode.INVALID_ARGUMENT, raw_call, client, "RegisterWorker", request,
            match="409600 pages per block over all tensors")
     assert_still_intact(client, engine, worker, tensors, keys)
+
+
+def test_a_registration_of_many_handles_is_refused_by_its_counts(setup):
+    """A RegisterWorker of hundreds of thousands of handles, from any process
+    that can connect, is refused by its session and its counts before a single
+    tensor or handle is read into the daemon's values (reading them took the
+    event loop seconds, every client waiting)."""
+    client, engine, worker, tensors, keys = setup
+    flood = pb.RegisterWorkerRequest(session_id="no-such-session", namespace=pb.NamespaceSpec(model="m"))
+    flood.handles.extend([pb.TensorHandle(shared_memory=pb.SharedMemoryWorker())] * 300_000)
+    expect(grpc.StatusCode.NOT_FOUND, raw_call, client, "RegisterWorker", flood, match="unknown session")
+    flood.session_id = client._connection.session_id
+    expect(grpc.StatusCode.INVALID_ARGUMENT, raw_call, client, "RegisterWorker", flood, match="0 tensors but 300000")
+    del flood.handles[:]
+    flood.tensors.extend([pb.TensorSpec(name="t")] * 100_000)
+    expect(grpc.StatusCode.INVALID_ARGUMENT, raw_call, client, "RegisterWorker", flood,
+           match="--max-tensors-per-worker")
+    assert_still_intact(client, engine, worker, tensors, keys)

@@ -140,7 +140,15 @@ def daemon_config(objects: list[dict], spec: dict, container: dict, tmp_path: Pa
     local = tmp_path / "kvdepotd.toml"
     local.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in toml.items()))
     argv[argv.index("--config") + 1] = str(local)
-    return load_config(argv, environ=env_of(container)), toml
+    environ = env_of(container)
+    if "KVDEPOT_METRICS_TOKEN_FILE" in environ:
+        # A Secret's file in the pod (test_servicemonitor_sends_the_daemons_metrics_token): one of ours here.
+        volume, _ = volume_at(spec, container, environ["KVDEPOT_METRICS_TOKEN_FILE"])
+        assert "secret" in volume, "the metrics token is not a Secret's"
+        token = tmp_path / "metrics-token"
+        token.write_text("a token\n")
+        environ["KVDEPOT_METRICS_TOKEN_FILE"] = str(token)
+    return load_config(argv, environ=environ), toml
 
 
 # --------------------------------------------------------- kubernetes
@@ -340,6 +348,23 @@ def test_servicemonitor_scrapes_every_daemon():
             assert set(relabeling) <= RELABELING_FIELDS
     annotations = daemonset["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "9400" and annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_servicemonitor_sends_the_daemons_metrics_token(tmp_path):
+    """Prometheus sees each tenant's namespaces only with the daemon's metrics
+    token: the ServiceMonitor sends the Secret's key that the daemon reads."""
+    objects = render(KUBERNETES / "overlays" / "node")
+    monitor = only(objects, "ServiceMonitor")
+    [(spec, daemon)] = daemon_pods(objects)
+    config, _ = daemon_config(objects, spec, daemon, tmp_path)
+    assert config.metrics_token == "a token"
+    volume, inside = volume_at(spec, daemon, env_of(daemon)["KVDEPOT_METRICS_TOKEN_FILE"])
+    for endpoint in monitor["spec"]["endpoints"]:
+        authorization = endpoint["authorization"]
+        assert authorization["type"] == "Bearer"
+        assert authorization["credentials"] == {"name": volume["secret"]["secretName"], "key": inside}
+    # Only the daemon's user reads it.
+    assert volume["secret"]["defaultMode"] == 0o400
 
 
 # ----------------------------------------------------------- Dockerfile

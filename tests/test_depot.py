@@ -275,3 +275,22 @@ def test_draining_refuses_new_jobs_and_waits_for_those_in_flight(depot):
     assert asyncio.run(drain_while_the_job_runs())
     with pytest.raises(errors.Unavailable):
         depot.attach("late", identity(os.getpid()))
+
+
+def test_a_miss_notifies_no_engine_when_no_tier_holds_what_dram_let_go(tmp_path):
+    """The kept pool is DRAM's own slots: with it alone below DRAM (no disk),
+    a lookup that misses has nothing to correct in any engine's copy, and
+    sends nothing (each BlocksChanged counts against every session's queue)."""
+    from kvdepot.server.core.tiers import TierStack
+    from kvdepot.server.tiers.warm import WarmPool
+
+    pool = HostPool(size=16 * SLOT, slot_bytes=SLOT, directory=str(tmp_path), name="miss-test", pin="off")
+    try:
+        depot = Depot(pool, "lru", "test-instance", "test", tiers=TierStack([WarmPool(pool)]))
+        session = depot.attach("c", identity(os.getpid()))
+        engine_id, _ = depot.register_engine(session.id, namespace())
+        notifications(session)
+        assert depot.lookup(session.id, engine_id, keys(4, prompt=9)).ready == 0
+        assert notifications(session) == []
+    finally:
+        pool.close()

@@ -24,7 +24,7 @@ FOREIGN_FLAGS = {
     "--gpu-memory-utilization", "--kv-transfer-config", "--kv-events-config",
     "--build-arg", "--shm-size",
     "--no-deps", "--only-binary", "--python-version", "--platform", "--no-index", "--target",
-    "--now",
+    "--now", "--from-literal",
 }  # fmt: skip
 # Daemon options that the upgrade notes name as removed.
 REMOVED_FLAGS = {"--pool-uids", "--job-deadline"}

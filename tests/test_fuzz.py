@@ -66,9 +66,14 @@ class GoodClient(threading.Thread):
         except BaseException as e:
             self.error = e
 
-    def finish(self) -> None:
+    def halt(self) -> None:
+        """Stops it, whatever happened: a thread left in a gRPC call when the
+        interpreter exits aborts it (std::terminate)."""
         self.stop.set()
         self.join(60)
+
+    def finish(self) -> None:
+        self.halt()
         assert self.error is None, repr(self.error)
 
 
@@ -82,17 +87,19 @@ def test_fuzzed_requests_get_typed_errors_and_harm_no_other_client(start_daemon,
     before = footprint(daemon.proc.pid)
     verified_before = good.engine.counts["blocks verified"]
     good.start()
+    try:
+        code, report, stderr = run_fuzzer(daemon, "--seed", str(SEED), "--examples", str(EXAMPLES))
+        assert daemon.running, f"the daemon died under fuzzing:\n{daemon.log()[-5000:]}"
+        assert report, f"the fuzzer printed no report (exit {code}):\n{stderr}"
+        assert report["problems"] == [], json.dumps(report["problems"][:10], indent=1)
+        assert code == 0, stderr
+        assert report["counts"]["examples"] == EXAMPLES
 
-    code, report, stderr = run_fuzzer(daemon, "--seed", str(SEED), "--examples", str(EXAMPLES))
-    assert daemon.running, f"the daemon died under fuzzing:\n{daemon.log()[-5000:]}"
-    assert report, f"the fuzzer printed no report (exit {code}):\n{stderr}"
-    assert report["problems"] == [], json.dumps(report["problems"][:10], indent=1)
-    assert code == 0, stderr
-    assert report["counts"]["examples"] == EXAMPLES
-
-    # The fuzzer's sessions end with its process; the good client's lives on
-    # (stats list every session but the asking one).
-    wait_until(lambda: not good.engine.client.stats().clients, what="the fuzzer's sessions ended")
+        # The fuzzer's sessions end with its process; the good client's lives on
+        # (stats list every session but the asking one).
+        wait_until(lambda: not good.engine.client.stats().clients, what="the fuzzer's sessions ended")
+    finally:
+        good.halt()
     good.finish()
     engine = good.engine
     assert engine.wrong == [], engine.wrong

@@ -22,9 +22,14 @@ def metrics_url(daemon) -> str:
     return re.search(r"serving Prometheus metrics at (\S+)", daemon.log()).group(1)
 
 
-def scrape(url: str) -> dict:
-    """{(sample name, frozenset of its labels): value}."""
-    with urllib.request.urlopen(url, timeout=10) as response:
+# The token of the daemons that show per-namespace series (metrics_token_file).
+METRICS_TOKEN = "metrics-s3cret"
+
+
+def scrape(url: str, token: str | None = None, tls=None) -> dict:
+    """{(sample name, frozenset of its labels): value}; `tls`: an ssl.SSLContext for https."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10, context=tls) as response:
         assert response.status == 200
         text = response.read().decode()
     return {
@@ -38,8 +43,16 @@ def value(samples: dict, name: str, **labels) -> float:
     return samples[name, frozenset(labels.items())]
 
 
-def test_metrics_count_exactly_what_happened(start_held_daemon, client_factory):
-    daemon = start_held_daemon(pool_size="128KiB", metrics_listen="127.0.0.1:0")  # 8 slots
+def metrics_token_file(folder) -> str:
+    path = folder / "metrics-token"
+    path.write_text(METRICS_TOKEN + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_metrics_count_exactly_what_happened(start_held_daemon, client_factory, tmp_path):
+    daemon = start_held_daemon(pool_size="128KiB", metrics_listen="127.0.0.1:0",  # 8 slots
+                               metrics_token_file=metrics_token_file(tmp_path))
     url = metrics_url(daemon)
     client = client_factory(daemon, name="metrics-test")
     worker, engine, _ = attach_worker(client, seed=6)
@@ -55,7 +68,7 @@ def test_metrics_count_exactly_what_happened(start_held_daemon, client_factory):
     job = client.submit_load(worker, 3, keys[2:5], [40, 41, 42])  # 3 loaded
     assert client.wait([job], 10)[job].ok
 
-    m = scrape(url)
+    m = scrape(url, METRICS_TOKEN)
     ns = {"namespace": engine.namespace_name, "scope": f"uid-{os.getuid()}"}
     hits = value(m, "kvdepot_lookup_blocks_total", result="hit")
     misses = value(m, "kvdepot_lookup_blocks_total", result="miss")
@@ -117,18 +130,19 @@ def test_metrics_count_exactly_what_happened(start_held_daemon, client_factory):
 
 def scrape_when(url: str, name: str, wanted: float) -> dict | None:
     """A scrape in which `name` is `wanted`, or None."""
-    samples = scrape(url)
+    samples = scrape(url, METRICS_TOKEN)
     return samples if value(samples, name) == wanted else None
 
 
 def sessions_ended(url: str, count: int) -> dict | None:
     """A scrape that shows `count` ended sessions, or None."""
-    samples = scrape(url)
+    samples = scrape(url, METRICS_TOKEN)
     return samples if value(samples, "kvdepot_sessions_ended_total") == count else None
 
 
-def listening_tcp_ports(pid: int) -> set[int]:
-    """TCP ports the process `pid` listens on (its socket inodes in /proc/net/tcp*)."""
+def tcp_ports(pid: int, state: str) -> list[int]:
+    """Local ports of the process `pid`'s TCP sockets in `state` ("0A" listening, "01" established),
+    by their socket inodes in /proc/net/tcp*; a port once per socket."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -137,14 +151,18 @@ def listening_tcp_ports(pid: int) -> set[int]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[len("socket:["):-1])
-    ports = set()
+    ports = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             for line in f.readlines()[1:]:
                 fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+                if fields[3] == state and fields[9] in inodes:
+                    ports.append(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
+
+
+def listening_tcp_ports(pid: int) -> set[int]:
+    return set(tcp_ports(pid, "0A"))
 
 
 def test_metrics_listen_none_serves_nothing(start_daemon):

@@ -4,7 +4,11 @@ start: test_daemon_lifecycle's bad configurations.)"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+from conftest import subprocess_env
 from kvcache import make_kv_cache, namespace, prompt_keys
 from test_daemon_lifecycle import free_port
 
@@ -85,3 +89,52 @@ def test_client_certificates_name_tenants_without_a_token(start_daemon, tmp_path
     # No certificate at all: the handshake fails.
     with pytest.raises(errors.Unavailable):
         OperatorClient(address, timeout=3, tls=Tls(str(ca.path))).stats()
+
+
+def start_with_tls(tmp_path, cert, key, **extra) -> subprocess.CompletedProcess:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    args = [sys.executable, "-m", "kvdepot.server", "--listen", f"127.0.0.1:{free_port()}", "--pool-size", "4MiB",
+            "--pin", "off", "--pool-dir", str(tmp_path), "--auth-token-file", str(token_file),
+            "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    for name, value in extra.items():
+        args += ["--" + name.replace("_", "-"), str(value)]
+    return subprocess.run(args, capture_output=True, text=True, env=subprocess_env(), timeout=60)
+
+
+def test_an_unusable_tls_file_is_named_with_what_is_wrong(tmp_path, pki):
+    ca, server_cert, server_key = pki
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_bytes(b"-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n")
+    text = tmp_path / "notes.txt"
+    text.write_text("not PEM at all\n")
+    _, other_key = ca.issue("another-server", server=True)
+    cases = [
+        (dict(cert=server_cert, key=garbage), [str(garbage), "--tls-key-file", "does not parse"]),
+        (dict(cert=server_cert, key=other_key), [str(other_key), "not the key of the certificate", str(server_cert)]),
+        (dict(cert=server_cert, key=text), [str(text), "--tls-key-file", "no PEM private key"]),
+        (dict(cert=text, key=server_key), [str(text), "--tls-cert-file", "no PEM certificate"]),
+        (dict(cert=garbage.with_name("absent.pem"), key=server_key), ["absent.pem", "--tls-cert-file", "No such file"]),
+        (dict(cert=server_cert, key=server_key, tls_client_ca_file=text), [str(text), "--tls-client-ca-file"]),
+    ]
+    for files, wanted in cases:
+        proc = start_with_tls(tmp_path, **files)
+        assert proc.returncode == 2, proc.stderr
+        for part in wanted:
+            assert part in proc.stderr, (files, proc.stderr)
+        assert "Failed to bind" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_unusable_metrics_tls_key_is_named_too(tmp_path, pki):
+    _, server_cert, _ = pki
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_bytes(b"-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdepot.server", "--listen", str(tmp_path / "s.sock"), "--pool-size", "4MiB",
+         "--pin", "off", "--pool-dir", str(tmp_path), "--metrics-listen", f"127.0.0.1:{free_port()}",
+         "--metrics-tls-cert-file", str(server_cert), "--metrics-tls-key-file", str(garbage)],
+        capture_output=True, text=True, env=subprocess_env(), timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert str(garbage) in proc.stderr and "--metrics-tls-key-file" in proc.stderr and "does not parse" in proc.stderr
+    assert "Traceback" not in proc.stderr and list(tmp_path.glob("*.pool")) == []

@@ -232,8 +232,10 @@ def test_the_header_names_format_slot_size_and_slots(daemon):
     [pool] = daemon.folder.glob("*.pool")
     with open(pool, "rb") as f:
         f.seek(-4096, os.SEEK_END)
-        magic, version, key_version, slot_bytes, num_slots, size = struct.unpack("<8sIIQQQ", f.read(40))
-    assert (magic, slot_bytes, num_slots, size) == (b"KVDPOOL1", SLOT_BYTES, 256, pool.stat().st_size)
+        magic, version, key_version, slot_bytes, num_slots, size, kept_at, address = struct.unpack(
+            "<8sIIQQQd256s", f.read(304))
+    assert (magic, slot_bytes, num_slots, size) == (b"KVDPOOL2", SLOT_BYTES, 256, pool.stat().st_size)
+    assert address.rstrip(b"\0").decode() == "unix:" + daemon.socket and kept_at > 0
     daemon.start()
 
 

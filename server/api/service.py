@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 
@@ -11,9 +12,11 @@ from google.protobuf.message_factory import GetMessageClass
 
 from kvdepot.defaults import PROTOCOL_VERSION
 from kvdepot.errors import FailedPrecondition, InvalidArgument, KVDepotError, PermissionDenied, Unauthenticated
+from kvdepot.logsafe import RateLimitedLog, one_line
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 from kvdepot.server.api import answers, parse
+from kvdepot.server.api.auth_throttle import WrongCredentialThrottle
 from kvdepot.server.core.depot import Depot
 from kvdepot.server.core.tenants import Identity, Tenants
 
@@ -69,7 +72,7 @@ def _unary(method):
                 raise request.error
             return method(self, request, context)
         except KVDepotError as e:
-            await context.abort(e.code, str(e))
+            await self._refuse(e, context)
         except Exception:
             log.exception("%s failed", method.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed: see the daemon's log")
@@ -99,6 +102,23 @@ class KVDepotService(pb_grpc.KVDepotServicer):
         self.job_socket = job_socket
         # Keys of notifications that may wait for one session's Attach stream.
         self.max_queued_keys = max_queued_keys
+        self.wrong_credentials = WrongCredentialThrottle()
+        self._rate_limited = RateLimitedLog(log)
+
+    async def _refuse(self, error: KVDepotError, context) -> None:
+        """Answers `error`; a wrong credential only after its peer's delay (auth_throttle.py)."""
+        if isinstance(error, Unauthenticated):
+            peer = context.peer() or "an unknown peer"
+            wait, failures = self.wrong_credentials.failed(peer)
+            self._rate_limited.warning(
+                "wrong-credential",
+                "refused a TCP call from %s: missing or wrong auth token or client certificate (%d from its host "
+                "lately; this one answered after %.2f s)",
+                one_line(peer), failures, wait,
+            )
+            if wait:
+                await asyncio.sleep(wait)
+        await context.abort(error.code, str(error))
 
     def _tcp_identity(self, context) -> Identity | None:
         """On TCP, who the call's token or client certificate proves; None on a unix socket."""
@@ -135,11 +155,11 @@ class KVDepotService(pb_grpc.KVDepotServicer):
             if request.protocol_version != PROTOCOL_VERSION:
                 raise FailedPrecondition(
                     f"this daemon speaks protocol version {PROTOCOL_VERSION}, the client "
-                    f"{request.protocol_version}: upgrade the older of the two"
+                    f"{request.protocol_version}: use a client and a daemon of the same release"
                 )
             session = self.depot.attach(request.client_name, identity)
         except KVDepotError as e:
-            await context.abort(e.code, str(e))
+            await self._refuse(e, context)
         if self.max_queued_keys is not None:
             session.outbox.bound(self.max_queued_keys, lambda reason: self.depot.expel(session, reason))
         try:
@@ -169,6 +189,9 @@ class KVDepotService(pb_grpc.KVDepotServicer):
 
     @_unary
     def RegisterWorker(self, request, context):
+        # Bounded before a single tensor is read: the request may hold a million.
+        self.depot.session(request.session_id)
+        self.depot.limits.check_worker_counts(len(request.tensors), len(request.handles))
         worker = self.depot.register_worker(request.session_id, parse.worker_spec(request))
         return pb.RegisterWorkerResponse(
             worker_id=worker.id,

@@ -38,7 +38,7 @@ from kvdepot.server.core import report
 from kvdepot.server.core.blocks import Block
 from kvdepot.server.core.counters import BusyClock, Counters, JobTimes, saturating_add
 from kvdepot.server.core.index import BlockIndex, LookupResult
-from kvdepot.server.core.limits import Limits, shown
+from kvdepot.server.core.limits import Limits, StagingBudget, shown
 from kvdepot.server.core.namespaces import Namespace, Namespaces
 from kvdepot.server.core.outbox import ChangeFeed
 from kvdepot.server.core.registration import worker_layout
@@ -91,6 +91,7 @@ class Depot:
         )
         # By the kind of handles their workers register with.
         self.transports: dict[str, Transport] = {}
+        self.staging_budget = StagingBudget(limits)
         self.draining = False
         self._jobs_in_flight = 0
         self._idle = asyncio.Event()
@@ -244,7 +245,9 @@ class Depot:
         except BaseException:
             os.close(fd)
             raise
-        staging = transport.take_memory(fd, self.limits.max_shm_worker_bytes)
+        staging = transport.take_memory(
+            fd, self.limits.max_shm_worker_bytes, lambda nbytes: self.staging_budget.charge(identity, nbytes)
+        )
         staging_id = self._new_id()
         session.staging[staging_id] = staging
         return staging_id

@@ -193,6 +193,12 @@ class BlockIndex:
             self._finish_shard(block, rank, ok)
         self._send_changes()
 
+    def share(self, scope: str, active: int) -> float:
+        return self.evictions.part(scope, active)
+
+    def victims(self, incoming: str, used: dict[str, int], total: int) -> list[str]:
+        return self.evictions.victims(incoming, used, total)
+
     def lower_gone(self, gone: set[tuple[bytes, bytes]]) -> None:
         keys: dict[bytes, list[bytes]] = {}
         for digest, key in gone:

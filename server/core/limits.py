@@ -51,6 +51,11 @@ class Limits:
     # The largest staging memory a shared-memory worker may hand over (its KV
     # cache's size): the daemon maps it, so it is bounded like any mapping.
     max_shm_worker_bytes: int = 256 << 30
+    # Staging memory the daemon maps at once, for one user id and in all: the
+    # daemon's address space is finite (128 TiB on x86-64), and sparse memfds
+    # cost a client nothing.
+    max_staging_bytes_per_uid: int = 1 << 40
+    max_staging_bytes: int = 16 << 40
     stats_max_entries: int = 256
     # A session must prove who it is (its job socket's hello) this soon.
     job_hello_timeout: float = 10.0
@@ -62,6 +67,12 @@ class Limits:
     max_job_connections: int = 1024
     max_job_connections_per_uid: int = 512
     max_unread_job_replies: int = 16 << 20
+    # gRPC connections (server/daemon/startup.py): seconds to finish the
+    # handshake, and seconds a connection with no call in flight stays open.
+    grpc_handshake_timeout: float = 10.0
+    grpc_idle_timeout: float = 300.0
+    # gRPC connections one user id may hold on the unix socket (an engine holds one to three).
+    max_grpc_connections_per_uid: int = 256
 
     # ------------------------------------------------------------ sessions
 
@@ -130,15 +141,21 @@ class Limits:
 
     # ------------------------------------------------------------ workers
 
+    def check_worker_counts(self, tensors: int, handles: int) -> None:
+        """A registration's sizes, before any of its tensors is read."""
+        if tensors > self.max_tensors_per_worker:
+            raise InvalidArgument(
+                f"{tensors} tensors; a worker registers at most "
+                f"{self.max_tensors_per_worker} (--max-tensors-per-worker)"
+            )
+        if handles != tensors:
+            raise InvalidArgument(f"{tensors} tensors but {handles} handles: give one handle for each tensor")
+
     def check_worker(self, request) -> None:
         """Everything about a RegisterWorker request that needs no namespace,
         checked before its tensors' sizes are multiplied or summed."""
         self.check_text("device", request.device)
-        if len(request.tensors) > self.max_tensors_per_worker:
-            raise InvalidArgument(
-                f"{len(request.tensors)} tensors; a worker registers at most "
-                f"{self.max_tensors_per_worker} (--max-tensors-per-worker)"
-            )
+        self.check_worker_counts(len(request.tensors), len(request.handles))
         for position, t in enumerate(request.tensors):
             self.check_text(f"tensor {position} name", t.name)
             where = f"tensor {position} ({shown(t.name, 40)})"
@@ -158,3 +175,53 @@ class Limits:
                 f"ReportLookups counts {hit_blocks} hit and {miss_blocks} missed blocks for "
                 f"{lookups} lookups; a lookup covers at most {MAX_BLOCKS_PER_LOOKUP} blocks"
             )
+
+
+class StagingBudget:
+    """The bytes of staging memory the daemon maps, per user id and in all:
+    each mapping is charged before it is made and released once unmapped."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.total = 0
+        self.per_uid: dict[int, int] = {}
+
+    def charge(self, identity, nbytes: int) -> StagingCharge:
+        mine = self.per_uid.get(identity.uid, 0)
+        if mine + nbytes > self.limits.max_staging_bytes_per_uid:
+            raise ResourceExhausted(
+                f"{identity.describe()} has {mine} bytes of staging memory mapped in the daemon; {nbytes} more "
+                f"would pass --max-staging-bytes-per-uid ({self.limits.max_staging_bytes_per_uid}): end workers "
+                "(or sessions) first, or hand over memfds only as large as the workers' KV caches"
+            )
+        if self.total + nbytes > self.limits.max_staging_bytes:
+            raise ResourceExhausted(
+                f"the daemon maps {self.total} bytes of staging memory; {nbytes} more would pass "
+                f"--max-staging-bytes ({self.limits.max_staging_bytes})"
+            )
+        self.total += nbytes
+        self.per_uid[identity.uid] = mine + nbytes
+        return StagingCharge(self, identity.uid, nbytes)
+
+    def _give_back(self, uid: int, nbytes: int) -> None:
+        self.total -= nbytes
+        left = self.per_uid[uid] - nbytes
+        if left:
+            self.per_uid[uid] = left
+        else:
+            del self.per_uid[uid]
+
+
+class StagingCharge:
+    """One mapping's share of the StagingBudget."""
+
+    def __init__(self, budget: StagingBudget, uid: int, nbytes: int):
+        self._budget, self._uid, self.nbytes = budget, uid, nbytes
+
+    def shrink(self, nbytes: int) -> None:
+        if nbytes < self.nbytes:
+            self._budget._give_back(self._uid, self.nbytes - nbytes)
+            self.nbytes = nbytes
+
+    def release(self) -> None:
+        self.shrink(0)

@@ -30,10 +30,6 @@ def worker_layout(request: WorkerSpec, ns: Namespace, slot_bytes: int, limits: L
         raise InvalidArgument(f"rank {request.rank} is outside tp_size {ns.tp_size}")
     if not request.tensors:
         raise InvalidArgument("a worker must register at least one KV-cache tensor")
-    if len(request.handles) != len(request.tensors):
-        raise InvalidArgument(
-            f"{len(request.tensors)} tensors but {len(request.handles)} handles: give one handle for each tensor"
-        )
     # Every size is at least 1 (checked above), so no tensor's pages can hide another's.
     pages = sum(math.prod(t.shape[: t.block_dim]) for t in request.tensors)
     if pages > MAX_PAGES_PER_WORKER:

@@ -13,7 +13,9 @@ With one scope (every engine of one user, the common case) the storing scope is
 always at its share, and eviction is the policy's plain order. A pool with free
 slots evicts nobody: shares matter only when the pool is full. The index also
 holds each scope's stores in flight to its share (index.py, _storing_room).
-Within a scope, the policy (LRU or ARC) picks the block.
+Within a scope, the policy (LRU or ARC) picks the block. The tiers below the
+pool keep the same rule for their own room (`victims` over their bytes, `part`
+for what they do at once), through the tiers' interface (core/tiers.py TierHost).
 """
 
 from __future__ import annotations
@@ -46,13 +48,23 @@ class ScopedEviction:
     def share(self, scope: str, active: int) -> float:
         return self.quotas.get(scope, self.capacity / max(1, active))
 
+    def part(self, scope: str, active: int) -> float:
+        """The share as a part of the whole: the same rule for any tier (its bytes, its promotions)."""
+        return self.share(scope, active) / self.capacity
+
     def order(self, incoming: str, used: Callable[[], dict[str, int]]) -> list[str]:
         """The scopes to evict from, in turn, for a block of `incoming` in a full pool."""
-        slots = used()
-        slots.setdefault(incoming, 0)
-        active = len([s for s, n in slots.items() if n > 0 or s == incoming])
-        if slots[incoming] >= self.share(incoming, active):
+        return self.victims(incoming, used(), self.capacity)
+
+    def victims(self, incoming: str, used: dict[str, int], total: int) -> list[str]:
+        """The scopes to take room from, in turn, for `incoming` in a full store of
+        `total` units (slots, bytes) of which each scope holds `used`."""
+        used = dict(used)
+        used.setdefault(incoming, 0)
+        active = len([s for s, n in used.items() if n > 0 or s == incoming])
+        share = {s: self.part(s, active) * total for s in used}
+        if used[incoming] >= share[incoming]:
             return [incoming]
-        # Under its share: the slot comes from those over theirs, most over first.
-        over = sorted(slots, key=lambda s: slots[s] - self.share(s, active), reverse=True)
-        return [s for s in over if slots[s] > self.share(s, active)] or over
+        # Under its share: the room comes from those over theirs, most over first.
+        over = sorted(used, key=lambda s: used[s] - share[s], reverse=True)
+        return [s for s in over if used[s] > share[s]] or over

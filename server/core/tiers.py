@@ -102,10 +102,23 @@ class TierHost(Protocol):
         """Blocks kept in the pool's slots (which the pool counts as used)
         come back as ready, oldest first; returns those refused, their slots freed."""
 
+    # The pool's share rule (core/shares.py), for a tier's own room: pure, so
+    # a tier may ask from its own threads.
+
+    def share(self, scope: str, active: int) -> float:
+        """The part (of 1) of any tier that `scope` may hold while `active` scopes hold some."""
+
+    def victims(self, incoming: str, used: dict[str, int], total: int) -> list[str]:
+        """The scopes to take room from, in turn, for `incoming` in a full tier of
+        `total` units of which each scope holds `used`."""
+
 
 class Tier(ABC):
     # As stats and metrics name it.
     name: str = ""
+    # Whether the tier can hold blocks DRAM has let go (the kept pool cannot:
+    # it is DRAM's own slots).
+    below_dram: bool = True
 
     def attach(self, host: TierHost) -> None:
         self.host = host
@@ -162,7 +175,7 @@ class TierStack:
     @property
     def on(self) -> bool:
         """Whether a tier can hold blocks that DRAM does not."""
-        return bool(self.tiers)
+        return any(tier.below_dram for tier in self.tiers)
 
     def holds(self, ns, key: bytes) -> bool:
         return any(tier.holds(ns, key) for tier in self.tiers)
@@ -188,15 +201,17 @@ class TierStack:
             block = self._host.reserve_promotion(ns, key, lengths)
             if block is None:
                 return False
-            tier.promote(ns, key, list(block.slots), lambda ok, block=block: self._promoted(block, ok))
+            tier.promote(ns, key, list(block.slots), lambda ok, block=block, tier=tier: self._promoted(tier, block, ok))
             return True
         return False
 
-    def _promoted(self, block, ok: bool) -> None:
+    def _promoted(self, source: Tier, block, ok: bool) -> None:
         self._host.finish_promotion(block, ok)
-        if ok:  # in DRAM again: every tier may keep it (the one it came from has it)
-            for rank, length in enumerate(block.lengths):
-                self.committed(block.ns, rank, [block], length)
+        if ok:  # in DRAM again: every other tier may keep it
+            for tier in self.tiers:
+                if tier is not source:
+                    for rank, length in enumerate(block.lengths):
+                        tier.demote(block.ns, rank, [block], length)
 
     def clear(self, ns) -> None:
         for tier in self.tiers:

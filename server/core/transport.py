@@ -81,8 +81,10 @@ class Transport(ABC):
         """Mappings of workers' memory the transport holds open now."""
         return 0
 
-    def take_memory(self, fd: int, max_bytes: int) -> object:
-        """Keeps the memory behind `fd` (the caller closes `fd`) for a worker."""
+    def take_memory(self, fd: int, max_bytes: int, charge) -> object:
+        """Keeps the memory behind `fd` (the caller closes `fd`) for a worker;
+        `charge(nbytes)` accounts for what is mapped (a StagingCharge) or
+        raises ResourceExhausted."""
         raise FailedPrecondition(f"the {self.name} transport takes no memory from clients")
 
     def gpu_stats(self) -> list[GpuStats]:

@@ -69,6 +69,12 @@ class Copy:
 @dataclass(frozen=True)
 class Metrics:
     listen: str
+    token_file: str | None
+    tls_cert_file: str | None
+    tls_key_file: str | None
+    tls_client_ca_file: str | None
+    max_connections: int
+    timeout: float
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,8 @@ class Logging:
 class Lifecycle:
     config_file: str | None
     fresh: bool
+    kept_pool_max_age: float
+    kept_pools_max_bytes: int
     drain_timeout: float
 
 
@@ -105,6 +113,8 @@ class DaemonConfig:
     # The configuration file's [[tenant]] tables (server/core/tenants.py); their tokens are never logged.
     tenants: tuple[TenantSpec, ...] = field(default=(), repr=False)
     admin_uids: frozenset[int] = frozenset()
+    # Read from metrics.token_file when the configuration is loaded; never logged.
+    metrics_token: str | None = field(default=None, repr=False)
 
     def value(self, key: str):
         """An option's value by its key (pool_size), as the table names it."""
@@ -125,12 +135,15 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> D
     config = DaemonConfig(**{group: GROUP_TYPES[group](**values) for group, values in groups.items()})
     _check(config)
     token = read_token(config.network.auth_token_file) if config.network.auth_token_file else None
+    metrics_token = read_token(config.metrics.token_file) if config.metrics.token_file else None
     try:
         admins = parse_admin_uids(config.network.admin_uids)
         tenants = parse_tenants(from_file.get("tenant", []), config_file or "the configuration")
     except TenantConfigError as e:
         raise ConfigError(str(e)) from None
-    return replace(config, auth_token=token, tenants=tuple(tenants), admin_uids=admins)
+    return replace(
+        config, auth_token=token, tenants=tuple(tenants), admin_uids=admins, metrics_token=metrics_token
+    )
 
 
 def _read_file(path: str) -> dict:
@@ -199,6 +212,17 @@ def _check(config: DaemonConfig) -> None:
         parse_listen(config.metrics.listen)
     except ValueError as e:
         raise ConfigError(f"metrics_listen: {e}") from None
+    if config.lifecycle.kept_pool_max_age < 0 or config.lifecycle.kept_pools_max_bytes < 0:
+        raise ConfigError("kept_pool_max_age and kept_pools_max_bytes must not be negative")
+    metrics = config.metrics
+    if (metrics.tls_cert_file is None) != (metrics.tls_key_file is None):
+        raise ConfigError("metrics_tls_cert_file and metrics_tls_key_file go together: give both or neither")
+    if metrics.tls_client_ca_file and not metrics.tls_cert_file:
+        raise ConfigError("metrics_tls_client_ca_file needs HTTPS: give metrics_tls_cert_file and metrics_tls_key_file")
+    if config.metrics.max_connections < 1:
+        raise ConfigError(f"metrics_max_connections must be at least 1, not {config.metrics.max_connections}")
+    if config.metrics.timeout <= 0:
+        raise ConfigError("metrics_timeout must be more than 0 seconds")
     if config.lifecycle.drain_timeout < 0:
         raise ConfigError("drain_timeout must not be negative")
     chunk = copy.chunk_bytes
@@ -229,8 +253,9 @@ def _check_limits(limits: Limits) -> None:
                 raise ConfigError(f"{opt.key} must be 0 (automatic) or more")
         elif value < 1:
             raise ConfigError(f"{opt.key} must be at least 1, not {value}")
-    if limits.job_hello_timeout <= 0:
-        raise ConfigError("job_hello_timeout must be more than 0 seconds")
+    for key in ("job_hello_timeout", "grpc_handshake_timeout", "grpc_idle_timeout"):
+        if getattr(limits, key) <= 0:
+            raise ConfigError(f"{key} must be more than 0 seconds")
     if limits.max_unread_job_replies < 1 << 20:
         raise ConfigError(f"max_unread_job_replies must be at least 1MiB, not {limits.max_unread_job_replies}")
 

@@ -20,7 +20,7 @@ from kvdepot.server.daemon import startup
 from kvdepot.server.daemon.config import ConfigError, Copy, DaemonConfig, describe, load_config
 from kvdepot.server.daemon.metrics import MetricsServer
 from kvdepot.server.daemon.startup import StartupError, notify_systemd, startup_progress
-from kvdepot.server.host.pool import HostPool, choose_pool_dir
+from kvdepot.server.host.pool import HostPool, choose_pool_dir, pool_folders
 from kvdepot.server.tiers.disk import DiskMover
 from kvdepot.server.tiers.disk_store import SEGMENT_BYTES, DiskTier
 from kvdepot.server.tiers.warm import WarmPool, pick_pool_file
@@ -81,17 +81,25 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     """Takes, in order, what the daemon serves with, each entered into `stack`;
     returns the depot and the health servicer once calls are answered."""
     loop = asyncio.get_running_loop()
+    # Removed last on the way out: a second SIGTERM or SIGINT while the tiers
+    # close or the warm pool seals must not cut that short.
+    handled: list[int] = []
+    stack.callback(lambda: [loop.remove_signal_handler(sig) for sig in handled])
     address = startup.Address.of(config.network.listen)
     unix_path = address.unix_path
     tenants = Tenants(list(config.tenants), config.admin_uids, config.auth_token)
     credentials = None if unix_path else startup.tcp_credentials(config.network, address.target, tenants)
     if unix_path:
-        startup.take_address(stack, address, unix_path + ".lock")
+        lock_path = unix_path + ".lock"
+        startup.take_address(stack, address, lock_path)
+    pool_dirs = pool_folders(config.pool.dir, os.path.dirname(unix_path) if unix_path else None)
+    startup.discard_kept_pools(pool_dirs, address.pool_prefix, config.lifecycle)
     pool_dir = choose_pool_dir(
         config.pool.dir, os.path.dirname(unix_path) if unix_path else None, config.pool.size, address.pool_prefix
     )
     if not unix_path:
-        startup.take_address(stack, address, os.path.join(pool_dir, address.pool_prefix + "tcp.lock"))
+        lock_path = os.path.join(pool_dir, address.pool_prefix + "tcp.lock")
+        startup.take_address(stack, address, lock_path)
     # The pool an earlier daemon on this address left, if it fits this
     # configuration; any other it left is removed.
     kept = pick_pool_file(
@@ -99,10 +107,13 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
         config.lifecycle.fresh,
     )
     # Before the pool, which may take tens of seconds to pin: a taken port fails at once.
-    metrics = startup.open_metrics(stack, config.metrics.listen)
+    metrics = startup.open_metrics(stack, config)
     instance = secrets.token_hex(6)
     serving = asyncio.Event()
-    pool = startup.open_pool(stack, config, pool_dir, kept or address.pool_prefix + instance, kept is not None, serving)
+    pool = startup.open_pool(
+        stack, config, pool_dir, kept or address.pool_prefix + instance, kept is not None, serving,
+        (address.target, lock_path),
+    )
     quotas = scope_quotas(list(config.tenants), pool.size, pool.slot_bytes)
     depot = wire_depot(stack, config, pool, metrics, instance, quotas)
     job_path = ""
@@ -114,7 +125,7 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     startup.start_housekeeping(stack, depot)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-        stack.callback(loop.remove_signal_handler, sig)
+        handled.append(sig)
     log.info("kvdepotd %s ready on %s (instance %s)", kvdepot.__version__, address.target, instance)
     # Only now: systemd starts units ordered after this one on READY=1, and
     # they expect calls to be answered.
@@ -135,6 +146,9 @@ def wire_depot(
     tiers.recover()
     add_transports(depot, pool, config.copy)
     metrics.attach(depot, asyncio.get_running_loop())
+    # Scrapes end before the copies and the tiers do: they would read
+    # transports being shut down, from a loop blocked on the tiers' threads.
+    stack.callback(metrics.close)
     return depot
 
 

@@ -15,6 +15,12 @@ Label sets stay bounded: per namespace (at most --max-namespaces live), per
 job kind, failure reason and GPU; never per key, session or client pid. A
 namespace's series end when the namespace is freed; the daemon-wide totals
 keep counting.
+
+The per-namespace series name a tenant's model and count its hits and misses
+as they happen: that is what GetStats shows a tenant of its own namespaces
+only. So they go only to a scrape that sends the metrics token
+(--metrics-token-file; metrics_http.py checks it); every other scrape gets the
+node-wide series, and the snapshot behind it copies no namespace at all.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import ssl
 import sys
+import threading
 
-from prometheus_client import start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -38,6 +45,7 @@ from kvdepot.server.core.counters import DURATION_BUCKETS, FAILURE_REASONS, Coun
 from kvdepot.server.core.report import Report
 from kvdepot.server.core.requests import JobKind
 from kvdepot.server.core.tenants import Identity
+from kvdepot.server.daemon.metrics_http import BoundedMetricsServer, MetricsLimits, Views
 
 log = logging.getLogger("kvdepot.metrics")
 
@@ -64,9 +72,10 @@ def parse_listen(text: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
-def take_snapshot(depot) -> Report:
-    """Runs on the event loop's thread: every namespace, as an admin sees them."""
-    return depot.report(METRICS_VIEWER, most=sys.maxsize)
+def take_snapshot(depot, tenant_series: bool = True) -> Report:
+    """Runs on the event loop's thread: the daemon as an admin sees it, with
+    every namespace or (for a scrape without the token) none."""
+    return depot.report(METRICS_VIEWER, most=sys.maxsize if tenant_series else 0)
 
 
 # Counters kept per namespace and for the whole daemon (core/counters.py):
@@ -99,19 +108,19 @@ TIER_FIELDS = {
 }
 
 
-class DepotCollector(Collector):
-    """Builds the metric families from a snapshot of the depot, at each scrape."""
+class Snapshots:
+    """Takes snapshots of the depot from scrape threads, on its event loop."""
 
     def __init__(self) -> None:
         self._depot = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._failed_snapshots = 0
+        self.failed = 0
 
     def attach(self, depot, loop: asyncio.AbstractEventLoop) -> None:
         """From now on scrapes show `depot`, whose state lives on `loop`."""
         self._depot, self._loop = depot, loop
 
-    def _snapshot(self) -> Report | None:
+    def take(self, tenant_series: bool) -> Report | None:
         depot, loop = self._depot, self._loop
         if depot is None:
             return None  # still starting (pinning the pool): process metrics only
@@ -120,7 +129,7 @@ class DepotCollector(Collector):
         def take() -> None:
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(take_snapshot(depot))
+                    future.set_result(take_snapshot(depot, tenant_series))
                 except BaseException as e:  # the scrape thread logs it
                     future.set_exception(e)
 
@@ -134,33 +143,43 @@ class DepotCollector(Collector):
             return None  # the loop has closed: the daemon is exiting
         except Exception:
             log.exception("taking the metrics snapshot failed")
-        self._failed_snapshots += 1
+        self.failed += 1
         return None
 
+
+class DepotCollector(Collector):
+    """Builds the metric families from a snapshot of the depot, at each scrape:
+    with each namespace's series or without any."""
+
+    def __init__(self, snapshots: Snapshots, tenant_series: bool) -> None:
+        self._snapshots = snapshots
+        self._tenant_series = tenant_series
+
     def collect(self):
-        snap = self._snapshot()
+        snap = self._snapshots.take(self._tenant_series)
         failed = CounterMetricFamily(
             "kvdepot_metrics_snapshot_failures_total",
             "Scrapes that got no snapshot of the daemon's state (the event loop did not answer in time).",
         )
-        failed.add_metric([], self._failed_snapshots)
+        failed.add_metric([], self._snapshots.failed)
         yield failed
         if snap is not None:
-            yield from _families(snap)
+            yield from _families(snap, self._tenant_series)
 
 
 def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, help, value=value)
 
 
-def _families(s: Report):
+def _families(s: Report, tenant_series: bool):
     info = InfoMetricFamily("kvdepot", "The daemon: version, instance (changes at each start), eviction policy.")
     info.add_metric([], {"version": s.version, "instance": s.instance, "eviction_policy": s.eviction})
     yield info
 
     yield from _counters("kvdepot_", "", [([], s.totals)])
-    scoped = [([ns.name, ns.scope], ns.counters) for ns in s.namespaces]
-    yield from _counters("kvdepot_namespace_", " Per namespace, while it lives.", scoped, ["namespace", "scope"])
+    if tenant_series:
+        scoped = [([ns.name, ns.scope], ns.counters) for ns in s.namespaces]
+        yield from _counters("kvdepot_namespace_", " Per namespace, while it lives.", scoped, ["namespace", "scope"])
 
     failed = CounterMetricFamily(
         "kvdepot_failed_jobs_total", "Jobs that failed, by kind and reason.", labels=["kind", "reason"]
@@ -169,12 +188,6 @@ def _families(s: Report):
         for reason in FAILURE_REASONS:
             failed.add_metric([kind.value, reason], s.job_times.failures.get((kind, reason), 0))
     yield failed
-    ns_failed = CounterMetricFamily(
-        "kvdepot_namespace_failed_jobs_total", "Jobs that failed, per namespace.", labels=["namespace", "scope"]
-    )
-    for ns in s.namespaces:
-        ns_failed.add_metric([ns.name, ns.scope], ns.counters.failed_jobs)
-    yield ns_failed
 
     durations = HistogramMetricFamily(
         "kvdepot_job_duration_seconds",
@@ -200,7 +213,7 @@ def _families(s: Report):
     ended.add_metric([], s.sessions_ended)
     yield ended
     yield _gauge("kvdepot_jobs_in_flight", "Stores and loads in flight.", s.jobs_in_flight)
-    yield _gauge("kvdepot_namespaces", "Namespaces the daemon holds now.", len(s.namespaces))
+    yield _gauge("kvdepot_namespaces", "Namespaces the daemon holds now.", len(s.namespaces) + s.namespaces_omitted)
     yield _gauge(
         "kvdepot_open_ipc_mappings", "Workers' GPU allocations the daemon has opened (CUDA IPC).", s.open_ipc_mappings
     )
@@ -214,6 +227,16 @@ def _families(s: Report):
             gpu.add_metric([str(g.index), g.uuid], g.daemon_memory_bytes)
     yield gpu
 
+    if tenant_series:
+        yield from _namespace_families(s)
+    yield from _tier_families(s.tiers)
+
+
+def _namespace_families(s: Report):
+    """Each namespace's name, scope and counts: for a scrape with the token only."""
+    failed = CounterMetricFamily(
+        "kvdepot_namespace_failed_jobs_total", "Jobs that failed, per namespace.", labels=["namespace", "scope"]
+    )
     ready = GaugeMetricFamily(
         "kvdepot_namespace_ready_blocks", "Blocks of the namespace that lookups and loads see.",
         labels=["namespace", "scope"],
@@ -222,11 +245,12 @@ def _families(s: Report):
         "kvdepot_namespace_used_bytes", "Bytes of the pool's slots the namespace holds.", labels=["namespace", "scope"]
     )
     for ns in s.namespaces:
+        failed.add_metric([ns.name, ns.scope], ns.counters.failed_jobs)
         ready.add_metric([ns.name, ns.scope], ns.ready_blocks)
-        used.add_metric([ns.name, ns.scope], ns.used_slots * slot_bytes)
+        used.add_metric([ns.name, ns.scope], ns.used_slots * s.pool.slot_bytes)
+    yield failed
     yield ready
     yield used
-    yield from _tier_families(s.tiers)
 
 
 def _counters(prefix: str, scope_help: str, rows: list[tuple[list[str], Counters]], labels: tuple = ()):
@@ -265,38 +289,59 @@ def _tier_families(tiers: list):
 
 
 class MetricsServer:
-    """The HTTP listener of /metrics. It binds at start (so that a taken port
-    stops the daemon before it pins its pool) and shows the depot once attached."""
+    """The HTTP listener of /metrics (metrics_http.py). It binds at start (so
+    that a taken port stops the daemon before it pins its pool) and shows the
+    depot once attached."""
 
-    def __init__(self, listen: str):
+    def __init__(
+        self, listen: str, limits: MetricsLimits | None = None, token: str | None = None,
+        tls: ssl.SSLContext | None = None,
+    ):
         address = parse_listen(listen)
-        self.collector = DepotCollector()
-        self.registry = CollectorRegistry()
-        self.registry.register(self.collector)
-        ProcessCollector(registry=self.registry)  # CPU, memory, open files, start time
-        self._server = None
+        self.snapshots = Snapshots()
+        public = self._registry(tenant_series=False)
+        client_certificates = tls is not None and tls.verify_mode != ssl.CERT_NONE
+        full = self._registry(tenant_series=True) if token or client_certificates else None
+        self._server: BoundedMetricsServer | None = None
+        self._thread: threading.Thread | None = None
         self.address = ""
+        self.tenant_series = full is not None
         if address is None:
             return
         host, port = address
         try:
-            self._server, _ = start_http_server(port, host, registry=self.registry)
+            self._server = BoundedMetricsServer(
+                host, port, Views(public, full, token), limits or MetricsLimits(max_connections=16, timeout=10.0), tls
+            )
         except OSError as e:
             raise MetricsListenError(
                 f"cannot serve metrics on {listen}: {e.strerror or e}; give --metrics-listen a free "
                 "HOST:PORT, or none to serve no metrics"
             ) from None
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kvdepot-metrics", daemon=True)
+        self._thread.start()
         bound_port = self._server.server_address[1]
         shown_host = f"[{host}]" if ":" in host else host
-        self.address = f"http://{shown_host}:{bound_port}/metrics"
+        self.address = f"{'https' if tls else 'http'}://{shown_host}:{bound_port}/metrics"
+
+    def _registry(self, tenant_series: bool) -> CollectorRegistry:
+        registry = CollectorRegistry()
+        registry.register(DepotCollector(self.snapshots, tenant_series))
+        ProcessCollector(registry=registry)  # CPU, memory, open files, start time
+        return registry
 
     def attach(self, depot, loop: asyncio.AbstractEventLoop) -> None:
-        self.collector.attach(depot, loop)
+        self.snapshots.attach(depot, loop)
         if self.address:
-            log.info("serving Prometheus metrics at %s", self.address)
+            log.info(
+                "serving Prometheus metrics at %s (per-namespace series: %s)", self.address,
+                "to scrapes with the metrics token or a client certificate" if self.tenant_series
+                else "off; set --metrics-token-file",
+            )
 
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._thread.join()
             self._server = None

@@ -212,9 +212,44 @@ OPTIONS = [
     ),
     Option(
         "metrics_listen", "metrics", "127.0.0.1:9400",
-        "HOST:PORT where the daemon serves Prometheus metrics (/metrics over HTTP), or none. They name "
-        "every tenant's namespaces: expose them off localhost only behind protection.",
+        "HOST:PORT where the daemon serves Prometheus metrics (/metrics over HTTP), or none. Every scrape "
+        "gets the node-wide series; each tenant's namespaces only a scrape with --metrics-token-file's token "
+        "or a --metrics-tls-client-ca-file certificate.",
         field="listen",
+    ),
+    Option(
+        "metrics_token_file", "metrics", None,
+        "File holding the token a scrape sends (authorization: Bearer TOKEN) to see the per-namespace series, "
+        "which name each tenant's namespaces and count their hits, misses, stores and loads. Unset (and no "
+        "--metrics-tls-client-ca-file): no scrape sees them. A wrong token is answered 401. See "
+        "docs/security.md.",
+        field="token_file",
+    ),
+    Option(
+        "metrics_tls_cert_file", "metrics", None,
+        "PEM certificate chain: the metrics port then speaks HTTPS only, so that a token never travels in "
+        "clear.",
+        field="tls_cert_file",
+    ),
+    Option("metrics_tls_key_file", "metrics", None, "PEM private key of --metrics-tls-cert-file.",
+           field="tls_key_file"),
+    Option(
+        "metrics_tls_client_ca_file", "metrics", None,
+        "PEM CA certificates: a scrape presenting a client certificate they signed sees the per-namespace "
+        "series, as one with the token does (Prometheus: tls_config cert_file and key_file). Scrapes "
+        "without a certificate still get the node-wide series.",
+        field="tls_client_ca_file",
+    ),
+    Option(
+        "metrics_max_connections", "metrics", 16,
+        "Connections to the metrics port open at once (one thread each). At the cap the oldest that has "
+        "sent no request is closed to make room; with none such the new one is.",
+        kind=int, field="max_connections",
+    ),
+    Option(
+        "metrics_timeout", "metrics", 10.0,
+        "Seconds a metrics connection may wait for each read or write before it is closed.",
+        kind=float, field="timeout",
     ),
     Option("log_level", "logging", "info", "debug, info, warning or error.",
            choices=("debug", "info", "warning", "error"), field="level"),
@@ -231,6 +266,19 @@ OPTIONS = [
         "Start with an empty cache: discard the pool a previous daemon on this address left (which it "
         "adopts otherwise) and the disk tier's segments.",
         kind=bool, in_file=False, in_environment=False, shown_default="off",
+    ),
+    Option(
+        "kept_pool_max_age", "lifecycle", 6 * 3600.0,
+        "Seconds a pool that a stopped daemon on another address kept (for its next start to adopt) may stay "
+        "in RAM: at start, the daemon discards its user's kept pools that no live daemon serves and that "
+        "were kept longer, and logs each. `kvdepot pools` lists them.",
+        kind=float, shown_default="21600 (6 h)",
+    ),
+    Option(
+        "kept_pools_max_bytes", "lifecycle", 0,
+        "RAM that pools kept by stopped daemons on other addresses may hold together: past it, the daemon "
+        "discards the oldest at start (never a pool a live daemon serves). 0: a quarter of the node's memory.",
+        size=True, shown_default="a quarter of the node's memory",
     ),
     Option(
         "drain_timeout", "lifecycle", 30.0,
@@ -258,6 +306,14 @@ OPTIONS = [
     limit("max_shm_worker_bytes",
           "The largest memory a shared-memory worker (a CPU engine) may hand the daemon to copy through: "
           "its KV cache's size. The daemon maps it. Larger: INVALID_ARGUMENT.", size=True),
+    limit("max_staging_bytes_per_uid",
+          "Staging memory (the memfds of shared-memory workers) the daemon maps at once for the processes of "
+          "one user id: a memfd is charged whole when it is handed over and cut to its worker's rows when the "
+          "worker registers, released when the worker or session ends. More: RESOURCE_EXHAUSTED. See "
+          "docs/security.md.", size=True),
+    limit("max_staging_bytes",
+          "Staging memory the daemon maps at once for all users, which keeps its address space bounded "
+          "whatever sparse memfds clients hand over. More: RESOURCE_EXHAUSTED.", size=True),
     limit("max_namespaces_per_tenant",
           "Namespaces one tenant (or sharing group) may hold at once, so that no tenant can take the "
           "daemon's --max-namespaces from the others. More: RESOURCE_EXHAUSTED.", kind=int),
@@ -282,6 +338,17 @@ OPTIONS = [
           "Job socket connections open at once from processes of one user id (from the kernel).", kind=int),
     limit("job_hello_timeout",
           "Seconds a new job socket connection has to say hello before it is closed.", kind=float),
+    limit("grpc_handshake_timeout",
+          "Seconds a new gRPC connection has to finish its handshake (the HTTP/2 preface and settings; TLS "
+          "on TCP) before the daemon closes it.", kind=float),
+    limit("grpc_idle_timeout",
+          "Seconds a gRPC connection with no call in flight stays open; then the daemon closes it (GOAWAY) "
+          "and a client's channel reconnects on its next call. An engine's Attach stream keeps its "
+          "connection busy.", kind=float),
+    limit("max_grpc_connections_per_uid",
+          "gRPC connections on the unix socket that processes of one user id (from the kernel) may hold at "
+          "once; the daemon closes the newest past it within a fraction of a second, and logs it. See "
+          "docs/security.md.", kind=int),
     limit("max_unread_job_replies",
           "Replies a job socket connection may leave unread before it is closed. Past 256 KiB the daemon "
           "already stops reading that connection's requests until it reads.", size=True),

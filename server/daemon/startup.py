@@ -13,7 +13,9 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import socket
+import ssl
 import stat
 import time
 from dataclasses import dataclass
@@ -22,13 +24,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvdepot import kept_pools
 from kvdepot.defaults import grpc_target
 from kvdepot.server.api import job_socket
 from kvdepot.server.api.service import KVDepotService, add_to_server
 from kvdepot.server.core.limits import Limits
 from kvdepot.server.core.tenants import TenantConfigError, Tenants
-from kvdepot.server.daemon.config import DaemonConfig, Network
+from kvdepot.server.daemon import grpc_cap
+from kvdepot.server.daemon.config import DaemonConfig, Metrics, Network
 from kvdepot.server.daemon.metrics import MetricsListenError, MetricsServer
+from kvdepot.server.daemon.metrics_http import MetricsLimits
 from kvdepot.server.host import pidlock
 from kvdepot.server.host.own_files import ForeignFile, check_own_folder
 from kvdepot.server.host.pool import HostPool, PoolError
@@ -174,17 +179,42 @@ def take_address(stack: contextlib.AsyncExitStack, address: Address, lock_path: 
     stack.callback(guard.release)
 
 
-def open_metrics(stack: contextlib.AsyncExitStack, listen: str) -> MetricsServer:
-    metrics = MetricsServer(listen)
+def open_metrics(stack: contextlib.AsyncExitStack, config: DaemonConfig) -> MetricsServer:
+    settings = config.metrics
+    limits = MetricsLimits(max_connections=settings.max_connections, timeout=settings.timeout)
+    metrics = MetricsServer(settings.listen, limits, config.metrics_token, metrics_tls(settings))
     stack.callback(metrics.close)
     return metrics
 
 
+def discard_kept_pools(directories: list[str], own_prefix: str, lifecycle) -> None:
+    """Pools that daemons on other addresses kept and that no live daemon
+    serves go once kept longer than the bound, and the oldest while all of
+    them hold more RAM than the cap: each holds its size in RAM until then.
+    This address's own kept pool is pick_pool_file's to adopt or remove."""
+    pools = [p for p in kept_pools.kept_pools(directories) if not os.path.basename(p.path).startswith(own_prefix)]
+    cap = lifecycle.kept_pools_max_bytes or kept_pools_default_cap()
+    for pool, why in kept_pools.stale(pools, lifecycle.kept_pool_max_age, cap):
+        try:
+            kept_pools.discard(pool.path)
+        except OSError as e:
+            log.warning("cannot discard the pool %s kept for %s: %s", pool.path, pool.address, e.strerror)
+            continue
+        log.warning("discarded the pool %s (%.2f GiB) kept for %s since %s: %s", pool.path, pool.bytes / 2**30,
+                    pool.address, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pool.since)), why)
+
+
+def kept_pools_default_cap() -> int:
+    """A quarter of the node's memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
 def open_pool(
     stack: contextlib.AsyncExitStack, config: DaemonConfig, directory: str, name: str, adopt: bool,
-    serving: asyncio.Event,
+    serving: asyncio.Event, owner: tuple[str, str],
 ) -> HostPool:
     started = time.monotonic()
+    address, lock_path = owner
     pool = HostPool(
         size=config.pool.size,
         slot_bytes=config.pool.slot_size,
@@ -195,6 +225,8 @@ def open_pool(
         pin_chunk_bytes=config.pool.pin_chunk_bytes,
         progress=startup_progress,
         adopt=adopt,
+        address=address,
+        lock_path=lock_path,
     )
     # A pool this start made holds nothing until the daemon serves: if the
     # start fails it only takes memory (a tmpfs file), so it goes. A kept
@@ -252,6 +284,11 @@ async def open_grpc_server(
             ("grpc.keepalive_permit_without_calls", 1),
             # Small messages that engine steps wait on (see the client's channel).
             ("grpc.optimization_target", "latency"),
+            # A connection costs a descriptor before any call proves anything:
+            # one that never finishes its handshake, or holds no call, is
+            # closed (an engine's Attach stream keeps its own busy).
+            ("grpc.server_handshake_timeout_ms", int(depot.limits.grpc_handshake_timeout * 1000)),
+            ("grpc.max_connection_idle_ms", int(depot.limits.grpc_idle_timeout * 1000)),
         ],
     )
     stack.push_async_callback(server.stop, 1.0)
@@ -274,8 +311,16 @@ async def open_grpc_server(
     await server.start()
     if address.unix_path:
         os.chmod(address.unix_path, 0o660)
+        cap = asyncio.create_task(grpc_cap.keep_cap(address.unix_path, depot.limits.max_grpc_connections_per_uid))
+        stack.push_async_callback(_cancel, cap)
     await set_health(servicer, health_pb2.HealthCheckResponse.SERVING)
     return servicer
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def set_health(servicer, status) -> None:
@@ -290,14 +335,7 @@ async def set_not_serving(servicer) -> None:
 
 
 def start_housekeeping(stack: contextlib.AsyncExitStack, depot) -> None:
-    task = asyncio.create_task(depot.housekeeping())
-
-    async def stop() -> None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    stack.push_async_callback(stop)
+    stack.push_async_callback(_cancel, asyncio.create_task(depot.housekeeping()))
 
 
 def tcp_credentials(network: Network, target: str, tenants: Tenants) -> grpc.ServerCredentials | None:
@@ -317,15 +355,84 @@ def tcp_credentials(network: Network, target: str, tenants: Tenants) -> grpc.Ser
             )
         log.warning("serving TCP on %s without TLS (loopback only)", target)
         return None
-    try:
-        with open(network.tls_cert_file, "rb") as f:
-            chain = f.read()
-        with open(network.tls_key_file, "rb") as f:
-            key = f.read()
-        client_ca = None
-        if network.tls_client_ca_file:
-            with open(network.tls_client_ca_file, "rb") as f:
-                client_ca = f.read()
-    except OSError as e:
-        raise StartupError(f"cannot read a TLS file: {e.filename}: {e.strerror}") from e
+    chain, key, client_ca = read_tls_files(
+        network.tls_cert_file, network.tls_key_file, network.tls_client_ca_file, "--tls-"
+    )
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca, require_client_auth=bool(client_ca))
+
+
+def metrics_tls(settings: Metrics) -> ssl.SSLContext | None:
+    """HTTPS for the metrics port; with a client CA, a scrape with a
+    certificate it signed sees the per-namespace series (metrics_http.py)."""
+    if settings.tls_cert_file is None:
+        return None
+    read_tls_files(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file, "--metrics-tls-")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    if settings.tls_client_ca_file:
+        context.load_verify_locations(cafile=settings.tls_client_ca_file)
+        # Optional: a scrape without a certificate still gets the node-wide series.
+        context.verify_mode = ssl.CERT_OPTIONAL
+    return context
+
+
+# TLS libraries report an unusable certificate or key vaguely (gRPC: as a
+# failure to bind the address); these checks name the file and what is wrong.
+_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----")
+_PRIVATE_KEY = re.compile(rb"-----BEGIN (?:RSA |EC |ENCRYPTED )?PRIVATE KEY-----")
+
+
+def read_tls_files(cert_file: str, key_file: str, client_ca_file: str | None, flags: str):
+    """(certificate chain, key, client CAs or None) as PEM bytes, each file
+    checked; `flags` is the options' prefix ("--tls-"), for the messages."""
+    chain = _read_pem(cert_file, flags + "cert-file", _CERTIFICATE, "certificate")
+    key = _read_pem(key_file, flags + "key-file", _PRIVATE_KEY, "private key")
+    client_ca = None
+    if client_ca_file:
+        client_ca = _read_pem(client_ca_file, flags + "client-ca-file", _CERTIFICATE, "CA certificate")
+    _check_key_pair(cert_file, key_file, client_ca_file, flags)
+    return chain, key, client_ca
+
+
+def _read_pem(path: str, flag: str, block: re.Pattern, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise StartupError(f"cannot read the TLS file {path} ({flag}): {e.strerror}", exit_code=2) from e
+    if not block.search(data):
+        raise StartupError(f"the TLS file {path} ({flag}) holds no PEM {what} (no -----BEGIN line of one)",
+                           exit_code=2)
+    return data
+
+
+def _check_key_pair(cert_file: str, key_file: str, client_ca_file: str | None, flags: str) -> None:
+    """Parses the certificates and the key as the TLS library will, and checks
+    that the key is the certificate's."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for path, flag in ((cert_file, flags + "cert-file"), (client_ca_file, flags + "client-ca-file")):
+        if path is None:
+            continue
+        try:
+            context.load_verify_locations(cafile=path)
+        except ssl.SSLError as e:
+            raise StartupError(
+                f"the TLS file {path} ({flag}) holds a certificate that does not parse: {e.reason or e}", exit_code=2
+            ) from None
+    key_flag = flags + "key-file"
+
+    def no_password() -> bytes:
+        raise StartupError(
+            f"the private key in {key_file} ({key_flag}) is encrypted: give a key without a passphrase "
+            "(the file's permissions protect it)", exit_code=2,
+        )
+
+    try:
+        context.load_cert_chain(cert_file, key_file, password=no_password)
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            why = f"it is not the key of the certificate in {cert_file} ({flags}cert-file)"
+        else:
+            why = f"it does not parse ({e.reason or e})"
+        raise StartupError(f"the private key in {key_file} ({key_flag}) cannot be used: {why}",
+                           exit_code=2) from None

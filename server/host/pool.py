@@ -20,12 +20,10 @@ import logging
 import mmap
 import os
 import stat
-import struct
 import time
 from collections.abc import Callable
 
-import xxhash
-
+from kvdepot.kept_pools import HEADER_BYTES, pack_header
 from kvdepot.keys import KEY_VERSION
 from kvdepot.server.host.own_files import open_own
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES
@@ -48,50 +46,13 @@ class PoolError(RuntimeError):
     """The pool cannot be created; the message says what to change."""
 
 
-HEADER_BYTES = 4096
 _EMPTY_RECORD = bytes(RECORD_BYTES)
-_HEADER_MAGIC = b"KVDPOOL1"
-# magic, format, key version, slot bytes, slots, file size; then their hash.
-_HEADER = struct.Struct("<8sIIQQQ")
-_HEADER_HASH = struct.Struct("<Q")
 
 
 def pool_file_bytes(num_slots: int, slot_bytes: int, page: int) -> int:
     """The size of a pool file: slots, records and header, in whole pages."""
     end = num_slots * slot_bytes + num_slots * RECORD_BYTES + HEADER_BYTES
     return -(-end // page) * page
-
-
-def read_header(path: str) -> tuple[dict | None, str]:
-    """A pool file's layout, or None and why it cannot be adopted. The file
-    must be the daemon user's alone: one that another user could write is
-    never adopted, since its bytes would reach the GPUs."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        return None, f"cannot open it ({e.strerror})"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            return None, "it is not a plain file with one name"
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            return None, f"it belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:o}, not to this user alone"
-        if st.st_size < HEADER_BYTES:
-            return None, "it is too short to hold a header"
-        raw = os.pread(fd, _HEADER.size + _HEADER_HASH.size, st.st_size - HEADER_BYTES)
-    finally:
-        os.close(fd)
-    fields = raw[: _HEADER.size]
-    magic, version, key_version, slot_bytes, num_slots, file_size = _HEADER.unpack(fields)
-    if magic != _HEADER_MAGIC:
-        return None, "it has no kvdepot pool header (a pool of an older kvdepot, or not a pool)"
-    if _HEADER_HASH.unpack_from(raw, _HEADER.size)[0] != xxhash.xxh3_64_intdigest(fields):
-        return None, "its header is torn"
-    header = {"format": version, "key_version": key_version, "slot_bytes": slot_bytes, "num_slots": num_slots,
-              "file_size": file_size, "mtime": st.st_mtime}
-    if file_size != st.st_size:
-        return None, f"its header says {file_size} bytes but the file has {st.st_size}"
-    return header, ""
 
 
 def _meminfo(field: str) -> int:
@@ -163,6 +124,13 @@ def own_pool_bytes(directory: str, prefix: str) -> int:
     return total
 
 
+def pool_folders(setting: str, socket_dir: str | None) -> list[str]:
+    """The folders a pool file may be in: the configured one, or those `auto` picks from."""
+    if setting != "auto":
+        return [setting]
+    return [d for d in ("/dev/shm", socket_dir, "/tmp") if d and os.path.isdir(d)]
+
+
 def choose_pool_dir(setting: str, socket_dir: str | None, size: int, prefix: str = "") -> str:
     """The folder for the pool file: the configured one, or the first with room
     (counting the room the pool an earlier daemon left there takes)."""
@@ -170,7 +138,7 @@ def choose_pool_dir(setting: str, socket_dir: str | None, size: int, prefix: str
         if not os.path.isdir(setting):
             raise PoolError(f"pool_dir {setting} is not a folder")
         return setting
-    candidates = [d for d in ("/dev/shm", socket_dir, "/tmp") if d and os.path.isdir(d)]
+    candidates = pool_folders(setting, socket_dir)
     for directory in candidates:
         if _free_bytes(directory) + (own_pool_bytes(directory, prefix) if prefix else 0) >= size:
             return directory
@@ -195,9 +163,15 @@ class HostPool:
         pin_chunk_bytes: int = 1 << 30,
         progress: Callable[[str], None] | None = None,
         adopt: bool = False,
+        address: str = "",
+        lock_path: str = "",
     ):
         """A new pool file `name`.pool in `directory`; with `adopt`, the one
-        already there (read_header must have accepted it for this layout)."""
+        already there (read_header must have accepted it for this layout).
+        Its header names `address` and the `lock_path` its daemon holds, so
+        that a kept pool shows whose it is and whether a daemon serves it."""
+        self.address = address
+        self.lock_path = lock_path
         self.slot_bytes = slot_bytes
         # Pinned in registrations of whole slots, so that no slot straddles two.
         self.registration_bytes = max(1, pin_chunk_bytes // slot_bytes) * slot_bytes
@@ -237,8 +211,7 @@ class HostPool:
             self._base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
             self._fault_in(fd)
             self.records = memoryview(self.buffer)[self.size : self.size + self.num_slots * RECORD_BYTES]
-            if not adopt:
-                self._write_header()
+            self._write_header(kept_at=0.0)  # served again, if adopted
         except BaseException:
             os.close(fd)
             if not adopt:
@@ -248,14 +221,11 @@ class HostPool:
         if pin != "off":
             self._pin(required=(pin == "on"))
 
-    def _write_header(self) -> None:
-        fields = _HEADER.pack(
-            _HEADER_MAGIC, FORMAT_VERSION, KEY_VERSION, self.slot_bytes, self.num_slots, self._file_size
-        )
+    def _write_header(self, kept_at: float) -> None:
+        header = pack_header(FORMAT_VERSION, KEY_VERSION, self.slot_bytes, self.num_slots, self._file_size,
+                             self.address, self.lock_path, kept_at)
         at = self._file_size - HEADER_BYTES
-        self.buffer[at : at + _HEADER.size + _HEADER_HASH.size] = fields + _HEADER_HASH.pack(
-            xxhash.xxh3_64_intdigest(fields)
-        )
+        self.buffer[at : at + len(header)] = header
 
     # ------------------------------------------------------------ start-up
 
@@ -404,6 +374,8 @@ class HostPool:
 
     def close(self, discard: bool = False) -> None:
         """Unmaps the pool; the file stays for the next daemon unless `discard`."""
+        if not discard and not self.buffer.closed:
+            self._write_header(kept_at=time.time())
         for ptr in self._registered:
             self._cudart.cudaHostUnregister(ptr)
         self._registered = []

@@ -13,6 +13,11 @@ their slots and answers NOT_YET, reader threads fill the slots and check each
 record's hash, and the blocks turn ready (or, if any rank's read fails, are
 dropped: a miss and a recompute, never an error). A block is promoted once
 however many lookups ask: the second finds it being stored.
+
+Shares: the pool's rule holds here too. The store picks whose records go
+when the disk is full (disk_shares.py) by the scopes this mover tells it of
+(a namespace's digest -> its scope), and a scope promotes at most its share
+of `max_promotions` at once, among the scopes with blocks on disk.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 
 from kvdepot.server.core.tiers import Tier, TierStats
 from kvdepot.server.host.shard_record import ShardRecord, data_hash
+from kvdepot.server.tiers.disk_shares import UNCLAIMED
 
 log = logging.getLogger("kvdepot.tiers")
 
@@ -46,10 +52,12 @@ class DiskMover(Tier):
         # the most that can wait (an older entry's block has left DRAM).
         self._queue: collections.deque = collections.deque(maxlen=pool.num_slots)
         self._writing = False
-        # Slots being filled from disk at once, at most.
+        # Slots being filled from disk at once, at most; a scope's share of them
+        # (the pool's rule, among the scopes that hold blocks here) at most.
         self.max_promotions = max_promotions
         self.closing = False
         self.promoting = 0
+        self._promoting: dict[str, int] = {}
         self.promotions = 0
         self.failed_promotions = 0
         self.demoted_shards = 0
@@ -60,6 +68,17 @@ class DiskMover(Tier):
         # ranks held. Kept on the loop, so that lookups and registrations ask
         # it (per namespace) instead of the disk's whole index under its lock.
         self._held: dict[bytes, dict[bytes, int]] = {}
+        # Namespace digest -> scope, of the namespaces seen since the start; the
+        # disk's writer reads it (a dict read is atomic) to keep the shares.
+        self._scopes: dict[bytes, str] = {}
+        disk.shares.scope_of = lambda digest: self._scopes.get(digest, UNCLAIMED)
+
+    def attach(self, host) -> None:
+        super().attach(host)
+        self.disk.shares.victims = host.victims
+
+    def _seen(self, ns) -> None:
+        self._scopes[ns.digest] = ns.scope
 
     def recover(self) -> None:
         # Records too large for a slot (a smaller --slot-size since) are left
@@ -89,6 +108,8 @@ class DiskMover(Tier):
         return self._held.get(ns.digest, {}).get(key, 0) == (1 << ns.tp_size) - 1
 
     def keys_of(self, ns, exclude: set) -> list[bytes]:
+        if ns.digest in self._held:
+            self._seen(ns)  # a registration: the namespace's records are its scope's now
         whole = (1 << ns.tp_size) - 1
         return [k for k, mask in self._held.get(ns.digest, {}).items() if mask == whole and k not in exclude]
 
@@ -114,12 +135,16 @@ class DiskMover(Tier):
     # ------------------------------------------------------------ demotion
 
     def demote(self, ns, rank: int, blocks, length: int) -> None:
+        self._seen(ns)
         for block in blocks:
             self._queue.append((block, rank, length))
         if not self._writing:
             self._write_next()
 
     def _write_next(self) -> None:
+        if self.closing:
+            self._writing = False
+            return
         batch, held, size = [], [], 0
         host, disk = self.host, self.disk
         while self._queue and size < DEMOTE_BATCH_BYTES:
@@ -135,7 +160,7 @@ class DiskMover(Tier):
             held.append(block)
             batch.append((key, block.ns.tp_size, slot, length))
             size += length
-        if not batch or self.closing:
+        if not batch:
             self._writing = False
             return
         self._writing = True
@@ -170,13 +195,30 @@ class DiskMover(Tier):
     def promotable(self, ns, key: bytes) -> tuple | None:
         if self.closing or self.promoting + ns.tp_size > self.max_promotions or not self.holds(ns, key):
             return None
+        self._seen(ns)
+        if not self._promotion_room(ns):
+            return None
         records = [self.disk.record((ns.digest, key, rank)) for rank in range(ns.tp_size)]
         if any(r is None or r.length > self.pool.slot_bytes for r in records):
             return None
         return tuple(r.length for r in records)
 
+    def _promotion_room(self, ns) -> bool:
+        """Whether `ns`'s scope may start one more promotion: at least one at a
+        time, and at most its share of the slots in flight among the scopes
+        that hold blocks on disk or promote."""
+        taking = self._promoting.get(ns.scope, 0)
+        if not taking:
+            return True
+        active = {self._scopes.get(digest, UNCLAIMED) for digest in self._held}
+        active.update(self._promoting)
+        active.add(ns.scope)
+        share = self.max_promotions * self.host.share(ns.scope, len(active))
+        return taking + ns.tp_size <= share
+
     def promote(self, ns, key: bytes, slots: list[int], done) -> None:
         self.promoting += ns.tp_size
+        self._promoting[ns.scope] = self._promoting.get(ns.scope, 0) + ns.tp_size
         future = self._readers.submit(self._read, ns.digest, key, slots)
         future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._read_done, f, ns, key, done))
 
@@ -186,6 +228,9 @@ class DiskMover(Tier):
 
     def _read_done(self, future, ns, key: bytes, done) -> None:
         self.promoting -= ns.tp_size
+        left = self._promoting.pop(ns.scope, 0) - ns.tp_size
+        if left > 0:
+            self._promoting[ns.scope] = left
         error = future.exception() if not future.cancelled() else "cancelled at shutdown"
         ok = error is None and future.result()
         if not ok:

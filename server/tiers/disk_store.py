@@ -40,6 +40,7 @@ from kvdepot.server.tiers.disk_folder import (
     take_lock,
 )
 from kvdepot.server.tiers.disk_io import FLUSH_BYTES, ZEROS, Batch, bytes_view, read_record
+from kvdepot.server.tiers.disk_shares import ShareRule, choose_victims
 from kvdepot.server.tiers.segments import RecordKey, Segment, page_padded, scan_folder, segment_header
 
 # Kept free beyond a segment's bytes for the filesystem's own blocks of it (extent trees).
@@ -89,8 +90,11 @@ class DiskTier:
         self._direct = False
         # Its records, bytes_used and segments are left at 0: the snapshot counts them.
         self._counts = DiskCounters()
-        # Called (on the writing thread) with the keys each evicted segment held.
+        # Called (on the writing thread) with the keys each eviction dropped.
         self.on_evict = None
+        # Whose records go when the disk is full (disk_shares.py); its bytes by
+        # namespace follow the index, under the lock.
+        self.shares = ShareRule(self.capacity)
         # Every name below is reached through this descriptor (disk_folder.py).
         self._dir_fd = open_directory(self.directory)
         try:
@@ -138,6 +142,9 @@ class DiskTier:
             counts.bytes = sum(loc[2].length for loc in index.values())
             with self._lock:
                 self._index, self._segments, self._counts.scan = index, segments, counts
+                self.shares.ns_bytes = {}
+                for (digest, _, _), (_, _, record) in index.items():
+                    self.shares.add(digest, record.length)
                 self._next_seq = max(last, self._next_seq - 1) + 1
             problems = counts.problems()
             self._log.info(
@@ -191,14 +198,14 @@ class DiskTier:
                 name = "*" if digest is None else digest.hex()
                 self._cleared[name] = self._next_seq - 1
                 for key in [k for k in self._index if digest is None or k[0] == digest]:
-                    del self._index[key]
+                    self._unindex(key)
                 cleared = dict(self._cleared)
             save_cleared(self.directory, self._dir_fd, cleared)
 
     def discard(self, key: RecordKey) -> None:
         """Forgets one record; its space comes back with its segment."""
         with self._lock:
-            self._index.pop(key, None)
+            self._unindex(key)
 
     @property
     def counters(self) -> DiskCounters:
@@ -244,7 +251,7 @@ class DiskTier:
                     end = batch.end if batch is not None else segment.end if segment else 0
                     if segment is None or (end + size > self.segment_bytes and end > PAGE):
                         self._flush(batch, written)
-                        self._roll(size)
+                        self._roll(size, self.shares.scope_of(record.ns))
                         batch = None
                     if batch is None or not batch.fits(record):
                         self._flush(batch, written)
@@ -271,7 +278,9 @@ class DiskTier:
             physical = segment.physical
         with self._lock:
             for key, record, offset, _ in landed:
+                self._unindex(key)
                 self._index[key] = (segment.seq, offset, record)
+                self.shares.add(key[0], record.length)
                 segment.keys.append(key)
                 self._counts.bytes_written += record.length
             segment.physical = physical
@@ -313,9 +322,9 @@ class DiskTier:
             os.close(segment.fd)
             segment.fd = -1
 
-    def _roll(self, size: int) -> None:
+    def _roll(self, size: int, scope: str) -> None:
         self._seal()
-        if not self._evict_until(max(self.segment_bytes, PAGE + size) + SLACK):
+        if not self._evict_until(max(self.segment_bytes, PAGE + size) + SLACK, scope):
             raise OSError(errno.ENOSPC, "no room in the disk tier's capacity")
         seq = self._next_seq
         self._next_seq += 1
@@ -345,35 +354,44 @@ class DiskTier:
             self._segments[seq] = segment
         self._current = segment
 
-    def _evict_until(self, reserve: int) -> bool:
-        """Unlinks oldest segments until `reserve` more bytes fit; False if they cannot."""
+    def _unindex(self, key: RecordKey) -> None:
+        """Drops a record from the index (under the lock), and its bytes from its namespace's."""
+        loc = self._index.pop(key, None)
+        if loc is not None:
+            self.shares.add(key[0], -loc[2].length)
+
+    def _evict_until(self, reserve: int, scope: str | None = None) -> bool:
+        """Frees room until `reserve` more bytes fit, for a record of `scope`
+        (disk_shares.py: whose records go); False if they cannot."""
         while True:
             with self._lock:
                 if sum(s.physical for s in self._segments.values()) + reserve <= self.capacity:
                     return True
-                oldest = next((s for s in self._segments.values() if s is not self._current), None)
-                if oldest is None:
+                segment, dropped = choose_victims(self._segments, self._index, self._current, scope, self.shares)
+                if segment is None and not dropped:
                     return False
                 # Out of the index before the file goes: a reader that finds the
                 # file gone then finds its key gone too, and counts no error.
-                del self._segments[oldest.seq]
-                dropped = [k for k in oldest.keys if self._index.get(k, (None,))[0] == oldest.seq]
                 for key in dropped:
-                    del self._index[key]
-            try:
-                os.unlink(os.path.basename(oldest.path), dir_fd=self._dir_fd)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                with self._lock:  # still there, and still taking its space
-                    self._segments = {oldest.seq: oldest, **self._segments}
-                raise
+                    self._unindex(key)
+                if segment is not None:
+                    del self._segments[segment.seq]
+            if segment is not None:
+                try:
+                    os.unlink(os.path.basename(segment.path), dir_fd=self._dir_fd)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    with self._lock:  # still there, and still taking its space
+                        self._segments = {segment.seq: segment, **self._segments}
+                    raise
             with self._lock:
-                self._counts.segments_evicted += 1
+                self._counts.segments_evicted += segment is not None
                 self._counts.records_evicted += len(dropped)
             if self.on_evict is not None and dropped:
                 self.on_evict(dropped)
-            self._log.debug("evicted disk tier segment %s (%d records)", oldest.path, len(dropped))
+            if segment is not None:
+                self._log.debug("evicted disk tier segment %s (%d records)", segment.path, len(dropped))
 
     # ------------------------------------------------------------ reading
 
@@ -403,7 +421,7 @@ class DiskTier:
                 self._counts.bytes_read += record.length
                 return True
             if self._index.get(key) is loc:
-                del self._index[key]
+                self._unindex(key)
             if io_error:
                 self._counts.read_errors += 1
             else:

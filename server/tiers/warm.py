@@ -20,9 +20,11 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from kvdepot.kept_pools import catalog_of as catalog_path
+from kvdepot.kept_pools import read_header
 from kvdepot.server.core.requests import NamespaceSpec
 from kvdepot.server.core.tiers import KeptBlock, Tier, TierStats
-from kvdepot.server.host.pool import HostPool, huge_page_bytes, pool_file_bytes, read_header
+from kvdepot.server.host.pool import HostPool, huge_page_bytes, pool_file_bytes
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES, ShardRecord, data_hash, pack, unpack
 from kvdepot.server.tiers.catalog import IDENTITY_FIELDS, Catalog
 
@@ -35,10 +37,6 @@ SEAL_BATCH_SECONDS = 0.002
 # store's shards are not sealed (not kept across a restart), so that stores
 # outrunning the hashing cannot grow the backlog without bound.
 MAX_UNSEALED = 1 << 16
-
-
-def catalog_path(pool_path: str) -> str:
-    return pool_path[: -len(".pool")] + ".namespaces.json"
 
 
 def pick_pool_file(directory: str, prefix: str, slot_bytes: int, num_slots: int, fresh: bool) -> str | None:
@@ -111,6 +109,7 @@ class WarmPool(Tier):
     not, and its counters are DRAM's."""
 
     name = "dram"
+    below_dram = False
 
     def __init__(self, pool: HostPool, loop=None, threads: int = 0, progress=lambda text: None):
         self.pool = pool

@@ -35,30 +35,43 @@ COPY_THREADS = 2
 class Staging:
     """A worker's staging memory as the daemon holds it: a sealed memfd, mapped.
 
-    It is closed once nothing copies into or out of it any more, so that a
-    session that ends mid-copy never pulls the mapping from under a copy.
+    Mapped whole when it is handed over (charged to its user's staging
+    budget), then cut to the rows its worker's layout needs when the worker
+    registers. It is unmapped once nothing copies into or out of it any more,
+    so that a session that ends mid-copy never pulls the mapping from under a
+    copy; its charge is released then.
     """
 
-    def __init__(self, fd: int, max_bytes: int):
+    def __init__(self, fd: int, max_bytes: int, charge):
         try:
             self.size = _check_staging_fd(fd, max_bytes)
-            self._mmap = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            raise InvalidArgument(f"the staging memfd cannot be mapped: {e.strerror}") from None
+            self.mapped = _whole_pages(self.size)
+            self._charge = charge(self.mapped)
+            try:
+                self.base = _map(fd, self.mapped)
+            except OSError as e:
+                self._charge.release()
+                raise InvalidArgument(f"the staging memfd cannot be mapped: {e.strerror}") from None
         finally:
             os.close(fd)
-        self._anchor = ctypes.c_char.from_buffer(self._mmap)
-        self.base = ctypes.addressof(self._anchor)
         self.copies = 0
         self._closing = False
+
+    def keep(self, nbytes: int) -> None:
+        """Unmaps all but the first `nbytes` (what the worker's rows take)."""
+        keep = _whole_pages(nbytes)
+        if 0 < keep < self.mapped:
+            _unmap(self.base + keep, self.mapped - keep)
+            self.mapped = keep
+            self._charge.shrink(keep)
 
     def close(self) -> None:
         """Unmaps now, or after the last copy running ends."""
         self._closing = True
-        if self.copies == 0 and self._mmap is not None:
-            del self._anchor
-            self._mmap.close()
-            self._mmap = None
+        if self.copies == 0 and self.mapped:
+            _unmap(self.base, self.mapped)
+            self.mapped = 0
+            self._charge.release()
 
     def copy_ended(self) -> None:
         self.copies -= 1
@@ -66,11 +79,68 @@ class Staging:
             self.close()
 
 
+# Mapped with libc's mmap rather than Python's, whose object cannot give back
+# part of its mapping: a tail unmapped behind its back could be handed to
+# another mapping, which its close would then unmap.
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+# fstatfs's f_type: the first field of struct statfs on every Linux ABI.
+TMPFS_MAGIC = 0x01021994
+HUGETLBFS_MAGIC = 0x958458F6
+
+
+def _whole_pages(nbytes: int) -> int:
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _map(fd: int, nbytes: int) -> int:
+    base = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if base in (None, _MAP_FAILED):
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+    return base
+
+
+def _unmap(base: int, nbytes: int) -> None:
+    if _libc.munmap(base, nbytes) != 0:
+        log.error("unmapping staging memory failed: %s", os.strerror(ctypes.get_errno()))
+
+
+def _file_system(fd: int) -> int:
+    buf = ctypes.create_string_buffer(256)
+    if _libc.fstatfs(fd, buf) != 0:
+        raise InvalidArgument(f"the staging descriptor's file system is unknown: {os.strerror(ctypes.get_errno())}")
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+
+
 def _check_staging_fd(fd: int, max_bytes: int) -> int:
-    """The size of a descriptor fit to copy through, else InvalidArgument."""
+    """The size of a descriptor fit to copy through, else InvalidArgument.
+
+    Fit means the daemon's copies can never fault: a fault in a copy is a
+    SIGBUS that kills the daemon for every tenant.
+    """
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise InvalidArgument("the staging descriptor is not a memfd")
+    # A page of hugetlbfs that the client punches out needs a free huge page
+    # when the daemon touches it again, and none may be left; shmem (a memfd)
+    # always allocates a page, and every other file system may fail a page in.
+    fs = _file_system(fd)
+    if fs == HUGETLBFS_MAGIC:
+        raise InvalidArgument(
+            "the staging memfd is on hugetlbfs (MFD_HUGETLB): the daemon's copy would fault (SIGBUS) when no "
+            "huge page is free; create it with memfd_create without MFD_HUGETLB"
+        )
+    if fs != TMPFS_MAGIC:
+        raise InvalidArgument(
+            f"the staging descriptor is a file on a file system of type {fs:#x}, not a memfd: only "
+            "memfd_create memory (shmem) is taken, whose pages never fault the daemon's copies"
+        )
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
@@ -105,10 +175,11 @@ class SharedMemoryTransport(Transport):
         # worker id -> its Staging, while registered.
         self._staging: dict[int, Staging] = {}
 
-    def take_memory(self, fd: int, max_bytes: int) -> Staging:
+    def take_memory(self, fd: int, max_bytes: int, charge) -> Staging:
         """A worker's staging memory from its descriptor (closed here whatever
-        happens), checked and mapped; InvalidArgument when it is unfit."""
-        return Staging(fd, max_bytes)
+        happens), checked and mapped; InvalidArgument when it is unfit,
+        ResourceExhausted past its user's or the daemon's staging budget."""
+        return Staging(fd, max_bytes, charge)
 
     def open_worker(self, worker, spec) -> None:
         staging = worker.session.staging.pop(spec.staging_id, None)
@@ -124,6 +195,7 @@ class SharedMemoryTransport(Transport):
                 f"the staging memory has {staging.size} bytes; the worker's {worker.layout.num_blocks} "
                 f"blocks of {worker.layout.block_bytes} bytes need {needed}"
             )
+        staging.keep(needed)
         self._staging[worker.id] = staging
 
     def close_worker(self, worker) -> None:

@@ -1,0 +1,208 @@
+"""Pool files that daemons keep in shared memory: their header, and which of
+them no daemon serves.
+
+A pool file outlives its daemon so that the next daemon on the same address
+adopts its blocks. Its header (the file's last page) names the address it
+belongs to, the lock a daemon serving that address holds, and when it was kept
+(0 while a daemon serves it). The daemon (server/host/pool.py) writes it;
+the daemon at start and `kvdepot pools` read it here, to tell a pool that
+a live daemon serves (its address lock is held) from one that only takes RAM.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import time
+from dataclasses import dataclass
+
+import xxhash
+
+HEADER_BYTES = 4096
+HEADER_MAGIC = b"KVDPOOL2"
+# magic, format, key version, slot bytes, slots, file size, kept at (unix
+# seconds; 0 while served); then the address and its lock's path, then their hash.
+HEADER = struct.Struct("<8sIIQQQd256s512s")
+HEADER_HASH = struct.Struct("<Q")
+POOL_PREFIX = "kvdepot-"
+POOL_SUFFIX = ".pool"
+
+
+def pack_header(fmt: int, key_version: int, slot_bytes: int, num_slots: int, file_size: int,
+                address: str, lock_path: str, kept_at: float) -> bytes:
+    fields = HEADER.pack(HEADER_MAGIC, fmt, key_version, slot_bytes, num_slots, file_size, kept_at,
+                         address.encode()[:256], lock_path.encode()[:512])
+    return fields + HEADER_HASH.pack(xxhash.xxh3_64_intdigest(fields))
+
+
+def read_header(path: str) -> tuple[dict | None, str]:
+    """A pool file's header, or None and why it cannot be adopted. The file
+    must be this user's alone: one that another user could write is never
+    adopted, since its bytes would reach the GPUs."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        return None, f"cannot open it ({e.strerror})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return None, "it is not a plain file with one name"
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return None, f"it belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:o}, not to this user alone"
+        if st.st_size < HEADER_BYTES:
+            return None, "it is too short to hold a header"
+        raw = os.pread(fd, HEADER.size + HEADER_HASH.size, st.st_size - HEADER_BYTES)
+    finally:
+        os.close(fd)
+    if len(raw) < HEADER.size + HEADER_HASH.size:
+        return None, "it is too short to hold a header"
+    fields = raw[: HEADER.size]
+    magic, version, key_version, slot_bytes, num_slots, file_size, kept_at, address, lock = HEADER.unpack(fields)
+    if magic != HEADER_MAGIC:
+        return None, "it has no header of this kvdepot's pool format (a pool of an older kvdepot, or not a pool)"
+    if HEADER_HASH.unpack_from(raw, HEADER.size)[0] != xxhash.xxh3_64_intdigest(fields):
+        return None, "its header is torn"
+    header = {"format": version, "key_version": key_version, "slot_bytes": slot_bytes, "num_slots": num_slots,
+              "file_size": file_size, "mtime": st.st_mtime, "kept_at": kept_at,
+              "address": address.rstrip(b"\0").decode(errors="replace"),
+              "lock": lock.rstrip(b"\0").decode(errors="replace")}
+    if file_size != st.st_size:
+        return None, f"its header says {file_size} bytes but the file has {st.st_size}"
+    return header, ""
+
+
+def lock_holders() -> set[tuple[int, int]]:
+    """(device, inode) of every file an flock is held on, from /proc/locks:
+    read without taking the lock, so that looking never stops a daemon's start."""
+    held = set()
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                # "1: FLOCK ADVISORY WRITE pid MAJ:MIN:INODE ..."; a waiter's line has "->" before FLOCK.
+                fields = line.split()
+                if len(fields) < 6 or fields[1] != "FLOCK":
+                    continue
+                try:
+                    major, minor, inode = fields[5].split(":")
+                    held.add((os.makedev(int(major, 16), int(minor, 16)), int(inode)))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return held
+
+
+def served(lock_path: str, held: set[tuple[int, int]] | None = None) -> bool:
+    """Whether a live daemon holds the address lock at `lock_path`. Where
+    /proc/locks may not tell (a filesystem whose inode it names otherwise), a
+    live process of the pid the lock names counts too: a pid used again keeps
+    a stale pool a while, which is the safe way to be wrong."""
+    if not lock_path:
+        return False
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) in (lock_holders() if held is None else held):
+            return True
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    if not text.isdigit() or int(text) <= 0:
+        return False
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class KeptPool:
+    path: str
+    bytes: int  # of RAM it holds
+    address: str  # '' when its header cannot be read
+    # When its daemon stopped; a daemon that died never wrote it: the file's last change then.
+    since: float
+    live: bool
+    # Why its header cannot be read ('' when it can): such a file is never discarded but by hand.
+    unreadable: str = ""
+
+    def age(self, now: float | None = None) -> float:
+        return max(0.0, (time.time() if now is None else now) - self.since)
+
+
+def catalog_of(pool_path: str) -> str:
+    return pool_path[: -len(POOL_SUFFIX)] + ".namespaces.json"
+
+
+def kept_pools(directories, uid: int | None = None) -> list[KeptPool]:
+    """This user's pool files in `directories`, oldest kept first."""
+    uid = os.geteuid() if uid is None else uid
+    held = lock_holders()
+    found, seen = [], set()
+    for directory in directories:
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for name in names:
+            if not (name.startswith(POOL_PREFIX) and name.endswith(POOL_SUFFIX)):
+                continue
+            path = os.path.join(directory, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            header, why = read_header(path)
+            if header is None:
+                found.append(KeptPool(path, st.st_blocks * 512, "", st.st_mtime, False, why))
+                continue
+            live = served(header["lock"], held)
+            since = header["kept_at"] or st.st_mtime
+            found.append(KeptPool(path, st.st_blocks * 512, header["address"], since, live))
+    found.sort(key=lambda p: p.since)
+    return found
+
+
+def stale(
+    pools: list[KeptPool], max_age: float, max_bytes: int, now: float | None = None,
+) -> list[tuple[KeptPool, str]]:
+    """The pools to discard, and why: those no live daemon serves that were
+    kept longer than `max_age` seconds, then the oldest while the rest hold
+    more than `max_bytes`. A pool whose header cannot be read (one being
+    created, or of another format) is left alone."""
+    now = time.time() if now is None else now
+    candidates = [p for p in pools if not p.live and not p.unreadable]
+    victims = []
+    for pool in candidates:
+        if pool.age(now) > max_age:
+            victims.append((pool, f"kept {pool.age(now) / 60:.0f} min, longer than --kept-pool-max-age"))
+    held = sum(p.bytes for p in candidates) - sum(p.bytes for p, _ in victims)
+    for pool in candidates:  # oldest first
+        if held <= max_bytes:
+            break
+        if any(pool is v for v, _ in victims):
+            continue
+        victims.append((pool, f"kept pools hold {held / 2**30:.2f} GiB, more than --kept-pools-max-bytes"))
+        held -= pool.bytes
+    return victims
+
+
+def discard(pool_path: str) -> None:
+    """Removes a pool file and its namespace catalog; OSError if the pool cannot go."""
+    os.unlink(pool_path)
+    try:
+        os.unlink(catalog_of(pool_path))
+    except FileNotFoundError:
+        pass
