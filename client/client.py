@@ -101,11 +101,13 @@ class KVDepotClient:
     # ------------------------------------------------------------ connection
 
     def connect(self, timeout: float = 10.0) -> KVDepotClient:
-        """Waits until attached to the daemon; raises Unavailable after `timeout`."""
-        if not self.wait_connected(timeout):
-            if self._session.refusal is not None:
-                raise self._session.refusal
+        """Waits until attached to the daemon; raises Unavailable after `timeout`,
+        and UntrustedDaemon at once when its socket is not a trusted daemon's."""
+        if not self._session.wait_connected_or_refused(timeout):
             raise Unavailable(f"kvdepotd is not answering on {self.target} after {timeout:.1f} s")
+        refusal = self._session.refusal
+        if self._session.connection is None and refusal is not None:
+            raise refusal
         return self
 
     def wait_connected(self, timeout: float | None = None) -> bool:

@@ -96,6 +96,12 @@ class Session:
         with self._changed:
             return self._changed.wait_for(lambda: self._connection is not None, timeout)
 
+    def wait_connected_or_refused(self, timeout: float | None) -> bool:
+        """Like wait_connected, but returns (False) as soon as the socket turns
+        out not to be a trusted daemon's: waiting would not change whose it is."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._connection is not None or self.refusal is not None, timeout)
+
     def stop(self) -> None:
         """Ends the session (call after setting `closing`)."""
         self.closing.set()
@@ -173,7 +179,9 @@ class Session:
                 reason = str(e)
                 if self.refusal is None or str(self.refusal) != reason:
                     log.error("%s", reason)
-                self.refusal = e
+                with self._changed:
+                    self.refusal = e
+                    self._changed.notify_all()
             except Unavailable as e:
                 reason = str(e)
             except grpc.RpcError as e:
