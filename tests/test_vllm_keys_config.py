@@ -95,6 +95,9 @@ def test_extra_config_errors_name_the_key():
         ConnectorConfig.from_extra_config({"store": 1.5})
     with pytest.raises(ConfigError, match="min_prompt_tokens must be a number >= 0"):
         ConnectorConfig.from_extra_config({"min_prompt_tokens": -1})
+    with pytest.raises(ConfigError, match="daemon_uids must be a list of uids"):
+        ConnectorConfig.from_extra_config({"daemon_uids": "1000"})
+    assert ConnectorConfig.from_extra_config({"daemon_uids": [1000]}).daemon_uids == (1000,)
     config = ConnectorConfig.from_extra_config({"store": 64, "store_decode": False, "mode": "lazy"})
     assert config.mode == "lazy"
     assert config.default_policy.store_limit_tokens(prompt_len=100, total_tokens=150) == 64
