@@ -96,7 +96,8 @@ OPTIONS = [
         "Where to serve: a unix socket path (default: $XDG_RUNTIME_DIR/kvdepot/kvdepot.sock, "
         "/run/kvdepot/kvdepot.sock for root, else /tmp/kvdepot-$UID/kvdepot.sock), unix:PATH, or HOST:PORT "
         "for TCP, which needs --auth-token-file (or tenants' token_file, or client certificates). Beside a "
-        "unix socket the daemon also serves its job socket, PATH.jobs, with the same permissions (0660).",
+        "unix socket the daemon also serves its job socket, PATH.jobs, with the same permissions (0660). "
+        "The socket's folder must be the daemon user's and writable by it alone (docs/security.md).",
         shown_default="per user: see what it does",
     ),
     Option(
