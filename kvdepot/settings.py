@@ -45,3 +45,16 @@ def format_size(size: int) -> str:
         if size >= factor and size % factor == 0:
             return f"{size // factor}{unit}"
     return str(size)
+
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str | float) -> float:
+    """'6h', '30m', '90s', '45' (seconds) -> seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _DURATION_UNITS:
+        raise ConfigError(f"{text!r} is not a duration; write e.g. 6h, 30m, 90s or 45 (seconds)")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import subprocess_env
 
 from kvdepot import kept_pools
@@ -118,3 +119,14 @@ def test_kvdepot_pools_lists_them_with_address_and_age_and_discards_one(start_da
     done = cli("pools", "--pool-dir", str(pools), "--discard", str(stopped_pool))
     assert done.returncode == 0, done.stderr
     assert not stopped_pool.exists()
+
+
+def test_the_age_bound_reads_as_an_operator_writes_it():
+    from kvdepot.server.daemon.config import ConfigError, load_config
+
+    assert load_config(["--kept-pool-max-age", "30m"], environ={}).lifecycle.kept_pool_max_age == 1800
+    assert load_config([], environ={"KVDEPOT_KEPT_POOL_MAX_AGE": "2h"}).lifecycle.kept_pool_max_age == 7200
+    assert load_config(["--kept-pool-max-age", "45"], environ={}).lifecycle.kept_pool_max_age == 45
+    assert load_config([], environ={}).lifecycle.kept_pool_max_age == 6 * 3600
+    with pytest.raises(ConfigError, match="not a duration"):
+        load_config(["--kept-pool-max-age", "6 parsecs"], environ={})

@@ -14,7 +14,7 @@ from kvdepot.server.core.limits import Limits
 from kvdepot.server.core.tenants import TenantConfigError, TenantSpec, parse_admin_uids, parse_tenants
 from kvdepot.server.daemon.metrics import parse_listen
 from kvdepot.server.daemon.options import BY_KEY, COMPUTED, OPTIONS, Option, build_parser
-from kvdepot.settings import ConfigError, parse_size
+from kvdepot.settings import ConfigError, parse_duration, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -179,6 +179,8 @@ def _resolve(opt: Option, args, environ, from_file: dict, config_file: str | Non
     try:
         if opt.size:
             return parse_size(value)
+        if opt.duration:
+            return parse_duration(value)
         value = opt.kind(value)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None

@@ -36,6 +36,8 @@ class Option:
     choices: tuple[str, ...] | None = None
     # A byte count, written like 64GiB or 4096.
     size: bool = False
+    # Seconds, written like 6h, 30m or 45.
+    duration: bool = False
     # The attribute in its group (config.pool.size); the key when None.
     field: str | None = None
     # Read from the TOML file; flags that only make sense on one command line are not.
@@ -270,10 +272,11 @@ OPTIONS = [
     ),
     Option(
         "kept_pool_max_age", "lifecycle", 6 * 3600.0,
-        "Seconds a pool that a stopped daemon on another address kept (for its next start to adopt) may stay "
+        "How long (6h, 30m, or seconds) a pool that a stopped daemon on another address kept (for its next "
+        "start to adopt) may stay "
         "in RAM: at start, the daemon discards its user's kept pools that no live daemon serves and that "
         "were kept longer, and logs each. `kvdepot pools` lists them.",
-        kind=float, shown_default="21600 (6 h)",
+        kind=float, duration=True, shown_default="6h",
     ),
     Option(
         "kept_pools_max_bytes", "lifecycle", 0,
@@ -377,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
             dest=opt.key,
             default=None,
             choices=opt.choices,
-            type=opt.kind if opt.kind is not str else None,
+            type=opt.kind if opt.kind is not str and not opt.duration else None,
             help=f"{opt.help} [{where}default {opt.default_text()}]",
         )
     return parser
