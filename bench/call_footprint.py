@@ -39,8 +39,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench_daemon import Daemon
-from kvdepot.client import KVDepotClient
+from bench_daemon import Daemon  # noqa: E402 - after the path above
+
+from kvdepot.client import KVDepotClient  # noqa: E402
 
 
 class Request:

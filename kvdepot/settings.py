@@ -1,5 +1,5 @@
 """What the daemon's options and the connector's settings share: the error of a
-value that cannot be used, and byte sizes written the way people write them."""
+value that cannot be used, and sizes and durations written the way people write them."""
 
 from __future__ import annotations
 
@@ -28,14 +28,22 @@ _SIZE_UNITS = {
 }
 
 
+_AMOUNT = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
+
+
+def _amount(text, units: dict, refusal: str) -> float:
+    """A number and a unit of `units` (none: the first) -> the number in the base unit."""
+    match = _AMOUNT.fullmatch(str(text))
+    if not match or match.group(2).lower() not in units:
+        raise ConfigError(f"{text!r} {refusal}")
+    return float(match.group(1)) * units[match.group(2).lower()]
+
+
 def parse_size(text: str | int) -> int:
     """'64GiB', '512MiB', '1.5G', '4096' -> bytes."""
     if isinstance(text, int):
         return text
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ConfigError(f"{text!r} is not a size; write e.g. 64GiB, 512MiB or 4096")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    return int(_amount(text, _SIZE_UNITS, "is not a size; write e.g. 64GiB, 512MiB or 4096"))
 
 
 def format_size(size: int) -> str:
@@ -54,7 +62,4 @@ def parse_duration(text: str | float) -> float:
     """'6h', '30m', '90s', '45' (seconds) -> seconds."""
     if isinstance(text, (int, float)):
         return float(text)
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _DURATION_UNITS:
-        raise ConfigError(f"{text!r} is not a duration; write e.g. 6h, 30m, 90s or 45 (seconds)")
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+    return _amount(text, _DURATION_UNITS, "is not a duration; write e.g. 6h, 30m, 90s or 45 (seconds)")
