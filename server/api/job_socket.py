@@ -92,6 +92,9 @@ class JobConnection(asyncio.Protocol):
         self._offer: tuple | None = None
         self._offer_socket: socket.socket | None = None
         self._offer_timer: asyncio.TimerHandle | None = None
+        # Replies not yet written: they go out together, once per turn of the
+        # event loop (one system call for every reply of the turn).
+        self._out: list[bytes] = []
 
     @property
     def open(self) -> bool:
@@ -178,7 +181,15 @@ class JobConnection(asyncio.Protocol):
             self._transport.close()
 
     def _write(self, message: bytes) -> None:
-        self._transport.write(message)
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(message)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if not self.open:
+            return
+        self._transport.write(out[0] if len(out) == 1 else b"".join(out))
         unread = self._transport.get_write_buffer_size()
         cap = self._gate.limits.max_unread_replies
         if unread > cap:

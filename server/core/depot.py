@@ -36,7 +36,7 @@ from kvdepot.errors import (
 )
 from kvdepot.server.core import report
 from kvdepot.server.core.blocks import Block
-from kvdepot.server.core.counters import BusyClock, Counters, JobTimes, saturating_add
+from kvdepot.server.core.counters import COUNTER_MAX, BusyClock, Counters, JobTimes
 from kvdepot.server.core.index import BlockIndex, LookupResult
 from kvdepot.server.core.limits import Limits, StagingBudget, shown
 from kvdepot.server.core.namespaces import Namespace, Namespaces
@@ -424,10 +424,11 @@ class Depot:
     # ------------------------------------------------------------ accounting
 
     def _count(self, session: Session | None, ns: Namespace, **deltas: int) -> None:
-        targets = [self.totals, ns.counters] + ([session.counters] if session else [])
+        targets = (self.totals, ns.counters, session.counters) if session else (self.totals, ns.counters)
         for counters in targets:
             for name, delta in deltas.items():
-                setattr(counters, name, saturating_add(getattr(counters, name), delta))
+                value = getattr(counters, name) + delta
+                setattr(counters, name, value if value <= COUNTER_MAX else COUNTER_MAX)
 
     def _count_eviction(self, block: Block) -> None:
         # Once per block evicted, which in a full pool is once per block stored.

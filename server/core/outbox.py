@@ -164,7 +164,7 @@ class ChangeFeed:
         changes, self._changes = self._changes, {}
         messages = {}
         for ns_id, states in changes.items():
-            lists: dict[str, list[bytes]] = {state.value: [] for state in BlockState}
+            lists: dict[str, list[bytes]] = {name: [] for name in _STATE_NAMES}
             for key, state in states.items():
                 lists[state.value].append(key)
             messages[ns_id] = lists
@@ -173,6 +173,9 @@ class ChangeFeed:
                 lists = messages.get(ns.id)
                 if lists:
                     session.outbox.blocks_changed(engine_id, **lists)
+
+
+_STATE_NAMES = tuple(state.value for state in BlockState)
 
 
 def _keys_of(notification: Notice) -> int:

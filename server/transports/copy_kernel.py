@@ -21,6 +21,7 @@ import triton.language as tl
 
 from kvdepot import cuda
 from kvdepot.layout import WorkerLayout
+from kvdepot.server.transports import cuda_calls
 
 
 @functools.cache
@@ -109,6 +110,11 @@ class PageTable:
     max_page_bytes: int
 
     @property
+    def pointers(self) -> tuple[int, int, int, int]:
+        return (self.page_gpu.data_ptr(), self.page_stride.data_ptr(), self.page_slot_offset.data_ptr(),
+                self.page_bytes.data_ptr())
+
+    @property
     def pages_per_block(self) -> int:
         return self.page_gpu.numel()
 
@@ -157,16 +163,11 @@ def launch(
 
     chunk_bytes: bytes one program copies at a time (a power of two, >= 64);
     programs: how many programs share the work."""
-    chunks = triton.cdiv(table.max_page_bytes, chunk_bytes)
-    work = block_ids.numel() * table.pages_per_block * chunks
-    if work >= 2**31 - 2**20:  # the kernel's loop counter is 32-bit
-        raise ValueError(f"a job of {work} page chunks is too large for one launch; split it")
+    chunks, work = _work(table, block_ids.numel(), chunk_bytes)
     args = (block_ids, slots, table.page_gpu, table.page_stride, table.page_slot_offset, table.page_bytes,
             pool_base, slot_bytes, table.pages_per_block, chunks, work)
     grid = (min(work, programs), 1, 1)
-    # What decides the compiled kernel: Triton types an int by its range, and
-    # specialises the page table's pointers (allocated, so always aligned).
-    key = (block_ids.device.index, to_host, chunk_bytes, pool_base >= 2**31, slot_bytes >= 2**31)
+    key = _key(block_ids.device.index, to_host, chunk_bytes, pool_base, slot_bytes)
     kernel = _compiled.get(key)
     if kernel is None:
         _compiled[key] = _copy_pages[grid](*args, TO_HOST=to_host, CHUNK=chunk_bytes, num_warps=4)
@@ -174,5 +175,54 @@ def launch(
         kernel[grid](*args, to_host, chunk_bytes, stream=cuda.current_raw_stream(block_ids.device.index))
 
 
+def launch_at(
+    table: PageTable,
+    ids: torch.Tensor,
+    at: int,
+    count: int,
+    positions: torch.Tensor,
+    pool_base: int,
+    slot_bytes: int,
+    to_host: bool,
+    chunk_bytes: int,
+    programs: int,
+    stream: torch.cuda.Stream,
+) -> None:
+    """`launch` of `count` blocks whose ids are ids[at:] and whose slots are
+    positions[:count], on `stream`: by the kernel's handle once it is compiled
+    (a foreign call, no tensor made), else through Triton."""
+    key = _key(ids.device.index, to_host, chunk_bytes, pool_base, slot_bytes)
+    fast = _launches.get(key)
+    if fast:
+        chunks, work = _work(table, count, chunk_bytes)
+        fast(min(work, programs), stream.cuda_stream, ids.data_ptr() + 8 * at, positions.data_ptr(), *table.pointers,
+             pool_base, slot_bytes, table.pages_per_block, chunks, work)
+        return
+    with torch.cuda.stream(stream):
+        launch(table, ids[at : at + count], positions[:count], pool_base, slot_bytes, to_host, chunk_bytes, programs)
+    if fast is None and key in _compiled:
+        # False: this Triton's kernels are launched through Triton.
+        _launches[key] = cuda_calls.KernelLaunch.of(_compiled[key], _ARGS) or False
+
+
+def _work(table: PageTable, blocks: int, chunk_bytes: int) -> tuple[int, int]:
+    chunks = triton.cdiv(table.max_page_bytes, chunk_bytes)
+    work = blocks * table.pages_per_block * chunks
+    if work >= 2**31 - 2**20:  # the kernel's loop counter is 32-bit
+        raise ValueError(f"a job of {work} page chunks is too large for one launch; split it")
+    return chunks, work
+
+
+def _key(device: int, to_host: bool, chunk_bytes: int, pool_base: int, slot_bytes: int) -> tuple:
+    # What decides the compiled kernel: Triton types an int by its range, and
+    # specialises the page table's pointers (allocated, so always aligned).
+    return (device, to_host, chunk_bytes, pool_base >= 2**31, slot_bytes >= 2**31)
+
+
+# The kernel's parameters that `launch` passes (Triton may add its own after them).
+_ARGS = 11
+
 # (device, direction, chunk, int ranges) -> the compiled kernel, after its first launch.
 _compiled: dict = {}
+# The same keys -> its KernelLaunch (False: launched through Triton).
+_launches: dict = {}

@@ -24,7 +24,7 @@ from kvdepot import cuda, jobtrace
 from kvdepot.errors import FailedPrecondition, InvalidArgument
 from kvdepot.server.core.requests import JobKind
 from kvdepot.server.core.transport import Finish, GpuStats, Transport
-from kvdepot.server.transports import copy_kernel, gpu_memory
+from kvdepot.server.transports import copy_kernel, cuda_calls, gpu_memory
 from kvdepot.server.transports.cuda_streams import ComputeGate, CopyStream, completed, staging_chunks
 
 log = logging.getLogger("kvdepot.cuda")
@@ -90,6 +90,8 @@ class _JobState:
     # A store's compute event, and the fence value its compute writes.
     event: torch.cuda.Event | None = None
     fence_seq: int = 0
+    # The job's entries of its stream's IdRing, until it ends.
+    span: tuple[int, int] | None = None
 
 
 class CudaTransport(Transport):
@@ -174,8 +176,8 @@ class CudaTransport(Transport):
             with torch.cuda.device(index):
                 device = _Device(
                     index,
-                    CopyStream(index, "store", self._loop, self._finished, shape),
-                    CopyStream(index, "load", self._loop, self._finished, shape),
+                    CopyStream(index, "store", self._loop, self._finished_many, shape),
+                    CopyStream(index, "load", self._loop, self._finished_many, shape),
                     torch.cuda.default_stream(index),
                 )
             self._devices[index] = device
@@ -342,104 +344,150 @@ class CudaTransport(Transport):
             self._finished(job, False, f"the daemon could not start the copy: {e}")
 
     def _enqueue(self, job, copies, stream: CopyStream, to_host: bool) -> None:
+        if stream.kernels is None:
+            self._enqueue_kernel_mode(job, copies, stream, to_host)
+            return
+        state: _JobState = job.transport_state
+        n = len(job.block_ids)
+        # The job's block ids, and a store's fence readback after them.
+        span = state.span = stream.ring.take(n + 1)
+        cuda_calls.set_device(copies.device.index)
+        if span is None:  # the ring is full: tensors of the job's own
+            with torch.cuda.device(copies.device.index):
+                ids = self._upload_ids(job.block_ids, stream)
+            readback = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            fence_at, first_id, keep_alive = (readback, 0), 0, (ids, readback)
+        else:
+            ids, first_id, keep_alive = stream.ring.gpu, span[0], None
+            stream.ring.host[span[0] : span[0] + n] = job.block_ids
+            fence_at = (stream.ring.host, span[0] + n)
+        self._copy_via_staging(copies, stream, job.slots, ids, first_id, span, to_host, job.trace)
+        fence = None
+        if state.event is not None:
+            # The fence the worker's compute wrote, read after the copy.
+            array, index = fence_at
+            address = array.data_ptr() if span is None else stream.ring.host_address + 8 * index
+            cuda_calls.copy(address, copies.fence.data_ptr(), 8, stream.handle)
+            fence = (array, index, state.fence_seq)
+        # The end of a small job on an idle stream is waited for by spinning (the
+        # driver's default, without the GIL): waking a thread that sleeps in the
+        # driver costs such a job a noticeable part of its time. Behind other jobs,
+        # or for a big job, the thread sleeps instead of spinning a core.
+        spin = stream.idle and n * self._pool.slot_bytes <= self._spin_bytes
+        end = stream.end_event(blocking=not spin)
+        # A store ends with its last transfer, a load with its last scatter.
+        cuda_calls.record(end[1], stream.handle if to_host else stream.kernels_handle)
+        if job.trace is not None:
+            job.trace["queued"] = jobtrace.now()
+        stream.track(end, job, keep_alive, fence)
+
+    def _enqueue_kernel_mode(self, job, copies, stream: CopyStream, to_host: bool) -> None:
+        """The "kernel" mode: one kernel reads or writes the pinned pool itself."""
         index = copies.device.index
-        # Explicit set_stream rather than stream contexts: this runs once a job on
-        # the event loop's thread, and every microsecond here delays the copy.
         with torch.cuda.device(index):
             try:
                 torch.cuda.set_stream(stream.stream)
-                if stream.kernels is None:
-                    block_ids = torch.tensor(job.block_ids, dtype=torch.int64, pin_memory=True).to(
-                        stream.stream.device, non_blocking=True
-                    )
-                    slots = torch.tensor(job.slots, dtype=torch.int64, pin_memory=True).to(
-                        stream.stream.device, non_blocking=True
-                    )
-                    copy_kernel.launch(copies.table, block_ids, slots, self._pool_base, self._pool.slot_bytes, to_host,
-                                       self._chunk_bytes, self._programs or copy_kernel.pcie_programs(index))
-                    keep_alive = (block_ids, slots)
-                    ends_on = stream.stream
-                else:
-                    keep_alive = self._copy_via_staging(copies, stream, job.block_ids, job.slots, to_host, job.trace)
-                    # A store ends with its last transfer, a load with its last scatter.
-                    ends_on = stream.stream if to_host else stream.kernels
-                    torch.cuda.set_stream(stream.stream)
+                block_ids = torch.tensor(job.block_ids, dtype=torch.int64, pin_memory=True).to(
+                    stream.stream.device, non_blocking=True
+                )
+                slots = torch.tensor(job.slots, dtype=torch.int64, pin_memory=True).to(
+                    stream.stream.device, non_blocking=True
+                )
+                copy_kernel.launch(copies.table, block_ids, slots, self._pool_base, self._pool.slot_bytes, to_host,
+                                   self._chunk_bytes, self._programs or copy_kernel.pcie_programs(index))
                 fence = None
                 if job.transport_state.event is not None:
                     readback = torch.empty(1, dtype=torch.int64, pin_memory=True)
                     readback.copy_(copies.fence, non_blocking=True)
-                    fence = (readback, job.transport_state.fence_seq)
-                # The end of a small job on an idle stream is waited for by spinning (the
-                # driver's default, without the GIL): waking a thread that sleeps in the
-                # driver costs such a job a noticeable part of its time. Behind other jobs,
-                # or for a big job, the thread sleeps instead of spinning a core.
+                    fence = (readback, 0, job.transport_state.fence_seq)
                 spin = stream.idle and len(job.block_ids) * self._pool.slot_bytes <= self._spin_bytes
-                done = torch.cuda.Event(blocking=not spin)
-                done.record(ends_on)
+                end = stream.end_event(blocking=not spin)
+                cuda_calls.record(end[1], stream.handle)
             finally:
                 torch.cuda.set_stream(copies.device.default_stream)
         if job.trace is not None:
             job.trace["queued"] = jobtrace.now()
         # The index tensors must live until the kernel has read them.
-        stream.track(done, job, keep_alive, fence)
+        stream.track(end, job, (block_ids, slots), fence)
 
-    def _copy_via_staging(self, copies, stream: CopyStream, block_ids, slots, to_host: bool, trace=None):
+    def _copy_via_staging(self, copies, stream: CopyStream, slots, ids, first_id: int, span, to_host: bool,
+                          trace=None) -> None:
         """Pages to or from a ring of staging buffers by kernel, on the direction's
         kernel stream; buffer rows to or from pool slots by the copy engines, one
         transfer per run of consecutive slots. Chunk by chunk, each side waits
         only for the other's part of the same buffer, so transfers of one chunk
-        overlap the kernel of the next. Leaves either stream current."""
+        overlap the kernel of the next. ids[first_id:] hold the job's block ids:
+        on the host side of the ring (span) until uploaded here."""
         rows = stream.rows
         programs = self._programs or copy_kernel.staging_programs(copies.device.index)
         per_registration = self._pool.registration_bytes // self._pool.slot_bytes
-        ids = None
-        for first, count in staging_chunks(len(block_ids), rows, not to_host and stream.idle):
+        slot_bytes, pool_base = self._pool.slot_bytes, self._pool_base
+        transfers, kernels = stream.handle, stream.kernels_handle
+        uploaded = span is None
+        n = len(slots)
+        for first, count in staging_chunks(n, rows, not to_host and stream.idle):
             b = stream.next_buffer
             stream.next_buffer = (b + 1) % len(stream.buffers)
-            buffer, filled, drained = stream.buffers[b], stream.filled[b], stream.drained[b]
+            buffer = stream.buffer_addresses[b]
+            filled, drained = stream.filled_handles[b], stream.drained_handles[b]
             runs = _runs(slots[first : first + count], per_registration)
             if to_host:
-                torch.cuda.set_stream(stream.kernels)
-                if ids is None:
-                    ids = self._upload_ids(block_ids, stream)
+                if not uploaded:
+                    self._upload_span(stream, span, n, kernels)
+                    uploaded = True
                 if stream.used[b]:
-                    stream.kernels.wait_event(drained)
-                copy_kernel.launch(copies.table, ids[first : first + count], stream.positions[:count],
-                                   buffer.data_ptr(), buffer.shape[1], True, self._chunk_bytes, programs)
-                filled.record(stream.kernels)
-                torch.cuda.set_stream(stream.stream)
-                stream.stream.wait_event(filled)
-                for slot, row, n in runs:
-                    self._pool_rows[slot : slot + n].copy_(buffer[row : row + n], non_blocking=True)
-                drained.record(stream.stream)
+                    cuda_calls.wait(kernels, drained)
+                copy_kernel.launch_at(copies.table, ids, first_id + first, count, stream.positions, buffer,
+                                      slot_bytes, True, self._chunk_bytes, programs, stream.kernels)
+                cuda_calls.record(filled, kernels)
+                cuda_calls.wait(transfers, filled)
+                for slot, row, k in runs:
+                    cuda_calls.copy(pool_base + slot * slot_bytes, buffer + row * slot_bytes, k * slot_bytes,
+                                    transfers)
+                cuda_calls.record(drained, transfers)
             else:
-                torch.cuda.set_stream(stream.stream)
                 if stream.used[b]:
-                    stream.stream.wait_event(drained)
-                for slot, row, n in runs:
-                    buffer[row : row + n].copy_(self._pool_rows[slot : slot + n], non_blocking=True)
-                filled.record(stream.stream)
-                torch.cuda.set_stream(stream.kernels)
-                if ids is None:
+                    cuda_calls.wait(transfers, drained)
+                for slot, row, k in runs:
+                    cuda_calls.copy(buffer + row * slot_bytes, pool_base + slot * slot_bytes, k * slot_bytes,
+                                    transfers)
+                cuda_calls.record(filled, transfers)
+                if not uploaded:
                     # Only now: the load's first transfer is queued already, and
                     # the copy engine does not wait for the upload.
-                    ids = self._upload_ids(block_ids, stream)
-                stream.kernels.wait_event(filled)
-                copy_kernel.launch(copies.table, ids[first : first + count], stream.positions[:count],
-                                   buffer.data_ptr(), buffer.shape[1], False, self._chunk_bytes, programs)
-                drained.record(stream.kernels)
+                    self._upload_span(stream, span, n, kernels)
+                    uploaded = True
+                cuda_calls.wait(kernels, filled)
+                copy_kernel.launch_at(copies.table, ids, first_id + first, count, stream.positions, buffer,
+                                      slot_bytes, False, self._chunk_bytes, programs, stream.kernels)
+                cuda_calls.record(drained, kernels)
             stream.used[b] = True
             if trace is not None and "first_chunk" not in trace:
                 trace["first_chunk"] = jobtrace.now()
-        return ids
+
+    @staticmethod
+    def _upload_span(stream: CopyStream, span, n: int, on: int) -> None:
+        ring = stream.ring
+        cuda_calls.copy(ring.gpu_address + 8 * span[0], ring.host_address + 8 * span[0], 8 * n, on)
 
     @staticmethod
     def _upload_ids(block_ids, stream: CopyStream) -> torch.Tensor:
         """All the job's block ids in one upload, on the kernel stream (current)."""
-        return torch.tensor(block_ids, dtype=torch.int64, pin_memory=True).to(stream.kernels.device, non_blocking=True)
+        with torch.cuda.stream(stream.kernels):
+            return torch.tensor(block_ids, dtype=torch.int64, pin_memory=True).to(stream.kernels.device,
+                                                                                 non_blocking=True)
+
+    def _finished_many(self, ended: list) -> None:
+        for job, ok, error in ended:
+            self._finished(job, ok, error)
 
     def _finished(self, job, ok: bool, error: str) -> None:
-        copies = job.transport_state.copies
+        state: _JobState = job.transport_state
+        copies = state.copies
+        if state.span is not None:
+            stream = copies.device.store if job.kind is JobKind.STORE else copies.device.load
+            stream.ring.give_back(state.span)
+            state.span = None
         copies.in_flight -= 1
         if job.session.ended:
             ok, error = False, "the client went away during the job"

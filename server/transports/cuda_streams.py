@@ -9,17 +9,72 @@ state is touched on the loop's thread only.
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
 import threading
 
 import torch
 
 from kvdepot import jobtrace
+from kvdepot.server.transports import cuda_calls
 
 # Staging buffers per direction and GPU: two let the copy engine move one chunk
 # while the kernel fills (or drains) the other; a third gained nothing
 # (docs/benchmarks.md).
 STAGING_BUFFERS = 2
+
+
+# Entries (int64) of each direction's ring of job block ids and fence readbacks:
+# far more than the jobs of one direction in flight ever hold; a job that finds
+# no room takes tensors of its own instead.
+RING_ENTRIES = 1 << 16
+
+
+class IdRing:
+    """Pinned host entries mirrored on the GPU, handed out to jobs in order
+    and freed in order as they end: a job's block ids are written to the host
+    side and copied up with one transfer, and a store's fence is read back into
+    an entry, with no tensor made per job. Used on the event loop's thread
+    only, but for `host` entries that the completion thread reads."""
+
+    def __init__(self, device: int, entries: int = RING_ENTRIES):
+        self.host_tensor = torch.empty(entries, dtype=torch.int64, pin_memory=True)
+        self.gpu = torch.empty(entries, dtype=torch.int64, device=device)
+        self.host = self.host_tensor.numpy()
+        self.host_address = self.host_tensor.data_ptr()
+        self.gpu_address = self.gpu.data_ptr()
+        self._entries = entries
+        self._head = 0
+        # (start, end) of each job's entries, oldest first.
+        self._taken: collections.deque = collections.deque()
+
+    def take(self, count: int) -> tuple[int, int] | None:
+        """`count` (at least 1) consecutive entries, or None when the ring has no room."""
+        size = self._entries
+        head = self._head
+        if not self._taken:
+            head = 0
+        else:
+            oldest = self._taken[0][0]
+            if head > oldest:  # in use: [oldest, head)
+                if head + count > size:
+                    head = 0
+                    if count > oldest:
+                        return None
+            elif head + count > oldest:  # wrapped; free: [head, oldest)
+                return None
+        if head + count > size:
+            return None
+        span = (head, head + count)
+        self._head = span[1]
+        self._taken.append(span)
+        return span
+
+    def give_back(self, span: tuple[int, int]) -> None:
+        if self._taken and self._taken[0] is span:
+            self._taken.popleft()
+        else:
+            self._taken.remove(span)
 
 
 # A load alone ends with a last chunk of this share of a full one: the kernel
@@ -78,6 +133,15 @@ class CopyStream:
         self.next_buffer = 0
         # Row i of a buffer holds the i-th block of a chunk: made once, not per chunk.
         self.positions = torch.arange(staging_shape[0], dtype=torch.int64, device=device) if staging_shape else None
+        self.buffer_addresses = [buffer.data_ptr() for buffer in self.buffers]
+        self.ring = IdRing(device)
+        self.handle = self.stream.cuda_stream
+        self.kernels_handle = self.kernels.cuda_stream if self.kernels is not None else 0
+        self.filled_handles = [cuda_calls.event_handle(e) for e in self.filled]
+        self.drained_handles = [cuda_calls.event_handle(e) for e in self.drained]
+        # Events that mark a job's end, by whether the thread sleeps (True) or
+        # spins waiting for them: reused once their job is reported.
+        self._spare_events = {True: collections.deque(), False: collections.deque()}
         self._loop = loop
         self._on_done = on_done
         self._pending: queue.Queue = queue.Queue()
@@ -102,35 +166,71 @@ class CopyStream:
         """No job of this direction is queued or running."""
         return self._tracked == self._ended
 
-    def track(self, event: torch.cuda.Event, job, keep_alive, fence=None) -> None:
-        """Reports `job` once `event` has completed. keep_alive: what the GPU
-        still reads until then. fence: (readback, expected sequence number) of a
-        store, checked after the copy."""
+    def end_event(self, blocking: bool) -> tuple[torch.cuda.Event, int, bool]:
+        """An event to record at a job's end: (event, its handle, blocking)."""
+        spare = self._spare_events[blocking]
+        if spare:
+            return spare.pop()
+        event = torch.cuda.Event(blocking=blocking)
+        return event, cuda_calls.event_handle(event), blocking
+
+    def track(self, event, job, keep_alive, fence=None) -> None:
+        """Reports `job` once `event` (an end_event) has completed. keep_alive:
+        what the GPU still reads until then. fence: (array, index, expected
+        sequence number) of a store: array[index] holds the fence the worker's
+        compute wrote, read back after the copy."""
         self._tracked += 1
         self._pending.put((event, job, keep_alive, fence))
 
     def _run(self) -> None:
+        # Jobs that end together are handed to the event loop together: one
+        # wake-up of the loop, however many.
+        carry = None
         while True:
-            item = self._pending.get()
+            item = carry if carry is not None else self._pending.get()
+            carry = None
             if item is None:
                 return
-            event, job, _, fence = item
-            try:
-                event.synchronize()
-                if job.trace is not None:
-                    job.trace["gpu_done"] = jobtrace.now()
-                ok, error = True, ""
-                if fence is not None and int(fence[0][0]) < fence[1]:
-                    # The event fired but the worker never wrote its fence: it died
-                    # before its compute ended, and the blocks hold no valid data.
-                    ok, error = False, "the worker's compute did not finish (the worker died?)"
-            except RuntimeError as e:  # a failed copy (e.g. an illegal address) poisons the context
-                ok, error = False, f"copy failed on the GPU: {e}"
-            self._ended += 1
-            self._loop.call_soon_threadsafe(self._on_done, job, ok, error)
+            ended = [self._wait(item)]
+            while True:
+                try:
+                    item = self._pending.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None or not _done(item[0][0]):
+                    carry = item
+                    break
+                ended.append(self._wait(item))
+            self._ended += len(ended)
+            self._loop.call_soon_threadsafe(self._on_done, ended)
+
+    def _wait(self, item) -> tuple:
+        end, job, _, fence = item
+        event = end[0]
+        try:
+            event.synchronize()
+            if job.trace is not None:
+                job.trace["gpu_done"] = jobtrace.now()
+            ok, error = True, ""
+            if fence is not None and int(fence[0][fence[1]]) < fence[2]:
+                # The event fired but the worker never wrote its fence: it died
+                # before its compute ended, and the blocks hold no valid data.
+                ok, error = False, "the worker's compute did not finish (the worker died?)"
+        except RuntimeError as e:  # a failed copy (e.g. an illegal address) poisons the context
+            ok, error = False, f"copy failed on the GPU: {e}"
+        else:
+            self._spare_events[end[2]].append(end)
+        return job, ok, error
 
     def stop(self) -> None:
         self._pending.put(None)
+
+
+def _done(event: torch.cuda.Event) -> bool:
+    try:
+        return event.query()
+    except RuntimeError:  # _wait reports it
+        return True
 
 
 class ComputeGate:

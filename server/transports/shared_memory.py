@@ -209,17 +209,34 @@ class SharedMemoryTransport(Transport):
         self._queue.put((asyncio.get_running_loop(), job, staging))
 
     def _run_copies(self) -> None:
-        while (item := self._queue.get()) is not None:
-            loop, job, staging = item
-            error = None
+        # Copies that end while others wait in the queue are handed to the event
+        # loop together: one wake-up of the loop, however many.
+        item = self._queue.get()
+        while item is not None:
+            ended = []
+            while item:
+                loop, job, staging = item
+                error = None
+                try:
+                    self._copy(job, staging)
+                except Exception as e:
+                    error = e
+                ended.append((job, staging, error))
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = False
             try:
-                self._copy(job, staging)
-            except Exception as e:
-                error = e
-            try:
-                loop.call_soon_threadsafe(self._copied, job, staging, error)
+                loop.call_soon_threadsafe(self._copied_many, ended)
             except RuntimeError:  # the loop is closed: the daemon is exiting
                 return
+            if item is False:
+                item = self._queue.get()
+        # None: shutting down
+
+    def _copied_many(self, ended: list) -> None:
+        for job, staging, error in ended:
+            self._copied(job, staging, error)
 
     def _copy(self, job, staging: Staging) -> None:
         row = job.worker.layout.block_bytes

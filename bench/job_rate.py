@@ -1,0 +1,314 @@
+"""Jobs a second through one daemon: a whole node's workers sending small jobs at once.
+
+    python bench/job_rate.py [--transport cuda|shm] [--grid 1x4x4,8x4x4] [--seconds 10]
+                             [--gpus 2] [--json out.json] [--label new]
+    python bench/job_rate.py --plot docs/job_rate.png base.json new.json
+
+Starts the real `kvdepotd`, then for each point of the grid (WORKERSxBLOCKSxDEPTH) that
+many worker processes, one per engine rank, spread over the first --gpus GPUs (CUDA
+transport: a Llama-3.1-8B rank's per-layer cache, 2 MiB a block, as bench/cuda_copy.py)
+or over the shared-memory transport (--transport shm, no GPU: CPU caches of
+--shm-block-bytes a block, which measures the per-job path without the bus). Each worker
+first stores the blocks it will load, then for --seconds keeps DEPTH jobs of BLOCKS blocks
+in flight, stores of new keys alternating with loads of stored ones, submitting the next
+as each ends. Every worker starts and stops at the same moment.
+
+For each point it prints the node's jobs/s, the p50 and p99 of submit to done (the
+client knows the job ended) over every job of every worker, the worst worker's p99,
+the daemon's CPU seconds per job (its utime + stime over the window, from /proc), and
+the GB/s the jobs moved. --json keeps the figures; --plot draws p50 and p99 against
+jobs/s for one or more such files (the versions compared in one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+DEFAULT_GRID = "1x4x4,2x4x4,4x4x4,8x4x4,4x16x4,4x1x8"
+
+
+def _cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """utime + stime of the process, or of one of its threads."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# ------------------------------------------------------------ one worker process
+
+
+def _take_some(client, timeout: float):
+    """Results of jobs that ended, waiting up to `timeout` for one. Through the
+    client's job book, so the benchmark runs unchanged on older versions."""
+    book = client._jobs
+    with book._changed:
+        book._changed.wait_for(lambda: book._results, timeout)
+    return client.take_finished()
+
+
+def _worker_cache(args, index: int):
+    """(tensors, block_dim, namespace, block bytes) of worker `index`."""
+    import torch
+
+    blocks = args.cache_blocks
+    if args.transport == "cuda":
+        from cuda_copy import BLOCK, BLOCK_SIZE, HEADS, HEAD_DIM, LAYERS
+
+        torch.cuda.set_device(index % args.gpus)
+        tensors = [torch.zeros(2, blocks, BLOCK_SIZE, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(LAYERS)]
+        block_bytes, block_size = BLOCK, BLOCK_SIZE
+    else:
+        layers, block_size = 4, 16
+        page = args.shm_block_bytes // (2 * layers)
+        tensors = [torch.zeros(2, blocks, block_size, page // (block_size * 2), dtype=torch.bfloat16)
+                   for _ in range(layers)]
+        block_bytes = 2 * layers * page
+    ns = dict(model=f"bench-rate-{args.transport}", kv_dtype="bfloat16", block_size=block_size,
+              layout="per_layer", tp_size=1)
+    return tensors, 1, ns, block_bytes
+
+
+def worker_main(args) -> int:
+    from kvdepot.client import KVDepotClient
+
+    index, blocks, depth = args.index, args.blocks, args.depth
+    tensors, block_dim, ns, _ = _worker_cache(args, index)
+    client = KVDepotClient(args.socket, name=f"rate-{index}").connect(60)
+    worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
+    client.wait_connected(60)
+    # Block ids: stores read rows [0, half), loads write rows [half, cache).
+    half = args.cache_blocks // 2
+    prefix = index.to_bytes(4, "little")
+    counter = 0
+
+    def new_keys(n: int) -> list[bytes]:
+        nonlocal counter
+        keys = [prefix + (counter + i).to_bytes(8, "little") + bytes(20) for i in range(n)]
+        counter += n
+        return keys
+
+    # What the loads read: stored before the window, sized to fit one worker's share of the pool.
+    stored = [new_keys(blocks) for _ in range(args.load_sets)]
+    job_id = 0
+    for keys in stored:
+        job_id += 1
+        client.submit_store(worker, job_id, keys, [i % half for i in range(blocks)])
+        result = client.wait([job_id], 60)[job_id]
+        if not result.ok or result.not_stored:
+            raise SystemExit(f"worker {index}: could not store its load set: {result}")
+
+    print("ready", flush=True)
+    start_at, stop_at = (float(x) for x in sys.stdin.readline().split())
+    time.sleep(max(0.0, start_at - time.time()))
+    submitted: dict[int, tuple[float, str, float]] = {}
+    latencies: dict[str, list[float]] = {"store": [], "load": []}
+    failed = 0
+    turn = 0
+    store_ids = [i % half for i in range(blocks)]
+    load_ids = [half + i % half for i in range(blocks)]
+    while True:
+        now = time.time()
+        if now >= stop_at and not submitted:
+            break
+        while now < stop_at and len(submitted) < depth:
+            job_id += 1
+            turn += 1
+            kind = "store" if turn % 2 else "load"
+            submitted[job_id] = (time.perf_counter(), kind, now)
+            if kind == "store":
+                client.submit_store(worker, job_id, new_keys(blocks), store_ids)
+            else:
+                client.submit_load(worker, job_id, stored[turn // 2 % len(stored)], load_ids)
+        for result in _take_some(client, 1.0):
+            started, kind, wall = submitted.pop(result.job_id)
+            if not result.ok or result.not_stored:
+                failed += 1
+            elif wall < stop_at:  # jobs submitted in the window count
+                latencies[kind].append(time.perf_counter() - started)
+    client.close()
+    print(json.dumps({"latencies": latencies, "failed": failed}), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------ the node
+
+
+def run_point(args, socket: str, daemon_pid: int, workers: int, blocks: int, depth: int) -> dict:
+    command = [sys.executable, __file__, "--role", "worker", "--socket", socket, "--transport", args.transport,
+               "--blocks", str(blocks), "--depth", str(depth), "--gpus", str(args.gpus),
+               "--cache-blocks", str(args.cache_blocks), "--shm-block-bytes", str(args.shm_block_bytes),
+               "--load-sets", str(args.load_sets)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    procs = [subprocess.Popen([*command, "--index", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=env) for i in range(workers)]
+    try:
+        for proc in procs:
+            line = proc.stdout.readline()
+            if line.strip() != "ready":
+                raise SystemExit(f"a worker did not start (it said {line!r})")
+        start_at = time.time() + 0.5
+        stop_at = start_at + args.seconds
+        for proc in procs:
+            proc.stdin.write(f"{start_at} {stop_at}\n")
+            proc.stdin.flush()
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu_before, loop_before = _cpu_seconds(daemon_pid), _cpu_seconds(daemon_pid, daemon_pid)
+        time.sleep(max(0.0, stop_at - time.time()))
+        cpu_after, loop_after = _cpu_seconds(daemon_pid), _cpu_seconds(daemon_pid, daemon_pid)
+        reports = [json.loads(proc.stdout.readline()) for proc in procs]
+        for proc in procs:
+            proc.wait(60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    every = [x for r in reports for kind in ("store", "load") for x in r["latencies"][kind]]
+    jobs = len(every)
+    block_bytes = _block_bytes(args)
+    point = {
+        "workers": workers, "blocks": blocks, "depth": depth, "jobs": jobs,
+        "jobs_per_s": jobs / args.seconds,
+        "p50_ms": statistics.median(every) * 1e3 if every else float("nan"),
+        "p99_ms": _percentile(every, 0.99) * 1e3 if every else float("nan"),
+        "worst_p99_ms": max((_percentile(r["latencies"]["store"] + r["latencies"]["load"], 0.99) * 1e3
+                             for r in reports if r["latencies"]["store"] or r["latencies"]["load"]), default=0.0),
+        "daemon_cpu_us_per_job": (cpu_after - cpu_before) / max(1, jobs) * 1e6,
+        "daemon_cpu_share": (cpu_after - cpu_before) / args.seconds,
+        # The event loop's thread alone: the part of the daemon that does not
+        # spread over cores (the rest: copy threads, hashing for the warm pool).
+        "loop_cpu_us_per_job": (loop_after - loop_before) / max(1, jobs) * 1e6,
+        "loop_cpu_share": (loop_after - loop_before) / args.seconds,
+        "gb_per_s": jobs * blocks * block_bytes / args.seconds / 1e9,
+        "failed": sum(r["failed"] for r in reports),
+    }
+    return point
+
+
+def _block_bytes(args) -> int:
+    if args.transport == "cuda":
+        from cuda_copy import BLOCK
+
+        return BLOCK
+    return args.shm_block_bytes
+
+
+def node_main(args) -> int:
+    grid = [tuple(int(x) for x in point.split("x")) for point in args.grid.split(",")]
+    if args.load_sets < 1:
+        raise SystemExit("--load-sets must be at least 1")
+    # Stores read the first half of a worker's cache, loads write the second.
+    args.cache_blocks = max(args.cache_blocks, 2 * max(b for _, b, _ in grid))
+    block_bytes = _block_bytes(args)
+    if args.transport == "cuda":
+        import torch
+
+        from kvdepotd import BenchDaemon
+
+        args.gpus = min(args.gpus, torch.cuda.device_count())
+        what = f"{args.gpus} x {torch.cuda.get_device_name()}"
+        daemon = BenchDaemon(args.pool_size, block_bytes, extra=args.daemon_args)
+    else:
+        from kvdepotd import BenchDaemon
+
+        what = "shared-memory transport, no GPU"
+        daemon = BenchDaemon(args.pool_size, block_bytes, pin="off", extra=args.daemon_args)
+    label = args.label or "this version"
+    print(f"{label}: {what}, {os.cpu_count()} CPUs, {args.seconds:g} s a point, "
+          f"{block_bytes >> 10} KiB blocks, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    print(f"{'workers':>7} {'blocks':>6} {'depth':>5} {'jobs/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'worst p99':>9} {'µs CPU/job':>10} {'loop µs/job':>11} {'daemon CPU':>10} {'loop CPU':>8} {'GB/s':>7}", flush=True)
+    points = []
+    with daemon:
+        daemon.wait_ready()
+        for workers, blocks, depth in grid:
+            point = run_point(args, daemon.socket, daemon.pid, workers, blocks, depth)
+            points.append(point)
+            print(f"{workers:>7} {blocks:>6} {depth:>5} {point['jobs_per_s']:>9,.0f} {point['p50_ms']:>8.2f} "
+                  f"{point['p99_ms']:>8.2f} {point['worst_p99_ms']:>9.2f} {point['daemon_cpu_us_per_job']:>10.0f} "
+                  f"{point['loop_cpu_us_per_job']:>11.0f} {point['daemon_cpu_share']:>10.0%} "
+                  f"{point['loop_cpu_share']:>8.0%} {point['gb_per_s']:>7.1f}"
+                  + (f"  ({point['failed']} failed)" if point["failed"] else ""), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"label": label, "device": what, "transport": args.transport,
+                                               "gpus": args.gpus, "seconds": args.seconds,
+                                               "date": time.strftime("%Y-%m-%d"), "points": points}, indent=1))
+    return 0
+
+
+def plot_main(args) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    title = ""
+    for path in args.files:
+        run = json.loads(Path(path).read_text())
+        title = f"{run['device']}, {run['date']}"
+        points = sorted((p for p in run["points"] if p["blocks"] == args.plot_blocks), key=lambda p: p["jobs_per_s"])
+        rates = [p["jobs_per_s"] for p in points]
+        line = ax.plot(rates, [p["p50_ms"] for p in points], "o-", label=f"{run['label']}: p50")[0]
+        ax.plot(rates, [p["p99_ms"] for p in points], "s--", color=line.get_color(), label=f"{run['label']}: p99")
+        for p in points:
+            ax.annotate(f"{p['workers']}w", (p["jobs_per_s"], p["p99_ms"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)
+    ax.set_xlabel(f"jobs/s for the node ({args.plot_blocks}-block jobs)")
+    ax.set_ylabel("submit to done, ms")
+    ax.set_yscale("log")
+    ax.set_title(f"Latency against load, one daemon ({title})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
+    print(f"wrote {args.plot}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", choices=("node", "worker"), default="node", help=argparse.SUPPRESS)
+    parser.add_argument("--transport", choices=("cuda", "shm"), default="cuda")
+    parser.add_argument("--grid", default=DEFAULT_GRID, help="points WORKERSxBLOCKSxDEPTH, comma-separated")
+    parser.add_argument("--seconds", type=float, default=10.0, help="the measured window of each point")
+    parser.add_argument("--gpus", type=int, default=2, help="workers go round-robin over this many GPUs")
+    parser.add_argument("--pool-size", default="8GiB")
+    parser.add_argument("--shm-block-bytes", type=int, default=64 << 10)
+    parser.add_argument("--cache-blocks", type=int, default=128, help="blocks of each worker's cache")
+    parser.add_argument("--load-sets", type=int, default=8, help="jobs' worth of blocks each worker loads in turn")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None, help="draw the JSON files given into this PNG, and run nothing")
+    parser.add_argument("--plot-blocks", type=int, default=4, help="the job size whose points are drawn")
+    parser.add_argument("files", nargs="*")
+    parser.add_argument("--socket", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--depth", type=int, default=4, help=argparse.SUPPRESS)
+    args, args.daemon_args = parser.parse_known_args()
+    if args.plot:
+        return plot_main(args)
+    if args.role == "worker":
+        return worker_main(args)
+    return node_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
