@@ -95,7 +95,8 @@ def worker_main(args) -> int:
     client.wait_connected(60)
     # Block ids: stores read rows [0, half), loads write rows [half, cache).
     half = args.cache_blocks // 2
-    prefix = index.to_bytes(4, "little")
+    # Keys of their own: another point's workers (same index) must not find them stored.
+    prefix = os.getpid().to_bytes(4, "little")
     counter = 0
 
     def new_keys(n: int) -> list[bytes]:

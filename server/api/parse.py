@@ -66,12 +66,12 @@ def store_job(message: pb.SubmitStoreRequest) -> JobRequest:
         JobKind.STORE,
         message.worker_id,
         message.job_id,
-        message.keys,
-        message.block_ids,
+        list(message.keys),
+        list(message.block_ids),
         compute_event=message.cuda_event_handle,
         compute_seq=message.cuda_fence_seq,
     )
 
 
 def load_job(message: pb.SubmitLoadRequest) -> JobRequest:
-    return JobRequest(JobKind.LOAD, message.worker_id, message.job_id, message.keys, message.block_ids)
+    return JobRequest(JobKind.LOAD, message.worker_id, message.job_id, list(message.keys), list(message.block_ids))

@@ -162,8 +162,11 @@ class ChangeFeed:
         if not self._changes:
             return
         changes, self._changes = self._changes, {}
+        watched = {ns.id for session in _live(self._sessions.values()) for ns in session.engines.values()}
         messages = {}
         for ns_id, states in changes.items():
+            if ns_id not in watched:  # no engine keeps a copy of this namespace
+                continue
             lists: dict[str, list[bytes]] = {name: [] for name in _STATE_NAMES}
             for key, state in states.items():
                 lists[state.value].append(key)

@@ -123,7 +123,8 @@ class JobRequest:
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    for position, key in enumerate(keys):
-        if len(key) != KEY_BYTES:
-            raise InvalidArgument(f"key {position} has {len(key)} bytes; keys are {KEY_BYTES}-byte hashes")
-    return list(keys)
+    keys = list(keys)
+    if any(len(key) != KEY_BYTES for key in keys):
+        position, key = next((p, k) for p, k in enumerate(keys) if len(k) != KEY_BYTES)
+        raise InvalidArgument(f"key {position} has {len(key)} bytes; keys are {KEY_BYTES}-byte hashes")
+    return keys

@@ -109,8 +109,9 @@ class PageTable:
     page_bytes: torch.Tensor
     max_page_bytes: int
 
-    @property
+    @functools.cached_property
     def pointers(self) -> tuple[int, int, int, int]:
+        """The four tensors' addresses, for launches by handle."""
         return (self.page_gpu.data_ptr(), self.page_stride.data_ptr(), self.page_slot_offset.data_ptr(),
                 self.page_bytes.data_ptr())
 
@@ -187,15 +188,17 @@ def launch_at(
     chunk_bytes: int,
     programs: int,
     stream: torch.cuda.Stream,
+    stream_handle: int,
 ) -> None:
     """`launch` of `count` blocks whose ids are ids[at:] and whose slots are
-    positions[:count], on `stream`: by the kernel's handle once it is compiled
-    (a foreign call, no tensor made), else through Triton."""
+    positions[:count], on `stream` (whose CUDA handle is `stream_handle`): by
+    the kernel's handle once it is compiled (a foreign call, no tensor made),
+    else through Triton."""
     key = _key(ids.device.index, to_host, chunk_bytes, pool_base, slot_bytes)
     fast = _launches.get(key)
     if fast:
         chunks, work = _work(table, count, chunk_bytes)
-        fast(min(work, programs), stream.cuda_stream, ids.data_ptr() + 8 * at, positions.data_ptr(), *table.pointers,
+        fast(min(work, programs), stream_handle, ids.data_ptr() + 8 * at, positions.data_ptr(), *table.pointers,
              pool_base, slot_bytes, table.pages_per_block, chunks, work)
         return
     with torch.cuda.stream(stream):

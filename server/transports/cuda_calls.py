@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 
 from kvdepot import cuda
 
@@ -30,6 +31,8 @@ def _runtime():
     lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
     lib.cudaSetDevice.argtypes = [ctypes.c_int]
+    lib.cudaEventSynchronize.argtypes = [ctypes.c_void_p]
+    lib.cudaEventQuery.argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -50,8 +53,37 @@ def _check(rc: int, what: str) -> None:
         cuda._check(rc, what)
 
 
+_NOT_READY = 600  # cudaErrorNotReady
+
+# The device this thread made current last (the event loop's thread is the
+# only one that sets it): switching costs a call, keeping it none.
+_current = threading.local()
+
+
 def set_device(index: int) -> None:
-    _check(_runtime().cudaSetDevice(index), "cudaSetDevice")
+    if getattr(_current, "device", None) != index:
+        _check(_runtime().cudaSetDevice(index), "cudaSetDevice")
+        _current.device = index
+
+
+def forget_device() -> None:
+    """Torch (or anyone) may have made another device current since."""
+    _current.device = None
+
+
+def synchronize(event: int) -> None:
+    """Waits for the event, without the GIL (ctypes lets it go); CudaError if
+    the work before it failed."""
+    _check(_runtime().cudaEventSynchronize(event), "cudaEventSynchronize")
+
+
+def query(event: int) -> bool:
+    """Whether the work before the event has completed; CudaError if it failed."""
+    rc = _runtime().cudaEventQuery(event)
+    if rc == _NOT_READY:
+        return False
+    _check(rc, "cudaEventQuery")
+    return True
 
 
 def copy(dst: int, src: int, nbytes: int, stream: int) -> None:

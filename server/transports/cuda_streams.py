@@ -30,26 +30,18 @@ STAGING_BUFFERS = 2
 RING_ENTRIES = 1 << 16
 
 
-class IdRing:
-    """Pinned host entries mirrored on the GPU, handed out to jobs in order
-    and freed in order as they end: a job's block ids are written to the host
-    side and copied up with one transfer, and a store's fence is read back into
-    an entry, with no tensor made per job. Used on the event loop's thread
-    only, but for `host` entries that the completion thread reads."""
+class Spans:
+    """Runs of consecutive entries of a ring of `entries`, handed out in order
+    and given back (mostly) in order, as jobs of one stream end."""
 
-    def __init__(self, device: int, entries: int = RING_ENTRIES):
-        self.host_tensor = torch.empty(entries, dtype=torch.int64, pin_memory=True)
-        self.gpu = torch.empty(entries, dtype=torch.int64, device=device)
-        self.host = self.host_tensor.numpy()
-        self.host_address = self.host_tensor.data_ptr()
-        self.gpu_address = self.gpu.data_ptr()
+    def __init__(self, entries: int):
         self._entries = entries
         self._head = 0
-        # (start, end) of each job's entries, oldest first.
+        # (start, end) of each run in use, oldest first.
         self._taken: collections.deque = collections.deque()
 
     def take(self, count: int) -> tuple[int, int] | None:
-        """`count` (at least 1) consecutive entries, or None when the ring has no room."""
+        """`count` (at least 1) consecutive entries, or None when there is no room."""
         size = self._entries
         head = self._head
         if not self._taken:
@@ -75,6 +67,25 @@ class IdRing:
             self._taken.popleft()
         else:
             self._taken.remove(span)
+
+    def __len__(self) -> int:
+        return len(self._taken)
+
+
+class IdRing(Spans):
+    """Pinned host entries mirrored on the GPU, taken by jobs in order and
+    given back as they end: a job's block ids are written to the host side and
+    copied up with one transfer, and a store's fence is read back into an
+    entry, with no tensor made per job. The spans are the event loop's; the
+    completion thread reads a fence's entry before its job is given back."""
+
+    def __init__(self, device: int, entries: int = RING_ENTRIES):
+        super().__init__(entries)
+        self.host_tensor = torch.empty(entries, dtype=torch.int64, pin_memory=True)
+        self.gpu = torch.empty(entries, dtype=torch.int64, device=device)
+        self.host = self.host_tensor.numpy()
+        self.host_address = self.host_tensor.data_ptr()
+        self.gpu_address = self.gpu.data_ptr()
 
 
 # A load alone ends with a last chunk of this share of a full one: the kernel
@@ -144,7 +155,7 @@ class CopyStream:
         self._spare_events = {True: collections.deque(), False: collections.deque()}
         self._loop = loop
         self._on_done = on_done
-        self._pending: queue.Queue = queue.Queue()
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
         # Jobs tracked (counted by the event loop's thread) and ended (counted by
         # the completion thread): one writer each, so no update is lost.
         self._tracked = 0
@@ -197,7 +208,7 @@ class CopyStream:
                     item = self._pending.get_nowait()
                 except queue.Empty:
                     break
-                if item is None or not _done(item[0][0]):
+                if item is None or not _done(item[0][1]):
                     carry = item
                     break
                 ended.append(self._wait(item))
@@ -206,9 +217,8 @@ class CopyStream:
 
     def _wait(self, item) -> tuple:
         end, job, _, fence = item
-        event = end[0]
         try:
-            event.synchronize()
+            cuda_calls.synchronize(end[1])
             if job.trace is not None:
                 job.trace["gpu_done"] = jobtrace.now()
             ok, error = True, ""
@@ -226,9 +236,9 @@ class CopyStream:
         self._pending.put(None)
 
 
-def _done(event: torch.cuda.Event) -> bool:
+def _done(event: int) -> bool:
     try:
-        return event.query()
+        return cuda_calls.query(event)
     except RuntimeError:  # _wait reports it
         return True
 
@@ -249,7 +259,7 @@ class ComputeGate:
         self._loop = loop
         self._on_open = on_open
         self._on_failed = on_failed
-        self._new: queue.Queue = queue.Queue()
+        self._new: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvdepot-gate", daemon=True)
         self._thread.start()
 

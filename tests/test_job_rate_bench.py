@@ -1,0 +1,50 @@
+"""bench/job_rate.py runs as the docs say on a machine without a GPU (the
+shared-memory transport): worker processes against the real daemon, every job
+accounted for, and a plot drawn from what it wrote. The figures themselves are
+the benchmark's, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_job_rate_benchmark_measures_a_node_of_workers_without_a_gpu(tmp_path):
+    out = tmp_path / "rate.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "job_rate.py"), "--transport", "shm", "--grid", "2x4x2,1x1x4",
+         "--seconds", "1", "--pool-size", "64MiB", "--shm-block-bytes", "16384", "--label", "smoke",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    points = json.loads(out.read_text())["points"]
+    assert [(p["workers"], p["blocks"], p["depth"]) for p in points] == [(2, 4, 2), (1, 1, 4)]
+    for point in points:
+        assert point["failed"] == 0
+        assert point["jobs"] > 10 and point["jobs_per_s"] > 0
+        assert 0 < point["p50_ms"] <= point["p99_ms"] <= point["worst_p99_ms"] + 1e-9
+        assert point["daemon_cpu_us_per_job"] >= point["loop_cpu_us_per_job"] > 0
+    assert "jobs/s" in run.stdout
+
+
+def test_the_plot_shows_each_version_given(tmp_path):
+    pytest.importorskip("matplotlib")
+    files = []
+    for label, scale in (("before", 1.0), ("after", 3.0)):
+        points = [{"workers": w, "blocks": 4, "depth": 4, "jobs_per_s": 500.0 * w * scale,
+                   "p50_ms": 1.0 * w / scale, "p99_ms": 2.0 * w / scale} for w in (1, 2, 4)]
+        path = tmp_path / f"{label}.json"
+        path.write_text(json.dumps({"label": label, "device": "a test", "date": "2026-11-27", "points": points}))
+        files.append(str(path))
+    plot = tmp_path / "rate.png"
+    drawn = subprocess.run([sys.executable, str(REPO / "bench" / "job_rate.py"), "--plot", str(plot), *files],
+                           capture_output=True, text=True, timeout=120)
+    assert drawn.returncode == 0, drawn.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
