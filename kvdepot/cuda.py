@@ -109,10 +109,13 @@ def current_raw_stream(device: int) -> int:
 
 @functools.cache
 def _stream_ops():
-    lib = _libcuda()
+    # Called without letting go of the GIL (PyDLL): neither waits, and each
+    # hand-over of the GIL to another of the engine's threads costs more than
+    # the call itself.
+    lib = ctypes.PyDLL(_libcuda()._name)
     write = getattr(lib, "cuStreamWriteValue64_v2", None) or lib.cuStreamWriteValue64
     write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-    record = _cudart().cudaEventRecord
+    record = ctypes.PyDLL(_cudart()._name).cudaEventRecord
     record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return write, record
 

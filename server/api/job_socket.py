@@ -92,9 +92,6 @@ class JobConnection(asyncio.Protocol):
         self._offer: tuple | None = None
         self._offer_socket: socket.socket | None = None
         self._offer_timer: asyncio.TimerHandle | None = None
-        # Replies not yet written: they go out together, once per turn of the
-        # event loop (one system call for every reply of the turn).
-        self._out: list[bytes] = []
 
     @property
     def open(self) -> bool:
@@ -181,15 +178,9 @@ class JobConnection(asyncio.Protocol):
             self._transport.close()
 
     def _write(self, message: bytes) -> None:
-        if not self._out:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._out.append(message)
-
-    def _flush(self) -> None:
-        out, self._out = self._out, []
-        if not self.open:
-            return
-        self._transport.write(out[0] if len(out) == 1 else b"".join(out))
+        # Written now, not at the end of the loop's turn: a job's JobDone goes
+        # out before the depot's bookkeeping of its end (Depot.finish_job).
+        self._transport.write(message)
         unread = self._transport.get_write_buffer_size()
         cap = self._gate.limits.max_unread_replies
         if unread > cap:

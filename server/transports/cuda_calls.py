@@ -26,19 +26,30 @@ MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the addresses (UVA)
 
 @functools.cache
 def _runtime():
-    lib = cuda._cudart()
+    """libcudart as torch loaded it, its calls made without letting go of the
+    GIL: each takes microseconds and never waits, and letting go of the GIL for
+    each would hand it to another thread about a dozen times a job (the
+    completion and hashing threads), the event loop waiting to get it back."""
+    lib = ctypes.PyDLL(cuda._cudart()._name)
     lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
     lib.cudaSetDevice.argtypes = [ctypes.c_int]
-    lib.cudaEventSynchronize.argtypes = [ctypes.c_void_p]
     lib.cudaEventQuery.argtypes = [ctypes.c_void_p]
     return lib
 
 
 @functools.cache
+def _blocking_runtime():
+    """libcudart for the calls that wait: these let go of the GIL."""
+    lib = cuda._cudart()
+    lib.cudaEventSynchronize.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+@functools.cache
 def _driver():
-    lib = cuda._libcuda()
+    lib = ctypes.PyDLL(cuda._libcuda()._name)  # as _runtime: no GIL hand-over a launch
     lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 6, ctypes.c_uint, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_void_p]
     info = getattr(lib, "cuFuncGetParamInfo", None)
@@ -74,7 +85,7 @@ def forget_device() -> None:
 def synchronize(event: int) -> None:
     """Waits for the event, without the GIL (ctypes lets it go); CudaError if
     the work before it failed."""
-    _check(_runtime().cudaEventSynchronize(event), "cudaEventSynchronize")
+    _check(_blocking_runtime().cudaEventSynchronize(event), "cudaEventSynchronize")
 
 
 def query(event: int) -> bool:

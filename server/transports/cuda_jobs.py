@@ -132,10 +132,14 @@ class JobQueue:
                 if not uploaded:
                     self._upload_span(stream, span, n, kernels)
                     uploaded = True
+                    if trace is not None:
+                        trace["ids_up"] = jobtrace.now()
                 if stream.used[b]:
                     cuda_calls.wait(kernels, drained)
                 copy_kernel.launch_at(copies.table, ids, first_id + first, count, stream.positions, buffer,
                                       slot_bytes, True, self._chunk_bytes, programs, stream.kernels, kernels)
+                if trace is not None and "kernel" not in trace:
+                    trace["kernel"] = jobtrace.now()
                 cuda_calls.record(filled, kernels)
                 cuda_calls.wait(transfers, filled)
                 for slot, row, k in runs:
@@ -149,14 +153,20 @@ class JobQueue:
                     cuda_calls.copy(buffer + row * slot_bytes, pool_base + slot * slot_bytes, k * slot_bytes,
                                     transfers)
                 cuda_calls.record(filled, transfers)
+                if trace is not None and "transfers" not in trace:
+                    trace["transfers"] = jobtrace.now()
                 if not uploaded:
                     # Only now: the load's first transfer is queued already, and
                     # the copy engine does not wait for the upload.
                     self._upload_span(stream, span, n, kernels)
                     uploaded = True
+                    if trace is not None:
+                        trace["ids_up"] = jobtrace.now()
                 cuda_calls.wait(kernels, filled)
                 copy_kernel.launch_at(copies.table, ids, first_id + first, count, stream.positions, buffer,
                                       slot_bytes, False, self._chunk_bytes, programs, stream.kernels, kernels)
+                if trace is not None and "kernel" not in trace:
+                    trace["kernel"] = jobtrace.now()
                 cuda_calls.record(drained, kernels)
             stream.used[b] = True
             if trace is not None and "first_chunk" not in trace:
