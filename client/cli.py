@@ -20,6 +20,7 @@ from kvdepot import kept_pools
 from kvdepot.client.daemon_identity import check_daemon, daemon_uids_setting, trusted_uids
 from kvdepot.client.job_socket import JobSocket
 from kvdepot.client.rpc import Tls, open_channel
+from kvdepot.client.watch import numa_lines
 from kvdepot.defaults import PROTOCOL_VERSION, default_socket_path, grpc_target, read_token
 from kvdepot.errors import KVDepotError, Unavailable, from_rpc_error
 from kvdepot.proto import kvdepot_pb2 as pb
@@ -155,6 +156,7 @@ def format_stats(stats: pb.GetStatsResponse) -> str:
     ]
     for tier in stats.tiers:
         lines.append(_tier_line(tier))
+    lines += numa_lines(stats)
     if stats.totals.disk_hit_blocks:
         lines.append(f"hits      {t.hit_blocks - t.disk_hit_blocks} from DRAM, {t.disk_hit_blocks} from disk")
     for gpu in stats.gpus:

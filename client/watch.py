@@ -82,6 +82,22 @@ def clock(timestamp: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(timestamp))
 
 
+def numa_lines(stats: pb.GetStatsResponse) -> list[str]:
+    """The pool's NUMA nodes: each node's range of slots, its use and its GPUs
+    (`kvdepot stats` shows the same lines)."""
+    lines = []
+    for n in stats.numa_nodes:
+        gpus = "; GPUs " + ", ".join(n.gpus) if n.gpus else "; no GPU"
+        if not stats.numa_carved:
+            where = f"one memory node ({n.node})" if n.node >= 0 else "several memory nodes, or none known"
+            lines.append(f"numa      pool not carved: {where}{gpus}")
+            continue
+        share = 100 * n.used_slots / n.slots if n.slots else 0.0
+        lines.append(f"numa      node {n.node}: slots {n.first_slot}-{n.first_slot + n.slots - 1}, {n.used_slots} used "
+                     f"({share:.1f}%), {'placed' if n.bound else 'not placed'}{gpus}")
+    return lines
+
+
 # ------------------------------------------------------------ the view
 
 
@@ -145,6 +161,7 @@ class WatchView:
                 f"{rates['miss_blocks']:.1f} misses/s" + (f" ({100 * ratio:.1f}% hit)" if ratio is not None else ""),
                 f"evictions {rates['evicted_blocks']:.1f}/s; failed jobs {rates['failed_jobs']:.1f}/s",
             ]
+        lines += numa_lines(stats)
         in_flight = sum(c.jobs_in_flight for c in stats.clients)
         lines.append(f"sessions  {len(stats.clients)} attached, {stats.sessions_ended} ended; "
                      f"{in_flight} jobs in flight")

@@ -145,6 +145,18 @@ def device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+@functools.cache
+def pci_bus_id(index: int) -> str | None:
+    """GPU `index`'s PCI address as CUDA writes it (0000:3B:00.0); None where
+    the runtime cannot tell."""
+    buffer = ctypes.create_string_buffer(64)
+    try:
+        rc = _cudart().cudaDeviceGetPCIBusId(buffer, ctypes.c_int(len(buffer)), ctypes.c_int(index))
+    except (AttributeError, OSError):  # a runtime without it: the node stays unknown
+        return None
+    return buffer.value.decode("ascii", "replace") if rc == 0 else None
+
+
 def device_index(uuid: str) -> int | None:
     wanted = uuid.removeprefix("GPU-")
     for index in range(torch.cuda.device_count()):

@@ -461,7 +461,7 @@ class ClientStats(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., jobs_in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., session_number: _Optional[int] = ..., tenant: _Optional[str] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "open_ipc_mappings", "gpus", "namespaces_omitted", "clients_omitted", "tiers")
+    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "open_ipc_mappings", "gpus", "namespaces_omitted", "clients_omitted", "tiers", "numa_nodes", "numa_carved")
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -479,6 +479,8 @@ class GetStatsResponse(_message.Message):
     NAMESPACES_OMITTED_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODES_FIELD_NUMBER: _ClassVar[int]
+    NUMA_CARVED_FIELD_NUMBER: _ClassVar[int]
     daemon_version: str
     daemon_instance: str
     uptime_seconds: float
@@ -496,7 +498,25 @@ class GetStatsResponse(_message.Message):
     namespaces_omitted: int
     clients_omitted: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
-    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ..., open_ipc_mappings: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., namespaces_omitted: _Optional[int] = ..., clients_omitted: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+    numa_nodes: _containers.RepeatedCompositeFieldContainer[NumaNodeStats]
+    numa_carved: bool
+    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ..., open_ipc_mappings: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., namespaces_omitted: _Optional[int] = ..., clients_omitted: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., numa_nodes: _Optional[_Iterable[_Union[NumaNodeStats, _Mapping]]] = ..., numa_carved: _Optional[bool] = ...) -> None: ...
+
+class NumaNodeStats(_message.Message):
+    __slots__ = ("node", "first_slot", "slots", "used_slots", "bound", "gpus")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SLOT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BOUND_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    first_slot: int
+    slots: int
+    used_slots: int
+    bound: bool
+    gpus: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node: _Optional[int] = ..., first_slot: _Optional[int] = ..., slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., bound: _Optional[bool] = ..., gpus: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GpuStats(_message.Message):
     __slots__ = ("index", "uuid", "daemon_memory_bytes")

@@ -79,7 +79,11 @@ def stats(report: Report, identified: bool) -> pb.GetStatsResponse:
         occupancy=report.used_slots / report.pool.num_slots,
         eviction_policy=report.eviction,
         tiers=[_tier(t) for t in report.tiers],
+        numa_carved=report.numa_carved,
     )
+    for n in report.numa_nodes:
+        response.numa_nodes.add(node=n.node, first_slot=n.first_slot, slots=n.slots, used_slots=n.used_slots,
+                                bound=n.bound, gpus=n.gpus)
     if not identified:
         return response
     if report.admin:

@@ -237,7 +237,10 @@ class BlockIndex:
 
     # ------------------------------------------------------------ stores
 
-    def reserve_store(self, ns: Namespace, rank: int, keys: list[bytes], job_id: int) -> StoreReservation:
+    def reserve_store(
+        self, ns: Namespace, rank: int, keys: list[bytes], job_id: int, node: int | None = None
+    ) -> StoreReservation:
+        """Slots for the shards `keys` still need, on NUMA `node` first (the worker's)."""
         writes: list[tuple[int, Block]] = []
         already = 0
         # Runs once per block of every store, mostly evicting: names bound once.
@@ -258,7 +261,7 @@ class BlockIndex:
                 block = Block(ns, key)
             # Pinned before making room, so that eviction cannot take it.
             self._pin(block)
-            slot = self._allocate_slot(index_key, ns.scope)
+            slot = self._allocate_slot(index_key, ns.scope, node)
             if slot is None:
                 self._unpin(block)
                 return StoreReservation(writes, already, len(keys) - position)
@@ -359,10 +362,10 @@ class BlockIndex:
 
     # ------------------------------------------------------------ room
 
-    def _allocate_slot(self, incoming: tuple[int, bytes], scope: str) -> int | None:
+    def _allocate_slot(self, incoming: tuple[int, bytes], scope: str, node: int | None = None) -> int | None:
         quota = self.evictions.quotas.get(scope)
         at_quota = quota is not None and self._held.get(scope, 0) >= quota
-        slot = None if at_quota else self.pool.allocate()
+        slot = None if at_quota else self.pool.allocate(node)
         if slot is not None:
             return slot
         # A full pool (the steady state), or a scope at its quota: each new
@@ -384,7 +387,7 @@ class BlockIndex:
             self._on_evict(victim)
             lower = victim.ready and self.tiers.holds(victim.ns, victim.key)
             self._changed(victim, BlockState.LOWER if lower else BlockState.DROPPED)
-            slot = self.pool.allocate()
+            slot = self.pool.allocate(node)
         return slot
 
     def _storing_room(self, scope: str) -> int:

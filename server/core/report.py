@@ -19,6 +19,7 @@ from kvdepot.server.core.counters import Counters, JobTimes
 from kvdepot.server.core.tenants import Identity
 from kvdepot.server.core.tiers import TierStats
 from kvdepot.server.core.transport import GpuStats
+from kvdepot.server.host.free_slots import NodeSlots
 
 # Characters of a client's name that a report shows (the client chose it).
 CLIENT_NAME_CHARS = 256
@@ -61,6 +62,9 @@ class Report:
     used_slots: int
     eviction: str
     tiers: list[TierStats]
+    # The pool's NUMA nodes (host/free_slots.py): for anyone, like the pool.
+    numa_nodes: list[NodeSlots] = field(default_factory=list)
+    numa_carved: bool = False
     # What the viewer may see: its scopes' (an admin: everything).
     totals: Counters = field(default_factory=Counters)
     namespaces: list[NamespaceReport] = field(default_factory=list)
@@ -108,6 +112,8 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
             TierStats("dram", shards=pool.used_slots, bytes=pool.used_slots * pool.slot_bytes,
                       capacity_bytes=pool.size)
         ),
+        numa_nodes=pool.numa_nodes(),
+        numa_carved=pool.slots.carved,
     )
     if viewer is None:
         return Report(**base)

@@ -32,6 +32,9 @@ class Worker:
     device: str
     layout: WorkerLayout
     transport: Transport
+    # The NUMA node its stores take pool slots on (its GPU's, set by the
+    # transport); None: no preference.
+    node: int | None = None
 
 
 @dataclass(eq=False)

@@ -14,6 +14,7 @@ from kvdepot.server.core.limits import Limits
 from kvdepot.server.core.tenants import TenantConfigError, TenantSpec, parse_admin_uids, parse_tenants
 from kvdepot.server.daemon.metrics import parse_listen
 from kvdepot.server.daemon.options import BY_KEY, COMPUTED, OPTIONS, Option, build_parser
+from kvdepot.server.host.numa import parse_node_list
 from kvdepot.settings import ConfigError, parse_duration, parse_size
 
 if sys.version_info >= (3, 11):
@@ -49,6 +50,7 @@ class Pool:
     pin: str
     pin_threads: int
     pin_chunk_bytes: int
+    numa: str
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,11 @@ def _check(config: DaemonConfig) -> None:
         raise ConfigError(f"pool_size {pool.size} is smaller than one slot ({pool.slot_size} bytes)")
     if pool.pin_threads < 0:
         raise ConfigError("pin_threads must be 0 (automatic) or more")
+    if pool.numa not in ("auto", "off"):
+        try:
+            parse_node_list(pool.numa)
+        except ValueError as e:
+            raise ConfigError(f"numa must be auto, off or a list of NUMA nodes like 0,1: {e}") from None
     if (net.tls_cert_file is None) != (net.tls_key_file is None):
         raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
     if net.tls_client_ca_file and not net.tls_cert_file:

@@ -12,7 +12,8 @@ families. The hot path pays nothing for it: a job's end adds to a few ints of
 `JobMetrics`, on the loop, like every other counter.
 
 Label sets stay bounded: per namespace (at most --max-namespaces live), per
-job kind, failure reason and GPU; never per key, session or client pid. A
+job kind, failure reason, GPU and NUMA node (at most 64, numa.MAX_NODES);
+never per key, session or client pid. A
 namespace's series end when the namespace is freed; the daemon-wide totals
 keep counting.
 
@@ -230,6 +231,32 @@ def _families(s: Report, tenant_series: bool):
     if tenant_series:
         yield from _namespace_families(s)
     yield from _tier_families(s.tiers)
+    yield from _numa_families(s)
+
+
+def _numa_families(s: Report):
+    """The pool's NUMA nodes (one series of node="any" for a pool not carved on several)."""
+    labels = ["node"]
+    slots = GaugeMetricFamily("kvdepot_numa_node_slots", "Slots of the pool's range on each NUMA node.", labels=labels)
+    used = GaugeMetricFamily(
+        "kvdepot_numa_node_used_slots", "Slots in use of each NUMA node's range (blocks, and stores in flight).",
+        labels=labels,
+    )
+    bound = GaugeMetricFamily(
+        "kvdepot_numa_node_bound", "1 when the kernel placed the node's range on the node (mbind), else 0.",
+        labels=labels,
+    )
+    gpus = GaugeMetricFamily(
+        "kvdepot_numa_node_gpu", "1 for each GPU (PCI address) that sysfs places on the node.", labels=["node", "pci"]
+    )
+    for n in s.numa_nodes:
+        node = str(n.node) if n.node >= 0 else "any"
+        slots.add_metric([node], n.slots)
+        used.add_metric([node], n.used_slots)
+        bound.add_metric([node], int(n.bound))
+        for pci in n.gpus:
+            gpus.add_metric([node, pci], 1)
+    yield from (slots, used, bound, gpus)
 
 
 def _namespace_families(s: Report):

@@ -172,6 +172,13 @@ OPTIONS = [
         size=True,
     ),
     Option(
+        "numa", "pool", "auto",
+        "The pool on the machine's NUMA nodes (sysfs): auto carves it into equal ranges of slots, one per node "
+        "with memory, each placed on its node, when there are two or more; a GPU's stores take slots of its "
+        "node first (loads read wherever a block is). off: one undivided pool; a list (0,1 or 0-3): carved over "
+        "those nodes. A hint: a placement the kernel refuses is logged, never fatal. See `kvdepot stats`.",
+    ),
+    Option(
         "disk_dir", "tiers", None,
         "Folder for the disk tier (off when unset): blocks evicted from the pool are kept there, and "
         "lookups that hit them are promoted back. Needs --disk-size.",

@@ -34,7 +34,7 @@ from kvdepot.server.daemon import grpc_cap
 from kvdepot.server.daemon.config import DaemonConfig, Metrics, Network
 from kvdepot.server.daemon.metrics import MetricsListenError, MetricsServer
 from kvdepot.server.daemon.metrics_http import MetricsLimits
-from kvdepot.server.host import pidlock
+from kvdepot.server.host import numa, pidlock
 from kvdepot.server.host.own_files import ForeignFile, check_own_folder
 from kvdepot.server.host.pool import HostPool, PoolError
 from kvdepot.server.tiers.disk_store import DiskTierError
@@ -227,6 +227,7 @@ def open_pool(
         adopt=adopt,
         address=address,
         lock_path=lock_path,
+        placement=numa.placement(config.pool.numa),
     )
     # A pool this start made holds nothing until the daemon serves: if the
     # start fails it only takes memory (a tmpfs file), so it goes. A kept
@@ -237,6 +238,9 @@ def open_pool(
         time.monotonic() - started, pool.num_slots, pool.slot_bytes, pool.size / 2**30, pool.path,
         "pinned" if pool.pinned else "not pinned",
     )
+    for node in pool.numa_nodes() if pool.slots.carved else ():
+        log.info("NUMA node %d: slots %d-%d%s; GPUs: %s", node.node, node.first_slot, node.first_slot + node.slots - 1,
+                 "" if node.bound else " (not placed)", ", ".join(node.gpus) or "none")
     return pool
 
 

@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 from kvdepot.kept_pools import HEADER_BYTES, pack_header
 from kvdepot.keys import KEY_VERSION
+from kvdepot.server.host import numa
+from kvdepot.server.host.free_slots import FreeSlots, NodeSlots
 from kvdepot.server.host.own_files import open_own
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES
 
@@ -165,11 +167,13 @@ class HostPool:
         adopt: bool = False,
         address: str = "",
         lock_path: str = "",
+        placement: numa.Placement | None = None,
     ):
         """A new pool file `name`.pool in `directory`; with `adopt`, the one
         already there (read_header must have accepted it for this layout).
         Its header names `address` and the `lock_path` its daemon holds, so
-        that a kept pool shows whose it is and whether a daemon serves it."""
+        that a kept pool shows whose it is and whether a daemon serves it.
+        With a `placement` of NUMA nodes, the slots are carved over them."""
         self.address = address
         self.lock_path = lock_path
         self.slot_bytes = slot_bytes
@@ -188,7 +192,13 @@ class HostPool:
         self._cudart = None
         self._progress = progress or log.info
         self._threads = threads or min(16, os.cpu_count() or 1)
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        self.placement = placement or numa.Placement()
+        try:
+            self.slots = FreeSlots(self.num_slots, self.placement.nodes)
+        except ValueError as e:
+            raise PoolError(f"{e}: raise --pool-size or list fewer nodes in --numa") from None
+        # {node: whether the kernel took the placement of its range}.
+        self.bound: dict[int, bool] = {}
         # Bumped whenever a slot is released: a record sealed for an older use
         # of the slot is not written (tiers/warm.py).
         self.epochs = [0] * self.num_slots
@@ -209,6 +219,7 @@ class HostPool:
                 os.ftruncate(fd, self._file_size)
             self.buffer = mmap.mmap(fd, self._file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
+            self._place()
             self._fault_in(fd)
             self.records = memoryview(self.buffer)[self.size : self.size + self.num_slots * RECORD_BYTES]
             self._write_header(kept_at=0.0)  # served again, if adopted
@@ -228,6 +239,13 @@ class HostPool:
         self.buffer[at : at + len(header)] = header
 
     # ------------------------------------------------------------ start-up
+
+    def _place(self) -> None:
+        """Each node's range of slots goes on its node: asked before the
+        pages are faulted in (a kept pool's pages stay where they are)."""
+        if self.slots.carved:
+            ranges = [(r.node, r.first * self.slot_bytes, r.count * self.slot_bytes) for r in self.slots.ranges]
+            self.bound = numa.bind_ranges(self._base, ranges, self.huge_pages or mmap.PAGESIZE)
 
     def _run_chunks(self, what: str, work: Callable[[int, int], None], chunk: int, threads: int) -> float:
         start = time.monotonic()
@@ -344,22 +362,21 @@ class HostPool:
 
     @property
     def used_slots(self) -> int:
-        return self.num_slots - len(self._free)
+        return self.num_slots - self.slots.free
 
-    def allocate(self) -> int | None:
-        if not self._free:
-            return None
+    def allocate(self, node: int | None = None) -> int | None:
+        """A free slot, of NUMA `node`'s range while it has one (free_slots.py)."""
         # A free slot's record is empty (a new file is zeros, release clears
         # it, keep_only clears the rest after adoption): a restart while new
         # bytes arrive finds an empty slot, never an old record over them.
-        return self._free.pop()
+        return self.slots.allocate(node)
 
     def release(self, slot: int) -> None:
         # A block dropped (evicted, cleared) must not come back at a restart,
         # nor a seal still on its way write its record (tiers/warm.py).
         self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
         self.epochs[slot] += 1
-        self._free.append(slot)
+        self.slots.release(slot)
 
     def slot_view(self, slot: int, length: int) -> memoryview:
         start = slot * self.slot_bytes
@@ -368,9 +385,20 @@ class HostPool:
     def keep_only(self, used: set[int]) -> None:
         """After adoption: `used` hold blocks; every other slot is free and its
         record cleared."""
-        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
-        for slot in self._free:
+        for slot in self.slots.keep_only(used):
             self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
+
+    def numa_nodes(self) -> list[NodeSlots]:
+        """Each node's range, use and GPUs; a pool not carved is one entry."""
+        p = self.placement
+        if not self.slots.carved:
+            node = p.detected[0] if len(p.detected) == 1 else -1
+            return [NodeSlots(node, 0, self.num_slots, self.used_slots, False, p.all_gpus())]
+        return [
+            NodeSlots(r.node, r.first, r.count, r.count - self.slots.free_in(i), self.bound.get(r.node, False),
+                      p.gpus.get(r.node, ()))
+            for i, r in enumerate(self.slots.ranges)
+        ]
 
     def close(self, discard: bool = False) -> None:
         """Unmaps the pool; the file stays for the next daemon unless `discard`."""

@@ -24,6 +24,7 @@ from kvdepot import cuda, jobtrace
 from kvdepot.errors import FailedPrecondition, InvalidArgument
 from kvdepot.server.core.requests import JobKind
 from kvdepot.server.core.transport import Finish, GpuStats, Transport
+from kvdepot.server.host import numa
 from kvdepot.server.transports import copy_kernel, gpu_memory
 from kvdepot.server.transports.cuda_jobs import JobQueue
 from kvdepot.server.transports.cuda_streams import ComputeGate, CopyStream, completed
@@ -224,6 +225,7 @@ class CudaTransport(Transport):
                 self._unmap(mapping)
             raise
         self._workers[worker.id] = _WorkerCopies(device, table, mappings, fence)
+        worker.node = numa.device_node(cuda.pci_bus_id(index))  # its stores take slots on its GPU's NUMA node
 
     def _map(self, mem_handle: bytes, device: int) -> _Mapping:
         # A process can open a handle only once; tensors sharing an allocation share the mapping.

@@ -1,0 +1,92 @@
+"""The pool's free slots, kept per NUMA node.
+
+The pool's slots are carved into one contiguous range per node, in equal
+shares (the first ranges one slot larger where the count does not divide),
+and each range's free slots are a stack of their own. A slot asked for on a
+node comes from that node's range while it has one free, else from the range
+with the most free slots (so that stores with no node, and spills, keep the
+nodes even). Nodes are few (numa.MAX_NODES at most): allocate and release
+cost O(1) in the number of slots. An uncarved pool is one range of no node.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SlotRange:
+    # None: the whole pool, not carved.
+    node: int | None
+    first: int
+    count: int
+
+
+@dataclass(frozen=True)
+class NodeSlots:
+    """One NUMA node's part of the pool, as stats show it (proto: NumaNodeStats)."""
+
+    # The node; for a pool not carved, its one memory node, or -1 (several).
+    node: int
+    first_slot: int
+    slots: int
+    used_slots: int
+    # The kernel took the range's placement (mbind).
+    bound: bool
+    # PCI addresses of the GPUs on the node.
+    gpus: tuple[str, ...]
+
+
+def carve(num_slots: int, nodes: Sequence[int]) -> list[SlotRange]:
+    """Equal contiguous ranges of `num_slots`, one per node, in the nodes' order."""
+    if not nodes:
+        return [SlotRange(None, 0, num_slots)]
+    if num_slots < len(nodes):
+        raise ValueError(f"{num_slots} slots cannot be carved over {len(nodes)} NUMA nodes")
+    share, extra = divmod(num_slots, len(nodes))
+    ranges, first = [], 0
+    for i, node in enumerate(nodes):
+        count = share + (i < extra)
+        ranges.append(SlotRange(node, first, count))
+        first += count
+    return ranges
+
+
+class FreeSlots:
+    def __init__(self, num_slots: int, nodes: Sequence[int] = ()):
+        self.ranges = carve(num_slots, nodes)
+        self.carved = bool(nodes)
+        self._starts = [r.first for r in self.ranges]
+        self.keep_only(())
+
+    def keep_only(self, used: Iterable[int]) -> list[int]:
+        """Every slot free but `used`; returns the free slots."""
+        used = set(used)
+        # Popped from the end: lowest slots first.
+        self._stacks = [
+            [s for s in range(r.first + r.count - 1, r.first - 1, -1) if s not in used] for r in self.ranges
+        ]
+        self._by_node = {r.node: stack for r, stack in zip(self.ranges, self._stacks) if r.node is not None}
+        self._only = self._stacks[0] if len(self._stacks) == 1 else None
+        self.free = sum(map(len, self._stacks))
+        return [s for stack in self._stacks for s in stack]
+
+    def allocate(self, node: int | None = None) -> int | None:
+        """A free slot, of `node`'s range while it has one; None when none is free."""
+        stack = self._by_node.get(node)
+        if not stack:
+            stack = self._only if self._only is not None else max(self._stacks, key=len)
+            if not stack:
+                return None
+        self.free -= 1
+        return stack.pop()
+
+    def release(self, slot: int) -> None:
+        self._stacks[bisect.bisect_right(self._starts, slot) - 1].append(slot)
+        self.free += 1
+
+    def free_in(self, index: int) -> int:
+        """Free slots of the `index`th range."""
+        return len(self._stacks[index])
