@@ -24,6 +24,8 @@ def _held_copy(self, job, staging):
 
 
 SharedMemoryTransport._copy = _held_copy
-# A held copy keeps its thread: enough threads that the others still run.
+# A held copy keeps its thread: enough threads that the others still run, and
+# none copied on the event loop, which a held copy would stop.
 shared_memory.COPY_THREADS = 64
+shared_memory.INLINE_BYTES = 0
 sys.exit(main.main())

@@ -92,6 +92,8 @@ class JobConnection(asyncio.Protocol):
         self._offer: tuple | None = None
         self._offer_socket: socket.socket | None = None
         self._offer_timer: asyncio.TimerHandle | None = None
+        # Replies held to go out in one write (hold_writes), else None.
+        self._held_writes: list[bytes] | None = None
 
     @property
     def open(self) -> bool:
@@ -144,6 +146,13 @@ class JobConnection(asyncio.Protocol):
     def _serve(self) -> None:
         """Handles the whole frames in the buffer, until writing is paused."""
         buffer = self._buffer
+        self.hold_writes()  # the answers to every frame read go out in one write
+        try:
+            self._handle_frames(buffer)
+        finally:
+            self.write_held()
+
+    def _handle_frames(self, buffer: bytearray) -> None:
         start = 0
         while self.open and not self._paused and self._offer is None and len(buffer) - start >= JOB_FRAME_HEADER.size:
             (length,) = JOB_FRAME_HEADER.unpack_from(buffer, start)
@@ -177,9 +186,24 @@ class JobConnection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
+    def hold_writes(self) -> None:
+        """Holds the replies written from now on, until write_held."""
+        if self._held_writes is None:
+            self._held_writes = []
+
+    def write_held(self) -> None:
+        """Writes the held replies, in order, with one system call."""
+        held, self._held_writes = self._held_writes, None
+        if held and self.open:
+            self._write_now(held[0] if len(held) == 1 else b"".join(held))
+
     def _write(self, message: bytes) -> None:
-        # Written now, not at the end of the loop's turn: a job's JobDone goes
-        # out before the depot's bookkeeping of its end (Depot.finish_job).
+        if self._held_writes is not None:
+            self._held_writes.append(message)
+        else:
+            self._write_now(message)
+
+    def _write_now(self, message: bytes) -> None:
         self._transport.write(message)
         unread = self._transport.get_write_buffer_size()
         cap = self._gate.limits.max_unread_replies
@@ -195,6 +219,7 @@ class JobConnection(asyncio.Protocol):
             self._transport.abort()  # what it did not read goes with it
 
     def _drop(self, kind: str, what: str) -> None:
+        self.write_held()  # the answers to the frames before this one
         self._gate.events.warning(kind, "closing a job socket connection that sent %s (%s)", what, self._peer)
         self._transport.close()
 

@@ -341,9 +341,29 @@ class Depot:
 
     def finish_job(self, job: Job, ok: bool, error: str = "") -> None:
         """Commits or rolls back a job whose copies have ended, and tells its client."""
-        session, worker = job.session, job.worker
+        if self._tell(job, ok, error):
+            self._settle(job, ok, error)
+
+    def finish_jobs(self, ended: list[tuple[Job, bool, str]]) -> None:
+        """finish_job of jobs whose copies ended together: every client is told
+        first, in one write a connection, and the bookkeeping follows."""
+        channels = []
+        for job, _, _ in ended:
+            channel = job.session.outbox.job_channel
+            if channel is not None and channel not in channels:
+                channel.hold_writes()
+                channels.append(channel)
+        told = [(job, ok, error) for job, ok, error in ended if self._tell(job, ok, error)]
+        for channel in channels:
+            channel.write_held()
+        for job, ok, error in told:
+            self._settle(job, ok, error)
+
+    def _tell(self, job: Job, ok: bool, error: str) -> bool:
+        """Tells the client that its job ended; False for a job ended already."""
+        session = job.session
         if session.jobs.pop(job.id, None) is None:
-            return
+            return False
         if job.trace is not None:
             job.trace["finish"] = jobtrace.now()
         # The client is told first, since it waits on this: nothing it sends next
@@ -352,6 +372,11 @@ class Depot:
             session.outbox.job_done(job.id, ok, error)
         if job.trace is not None:
             job.trace["done_sent"] = jobtrace.now()
+        return True
+
+    def _settle(self, job: Job, ok: bool, error: str) -> None:
+        """Commits or rolls back the blocks of a job its client was told of."""
+        session, worker = job.session, job.worker
         if len(session.recent_job_ids) == RECENT_JOB_IDS:
             session.recent_job_id_set.discard(session.recent_job_ids[0])
         session.recent_job_ids.append(job.id)

@@ -60,6 +60,11 @@ class JobChannel(Protocol):
 
     def send_done(self, done: JobDone) -> None: ...
 
+    def hold_writes(self) -> None:
+        """Holds what is sent from now on, to go out together at write_held."""
+
+    def write_held(self) -> None: ...
+
     def close(self) -> None: ...
 
 

@@ -11,7 +11,9 @@ is the same code whichever moves the bytes. A transport's primitives:
 - `take_memory`: keep memory a client hands over (a descriptor) for a worker
   it registers next; only a transport with `takes_memory` does.
 - `start`: begin the job's copies. The transport reports the end with the
-  `finish` callback it was made with (`Depot.finish_job`).
+  `finish` callback it was made with (`Depot.finish_job`), or several ends at
+  once with `finish_many` (`Depot.finish_jobs`: their clients are told with one
+  write a connection, before the bookkeeping).
 - `abandon`: the job's session ended while the job was in flight; finish or
   cancel its copies, then report the end.
 
@@ -35,6 +37,18 @@ if TYPE_CHECKING:
 
 # Depot.finish_job(job, ok, error).
 Finish = Callable[["Job", bool, str], None]
+# Depot.finish_jobs([(job, ok, error), ...]).
+FinishMany = Callable[[list], None]
+
+
+def one_by_one(finish: Finish) -> FinishMany:
+    """finish_many for a transport given `finish` alone."""
+
+    def finish_many(ended: list) -> None:
+        for job, ok, error in ended:
+            finish(job, ok, error)
+
+    return finish_many
 
 
 @dataclass(frozen=True)

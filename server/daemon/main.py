@@ -185,7 +185,7 @@ def open_disk_tier(config: DaemonConfig, pool: HostPool, loop: asyncio.AbstractE
 
 
 def add_transports(depot: Depot, pool: HostPool, copy: Copy) -> None:
-    depot.add_transport(SharedMemoryTransport(depot.finish_job, pool))
+    depot.add_transport(SharedMemoryTransport(depot.finish_job, pool, depot.finish_jobs))
     if pool.pinned:
         # Only a pinned pool can be copied to by the GPU; torch is loaded already.
         from kvdepot.server.transports.cuda import CudaTransport
@@ -199,6 +199,7 @@ def add_transports(depot: Depot, pool: HostPool, copy: Copy) -> None:
                 spin_bytes=copy.spin_bytes,
                 chunk_bytes=copy.chunk_bytes,
                 programs=copy.programs,
+                finish_many=depot.finish_jobs,
             )
         )
 

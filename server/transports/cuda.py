@@ -23,7 +23,7 @@ import torch
 from kvdepot import cuda, jobtrace
 from kvdepot.errors import FailedPrecondition, InvalidArgument
 from kvdepot.server.core.requests import JobKind
-from kvdepot.server.core.transport import Finish, GpuStats, Transport
+from kvdepot.server.core.transport import Finish, FinishMany, GpuStats, Transport, one_by_one
 from kvdepot.server.host import numa
 from kvdepot.server.transports import copy_kernel, gpu_memory
 from kvdepot.server.transports.cuda_jobs import JobQueue
@@ -105,6 +105,7 @@ class CudaTransport(Transport):
         spin_bytes: int = 64 << 20,
         chunk_bytes: int = 16384,
         programs: int = 0,
+        finish_many: FinishMany | None = None,
     ):
         if mode not in COPY_MODES:
             raise ValueError(f"copy mode must be one of {COPY_MODES}, not {mode!r}")
@@ -112,7 +113,7 @@ class CudaTransport(Transport):
             raise ValueError(
                 f"staging_bytes ({staging_bytes}) must hold at least one pool slot ({pool.slot_bytes} bytes)"
             )
-        self._finish_job = finish
+        self._finish_many = finish_many or one_by_one(finish)
         self._pool = pool
         self._pool_base = pool.base_address
         self._mode = mode
@@ -337,23 +338,28 @@ class CudaTransport(Transport):
                 log.critical("the CUDA context on GPU %d is broken: restart kvdepotd", copies.device.index)
             self._finished(job, False, f"the daemon could not start the copy: {e}")
 
-    def _finished_many(self, ended: list) -> None:
-        for job, ok, error in ended:
-            self._finished(job, ok, error)
-
     def _finished(self, job, ok: bool, error: str) -> None:
-        state: _JobState = job.transport_state
-        copies = state.copies
-        if state.span is not None:
-            stream = copies.device.store if job.kind is JobKind.STORE else copies.device.load
-            stream.ring.give_back(state.span)
-            state.span = None
-        copies.in_flight -= 1
-        if job.session.ended:
-            ok, error = False, "the client went away during the job"
-        self._finish_job(job, ok, error)
-        if copies.closing and copies.in_flight == 0:
-            self._release(job.worker.id)
+        self._finished_many([(job, ok, error)])
+
+    def _finished_many(self, ended: list) -> None:
+        """Jobs whose copies ended (in order, on one stream, or one job)."""
+        reported = []
+        for job, ok, error in ended:
+            state: _JobState = job.transport_state
+            copies = state.copies
+            if state.span is not None:
+                stream = copies.device.store if job.kind is JobKind.STORE else copies.device.load
+                stream.ring.give_back(state.span)
+                state.span = None
+            copies.in_flight -= 1
+            if job.session.ended:
+                ok, error = False, "the client went away during the job"
+            reported.append((job, ok, error))
+        self._finish_many(reported)
+        for job, _, _ in ended:
+            copies = job.transport_state.copies
+            if copies.closing and copies.in_flight == 0 and job.worker.id in self._workers:
+                self._release(job.worker.id)
 
     def abandon(self, job) -> None:
         # The session has ended (job.session.ended): a store still at the gate

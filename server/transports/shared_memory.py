@@ -24,12 +24,15 @@ import threading
 
 from kvdepot.errors import InvalidArgument
 from kvdepot.server.core.requests import JobKind
-from kvdepot.server.core.transport import Finish, Transport
+from kvdepot.server.core.transport import Finish, FinishMany, Transport, one_by_one
 
 log = logging.getLogger("kvdepot.shm")
 
 # Copy threads: a job's rows are copied by one thread, jobs run side by side.
 COPY_THREADS = 2
+# A job of at most this many bytes is copied on the event loop (tens of
+# microseconds), not by a thread.
+INLINE_BYTES = 256 << 10
 
 
 class Staging:
@@ -164,8 +167,8 @@ class SharedMemoryTransport(Transport):
     handle_kind = "shared_memory"
     takes_memory = True
 
-    def __init__(self, finish: Finish, pool):
-        self._finish = finish
+    def __init__(self, finish: Finish, pool, finish_many: FinishMany | None = None):
+        self._finish_many = finish_many or one_by_one(finish)
         self._pool = pool
         # Daemon threads: a copy still running when the daemon gives up
         # draining must not keep the process from exiting.
@@ -206,7 +209,18 @@ class SharedMemoryTransport(Transport):
     def start(self, job) -> None:
         staging = self._staging[job.worker.id]
         staging.copies += 1
-        self._queue.put((asyncio.get_running_loop(), job, staging))
+        loop = asyncio.get_running_loop()
+        if len(job.blocks) * job.worker.layout.block_bytes <= INLINE_BYTES:
+            # Copied now, on the loop: less than handing it to a thread and back.
+            # It ends on the loop's next turn, never inside its own submit.
+            error = None
+            try:
+                self._copy(job, staging)
+            except Exception as e:
+                error = e
+            loop.call_soon(self._copied_many, [(job, staging, error)])
+            return
+        self._queue.put((loop, job, staging))
 
     def _run_copies(self) -> None:
         # Copies that end while others wait in the queue are handed to the event
@@ -235,8 +249,17 @@ class SharedMemoryTransport(Transport):
         # None: shutting down
 
     def _copied_many(self, ended: list) -> None:
+        reported = []
         for job, staging, error in ended:
-            self._copied(job, staging, error)
+            staging.copy_ended()
+            if error is not None:
+                log.error("%s job %d: copy failed: %s", job.kind.value, job.id, error)
+                reported.append((job, False, f"the daemon's copy failed: {error}"))
+            elif job.session.ended:
+                reported.append((job, False, "the client went away during the job"))
+            else:
+                reported.append((job, True, ""))
+        self._finish_many(reported)
 
     def _copy(self, job, staging: Staging) -> None:
         row = job.worker.layout.block_bytes
@@ -249,16 +272,6 @@ class SharedMemoryTransport(Transport):
         else:
             for block_id, slot in zip(job.block_ids, job.slots):
                 ctypes.memmove(staging.base + block_id * row, pool_base + slot * slot_bytes, row)
-
-    def _copied(self, job, staging: Staging, error: BaseException | None) -> None:
-        staging.copy_ended()
-        if error is not None:
-            log.error("%s job %d: copy failed: %s", job.kind.value, job.id, error)
-            self._finish(job, False, f"the daemon's copy failed: {error}")
-        elif job.session.ended:
-            self._finish(job, False, "the client went away during the job")
-        else:
-            self._finish(job, True, "")
 
     def abandon(self, job) -> None:
         # The copy touches the daemon's own mapping alone: it ends, and its end
