@@ -45,6 +45,21 @@ def _cpu_seconds(pid: int, thread: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _threads_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of the daemon's threads, summed by name (digits dropped:
+    kvdepot-store-0 and -1 are one), the event loop's thread as "loop"."""
+    seconds: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            used = _cpu_seconds(pid, int(task.name))
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+        name = "loop" if int(task.name) == pid else name.rstrip("0123456789").rstrip("-_")
+        seconds[name] = seconds.get(name, 0.0) + used
+    return seconds
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -171,8 +186,10 @@ def run_point(args, socket: str, daemon_pid: int, workers: int, blocks: int, dep
             proc.stdin.flush()
         time.sleep(max(0.0, start_at - time.time()))
         cpu_before, loop_before = _cpu_seconds(daemon_pid), _cpu_seconds(daemon_pid, daemon_pid)
+        threads_before = _threads_cpu(daemon_pid)
         time.sleep(max(0.0, stop_at - time.time()))
         cpu_after, loop_after = _cpu_seconds(daemon_pid), _cpu_seconds(daemon_pid, daemon_pid)
+        threads_after = _threads_cpu(daemon_pid)
         reports = [json.loads(proc.stdout.readline()) for proc in procs]
         for proc in procs:
             proc.wait(60)
@@ -196,6 +213,10 @@ def run_point(args, socket: str, daemon_pid: int, workers: int, blocks: int, dep
         # spread over cores (the rest: copy threads, hashing for the warm pool).
         "loop_cpu_us_per_job": (loop_after - loop_before) / max(1, jobs) * 1e6,
         "loop_cpu_share": (loop_after - loop_before) / args.seconds,
+        # µs of CPU a job by daemon thread (the warm pool's sealing hashes every stored byte).
+        "threads_us_per_job": {name: round((used - threads_before.get(name, 0.0)) / max(1, jobs) * 1e6, 1)
+                               for name, used in sorted(threads_after.items())
+                               if used - threads_before.get(name, 0.0) > 0},
         "gb_per_s": jobs * blocks * block_bytes / args.seconds / 1e9,
         "failed": sum(r["failed"] for r in reports),
     }
@@ -246,6 +267,9 @@ def node_main(args) -> int:
                   f"{point['loop_cpu_us_per_job']:>11.0f} {point['daemon_cpu_share']:>10.0%} "
                   f"{point['loop_cpu_share']:>8.0%} {point['gb_per_s']:>7.1f}"
                   + (f"  ({point['failed']} failed)" if point["failed"] else ""), flush=True)
+            if args.threads:
+                print("        µs CPU a job by thread: " + ", ".join(
+                    f"{name} {us:.0f}" for name, us in point["threads_us_per_job"].items()), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"label": label, "device": what, "transport": args.transport,
                                                "gpus": args.gpus, "seconds": args.seconds,
@@ -294,6 +318,7 @@ def main() -> int:
     parser.add_argument("--shm-block-bytes", type=int, default=64 << 10)
     parser.add_argument("--cache-blocks", type=int, default=128, help="blocks of each worker's cache")
     parser.add_argument("--load-sets", type=int, default=8, help="jobs' worth of blocks each worker loads in turn")
+    parser.add_argument("--threads", action="store_true", help="also print the daemon's CPU a job by thread")
     parser.add_argument("--label", default="")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="draw the JSON files given into this PNG, and run nothing")

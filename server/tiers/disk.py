@@ -31,6 +31,7 @@ import time
 from kvdepot.server.core.tiers import Tier, TierStats
 from kvdepot.server.host.shard_record import ShardRecord, data_hash
 from kvdepot.server.tiers.disk_shares import UNCLAIMED
+from kvdepot.thread_names import name_os_thread
 
 log = logging.getLogger("kvdepot.tiers")
 
@@ -46,8 +47,12 @@ class DiskMover(Tier):
         self.disk = disk
         self.pool = pool
         self._loop = loop
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvdepot-demote")
-        self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvdepot-promote")
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvdepot-demote", initializer=name_os_thread
+        )
+        self._readers = concurrent.futures.ThreadPoolExecutor(
+            READ_THREADS, thread_name_prefix="kvdepot-promote", initializer=name_os_thread
+        )
         # (block, rank, length) in commit order; bounded by the pool's slots,
         # the most that can wait (an older entry's block has left DRAM).
         self._queue: collections.deque = collections.deque(maxlen=pool.num_slots)

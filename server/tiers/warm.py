@@ -27,6 +27,7 @@ from kvdepot.server.core.tiers import KeptBlock, Tier, TierStats
 from kvdepot.server.host.pool import HostPool, huge_page_bytes, pool_file_bytes
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES, ShardRecord, data_hash, pack, unpack
 from kvdepot.server.tiers.catalog import IDENTITY_FIELDS, Catalog
+from kvdepot.thread_names import name_os_thread
 
 log = logging.getLogger("kvdepot.tiers")
 
@@ -125,7 +126,9 @@ class WarmPool(Tier):
         self.adopt_discarded: dict[str, int] = {}
         # One thread: a batch at a time, so that hashing takes at most a
         # core and its memory bandwidth from the copies.
-        self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvdepot-seal")
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvdepot-seal", initializer=name_os_thread
+        )
         self._noted: dict[tuple[int, int], bytes] = {}
         self._pending: list = []
         self._flush_scheduled = False

@@ -17,6 +17,7 @@ import torch
 
 from kvdepot import jobtrace
 from kvdepot.server.transports import cuda_calls
+from kvdepot.thread_names import name_os_thread
 
 # Staging buffers per direction and GPU: two let the copy engine move one chunk
 # while the kernel fills (or drains) the other; a third gained nothing
@@ -194,6 +195,7 @@ class CopyStream:
         self._pending.put((event, job, keep_alive, fence))
 
     def _run(self) -> None:
+        name_os_thread()
         # Jobs that end together are handed to the event loop together: one
         # wake-up of the loop, however many.
         carry = None
@@ -267,6 +269,7 @@ class ComputeGate:
         self._new.put((job, event))
 
     def _run(self) -> None:
+        name_os_thread()
         waiting: list = []
         while True:
             try:

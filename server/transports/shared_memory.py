@@ -25,6 +25,7 @@ import threading
 from kvdepot.errors import InvalidArgument
 from kvdepot.server.core.requests import JobKind
 from kvdepot.server.core.transport import Finish, FinishMany, Transport, one_by_one
+from kvdepot.thread_names import name_os_thread
 
 log = logging.getLogger("kvdepot.shm")
 
@@ -223,6 +224,7 @@ class SharedMemoryTransport(Transport):
         self._queue.put((loop, job, staging))
 
     def _run_copies(self) -> None:
+        name_os_thread()
         # Copies that end while others wait in the queue are handed to the event
         # loop together: one wake-up of the loop, however many.
         item = self._queue.get()

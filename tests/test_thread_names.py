@@ -1,0 +1,33 @@
+"""The daemon's threads carry their names in the kernel (`top -H`, /proc/PID/task/*/comm),
+so that an operator can tell the event loop from the copy and sealing threads."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from kvcache import attach_worker, prompt_keys
+
+
+def _thread_names(pid: int) -> set[str]:
+    names = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            names.add((task / "comm").read_text().strip())
+        except OSError:
+            pass
+    return names
+
+
+def test_the_daemons_threads_are_named_for_the_kernel(start_daemon, client_factory):
+    daemon = start_daemon()
+    client = client_factory(daemon)
+    worker, _, _ = attach_worker(client, seed=3)
+    # A job larger than what the event loop copies itself takes a copy thread.
+    job = client.submit_store(worker, 1, prompt_keys(96, prompt=5), list(range(96)))
+    assert client.wait([job], 30)[job].ok
+    deadline = time.monotonic() + 10
+    wanted = {"kvdepot-shm-0", "kvdepot-shm-1", "kvdepot-seal_0"}
+    while not wanted <= _thread_names(daemon.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert wanted <= _thread_names(daemon.proc.pid)
