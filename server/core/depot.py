@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from kvdepot.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvdepot.server.core import report
+from kvdepot.server.core import report, staging
 from kvdepot.server.core.blocks import Block
 from kvdepot.server.core.counters import COUNTER_MAX, BusyClock, Counters, JobTimes
 from kvdepot.server.core.index import BlockIndex, LookupResult
@@ -84,7 +83,7 @@ class Depot:
         self.sessions: dict[str, Session] = {}
         self.sessions_ended = 0
         self.changes = ChangeFeed(self.sessions)
-        self.namespaces = Namespaces(self._new_id, lambda ns: log.info("namespace %r created", ns.name), limits)
+        self.namespaces = Namespaces(self.new_id, lambda ns: log.info("namespace %r created", ns.name), limits)
         self.evictions = ScopedEviction(eviction, pool.num_slots, quotas)
         self.index = BlockIndex(
             pool, self.evictions, self.namespaces, self._count_eviction, self.changes.note, self.changes.send, tiers
@@ -104,7 +103,7 @@ class Depot:
     def add_transport(self, transport: Transport) -> None:
         self.transports[transport.handle_kind] = transport
 
-    def _new_id(self) -> int:
+    def new_id(self) -> int:
         self._next_id += 1
         return self._next_id - 1
 
@@ -118,7 +117,7 @@ class Depot:
         # Kept and shown: bounded, and escaped wherever it is logged.
         self.limits.check_text("client_name", client_name, printable=False)
         self.limits.room_for_session(self.sessions.values(), identity)
-        session = Session(secrets.token_hex(16), self._new_id(), client_name, identity)
+        session = Session(secrets.token_hex(16), self.new_id(), client_name, identity)
         self.sessions[session.id] = session
         log.info("session %d attached: %s%s", session.number, shown(client_name), _who(session))
         return session
@@ -141,8 +140,8 @@ class Depot:
             return
         session.ended = True
         session.outbox.close()
-        for staging in session.staging.values():
-            staging.close()
+        for memory in session.staging.values():
+            memory.close()
         session.staging.clear()
         jobs = list(session.jobs.values())
         for job in jobs:
@@ -183,7 +182,7 @@ class Depot:
         session = self.session(session_id)
         self.limits.room_for_engine(session)
         ns = self.namespaces.of(spec, session.identity.scope)
-        engine_id = self._new_id()
+        engine_id = self.new_id()
         session.engines[engine_id] = ns
         self.namespaces.acquire(ns)
         blocks = self.index.blocks_of(ns)
@@ -205,7 +204,7 @@ class Depot:
             raise FailedPrecondition(
                 f"this daemon has no {spec.transport} transport (available: {', '.join(self.transports)})"
             )
-        worker = Worker(self._new_id(), session, ns, spec.rank, spec.device, layout, transport)
+        worker = Worker(self.new_id(), session, ns, spec.rank, spec.device, layout, transport)
         transport.open_worker(worker, spec)
         try:
             ns.fix_rank_layout(spec.rank, layout)
@@ -214,43 +213,15 @@ class Depot:
             raise
         session.workers[worker.id] = worker
         self.namespaces.acquire(ns)
-        log.info(
-            "worker %d registered: %r rank %d on %r, %d tensors, %d blocks of %d bytes, %s",
-            worker.id,
-            ns.name,
-            worker.rank,
-            worker.device,
-            len(layout.tensors),
-            layout.num_blocks,
-            layout.block_bytes,
-            transport.name,
-        )
+        log.info("worker %d registered: %r rank %d on %r, %d tensors, %d blocks of %d bytes, %s", worker.id,
+                 ns.name, worker.rank, worker.device, len(layout.tensors), layout.num_blocks, layout.block_bytes,
+                 transport.name)
         return worker
 
     def take_staging(self, session_id: str, identity: Identity, fd: int) -> int:
         """Keeps a worker's staging memory (a descriptor from the job socket,
         closed here whatever happens) for the session's next RegisterWorker."""
-        try:
-            session = self.session(session_id)
-            if (identity.uid, identity.tenant) != (session.identity.uid, session.identity.tenant):
-                raise PermissionDenied(f"session {session.number} belongs to another user")
-            if len(session.staging) >= self.limits.max_workers_per_session:
-                raise ResourceExhausted(
-                    f"session {session.number} holds {len(session.staging)} staging memories no worker has "
-                    f"taken, the most it may (--max-workers-per-session {self.limits.max_workers_per_session})"
-                )
-            transport = next((t for t in self.transports.values() if t.takes_memory), None)
-            if transport is None:
-                raise FailedPrecondition("no transport of this daemon takes memory from clients")
-        except BaseException:
-            os.close(fd)
-            raise
-        staging = transport.take_memory(
-            fd, self.limits.max_shm_worker_bytes, lambda nbytes: self.staging_budget.charge(identity, nbytes)
-        )
-        staging_id = self._new_id()
-        session.staging[staging_id] = staging
-        return staging_id
+        return staging.take(self, session_id, identity, fd)
 
     # ------------------------------------------------------------ lookup
 
