@@ -286,6 +286,12 @@ class KVDepotClient:
         """Waits for the jobs to finish and hands over their results."""
         return self._jobs.wait(job_ids, timeout)
 
+    def cancel(self, job_id: int, reason: str) -> None:
+        """Ends a job in flight here, failed, without waiting for the daemon:
+        a CPU worker's load copies nothing into its blocks when the daemon's
+        end comes later (that end is ignored)."""
+        self._jobs.finish(job_id, False, reason)
+
     def take_finished(self) -> list[JobResult]:
         """Results of every job finished since the last call (and not taken by wait)."""
         return self._jobs.take_finished()
