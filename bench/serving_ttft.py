@@ -111,6 +111,7 @@ from serving_report import (  # noqa: E402
     CONFIGS, DISK_CONFIGS, WORKLOADS, by_turn, draw, draw_disk, pct, print_disk_tables, print_tables, summarize,
     system_split,
 )
+import step_trace  # noqa: E402  (off unless KVDEPOT_STEP_TRACE is set)
 
 BLOCK_SIZE = 32  # vLLM 0.32's CPU attention backend needs a multiple of 32
 # vLLM's Prometheus counters (tokens) read around each workload.
@@ -205,6 +206,7 @@ class Runner:
                 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
                 rec = {"name": name, "prompt_tokens": len(prompt), "done": done}
                 rec["t_submit"] = time.perf_counter()
+                step_trace.mark("add", name)
                 req_id = self.engine.add_request(name, TokensPrompt(prompt_token_ids=prompt), params)
                 in_flight[name] = rec
                 if req_id != name:
@@ -222,6 +224,7 @@ class Runner:
                 tokens = out.outputs[0].token_ids
                 if "ttft_s" not in rec and len(tokens) > 0:
                     rec["ttft_s"] = now - rec["t_submit"]
+                    step_trace.mark("first_token", rec["name"])
                 if out.finished:
                     rec["e2e_s"] = now - rec["t_submit"]
                     rec["output"] = list(tokens)
@@ -307,6 +310,7 @@ def run_engine(args) -> int:
     kwargs = {}
     if args.config != "plain":
         kwargs["kv_transfer_config"] = kvdepot_kv_transfer_config(socket=args.socket)
+    step_trace.install()  # off unless KVDEPOT_STEP_TRACE names a file
     t0 = time.monotonic()
     llm = LLM(
         model=args.model,
@@ -318,7 +322,7 @@ def run_engine(args) -> int:
         enforce_eager=True,
         distributed_executor_backend="uni",
         tensor_parallel_size=1,
-        num_gpu_blocks_override=spec["vllm_blocks"],
+        num_gpu_blocks_override=args.vllm_blocks or spec["vllm_blocks"],
         max_num_seqs=max(8, args.concurrency),
         # A whole prompt in one step: the prefill is what TTFT measures, not chunking.
         max_num_batched_tokens=spec["max_model_len"],
@@ -338,6 +342,7 @@ def run_engine(args) -> int:
 
     if args.config != "plain":
         time.sleep(REPORT_INTERVAL_S + 0.5)  # the warm-up's lookups reported before the first workload's count
+    step_trace.wrap_engine(engine)
     runner = Runner(engine, args.concurrency)
     result = {"config": args.config, "startup_s": startup_s, "torch_threads": torch.get_num_threads(),
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "workloads": {}}  # fmt: skip
@@ -366,6 +371,7 @@ def run_engine(args) -> int:
             "daemon": {k: after_daemon[k] - before_daemon[k] for k in after_daemon},
         }
     Path(args.out).write_text(json.dumps(result))
+    step_trace.dump()
     return 0
 
 
@@ -384,7 +390,7 @@ def log(msg: str) -> None:
 
 
 def serve(config: str, model: str, socket: str | None, spec_path: Path, scratch: Path, args,
-          workloads: str | None = None) -> dict:
+          workloads: str | None = None, vllm_blocks: int = 0, env_extra: dict | None = None) -> dict:
     """Runs one engine process (`run_engine`) and returns its results."""
     from vllm_generate import vllm_env
 
@@ -395,7 +401,10 @@ def serve(config: str, model: str, socket: str | None, spec_path: Path, scratch:
         cmd += ["--socket", socket]
     if workloads:
         cmd += ["--workloads", workloads]
+    if vllm_blocks:
+        cmd += ["--vllm-blocks", str(vllm_blocks)]
     env = vllm_env(scratch / f"vllm-{config}")
+    env.update(env_extra or {})
     env["OMP_NUM_THREADS"] = str(args.threads)
     t = time.monotonic()
     log_path = scratch / f"{config}.log"

@@ -258,6 +258,8 @@ class KVDepotClient:
         on_end = _staging_end(kind, copier, block_ids) if copier is not None else None
         if not self._jobs.begin(job_id, on_end):
             raise AlreadyExists(f"job id {job_id} is in flight already in this client; wait for its result")
+        if copier is not None:
+            copier.staging.take(block_ids)  # kept in memory until the job ends (on_end releases them)
         connection, worker_id = self._session.connection, worker.worker_id
         if connection is None or worker_id is None:
             self._jobs.finish(job_id, False, "kvdepotd is not available")
@@ -283,6 +285,12 @@ class KVDepotClient:
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, JobResult]:
         """Waits for the jobs to finish and hands over their results."""
         return self._jobs.wait(job_ids, timeout)
+
+    def cancel(self, job_id: int, reason: str) -> None:
+        """Ends a job in flight here, failed, without waiting for the daemon:
+        a CPU worker's load copies nothing into its blocks when the daemon's
+        end comes later (that end is ignored)."""
+        self._jobs.finish(job_id, False, reason)
 
     def take_finished(self) -> list[JobResult]:
         """Results of every job finished since the last call (and not taken by wait)."""
@@ -310,7 +318,8 @@ class KVDepotClient:
 
 def _staging_end(kind: str, copier, block_ids: list[int]):
     """What a shared-memory job does when it ends: a load's blocks come out of
-    the staging rows the daemon wrote; then the rows' memory goes back."""
+    the staging rows the daemon wrote; then the rows are released (kept in
+    memory within the staging's budget, shm_copy.py)."""
 
     def ended(ok: bool, error: str) -> tuple[bool, str]:
         try:

@@ -31,7 +31,7 @@ MODES = ("eager", "lazy")
 EXTRA_CONFIG_KEYS = (
     "socket", "daemon_uids", "auth_token_file", "tls_ca_file", "tls_cert_file", "tls_key_file", "mode", "store",
     "store_decode",
-    "min_prompt_tokens", "max_defer_s", "call_timeout_s", "connect_timeout_s", "model_id",
+    "min_prompt_tokens", "max_defer_s", "call_timeout_s", "connect_timeout_s", "model_id", "sync_loads",
 )  # fmt: skip
 
 
@@ -117,6 +117,9 @@ class ConnectorConfig:
     # Names the model's weights in the namespace instead of their fingerprint
     # or hub revision: engines with the same model_id share blocks.
     model_id: str | None = None
+    # Where the workers copy in host memory (CPU engines, one KV-cache group):
+    # a hit loads in the step that computes the rest of its prompt (lookup.py).
+    sync_loads: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -165,6 +168,12 @@ class ConnectorConfig:
                     f"kv_connector_extra_config.store_decode must be true or false, not {extra['store_decode']!r}"
                 )
             decode = extra["store_decode"]
+        if "sync_loads" in extra:
+            if not isinstance(extra["sync_loads"], bool):
+                raise ConfigError(
+                    f"kv_connector_extra_config.sync_loads must be true or false, not {extra['sync_loads']!r}"
+                )
+            fields["sync_loads"] = extra["sync_loads"]
         fields["default_policy"] = StorePolicy(amount, decode)
         minimums = (("min_prompt_tokens", 0), ("max_defer_s", 0), ("call_timeout_s", 0.1), ("connect_timeout_s", 0))
         for key, minimum in minimums:

@@ -23,6 +23,10 @@ Rules:
   preemption flushes) waits for them before it is looked up again.
 - A request waits ("not yet", one step at a time) at most `max_defer_s`; then
   it loads what is ready and computes the rest.
+- Where the workers copy in host memory (a CPU engine) and the model has one
+  KV-cache group, a hit loads synchronously: vLLM schedules the request in the
+  step of its lookup and the workers load before the forward pass, instead of
+  an engine step that only loads (`sync_loads`). Elsewhere loads are async.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class Lookup:
         self.engines = engines
         self._state_of = state_of
         self.counters = counters
+        self.sync_loads = False
         # Keys of blocks this engine is loading now -> number of loads.
         self.loading: dict[bytes, int] = {}
         self._report = {"lookups": 0, "hit_blocks": 0, "miss_blocks": 0}
@@ -136,7 +141,7 @@ class Lookup:
     def _answer(self, st: RequestState, tokens: int) -> tuple[int, bool]:
         st.deferred_since = None
         self.counters["hit_tokens"] += tokens
-        return tokens, tokens > 0
+        return tokens, tokens > 0 and not self.sync_loads
 
     def scheduled(self, st: RequestState, num_external_tokens: int) -> None:
         """vLLM scheduled the request with this many tokens from kvdepot: its lookup counts now."""

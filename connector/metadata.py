@@ -28,6 +28,9 @@ class TransferJob:
     # The request a load is for (its finished_recving); empty for stores, which
     # batch the blocks of every request computed in one step.
     req_id: str = ""
+    # A load vLLM scheduled in the same step (load_kv_async False): the worker
+    # finishes it before the forward pass and reports a failure by block ids.
+    sync: bool = False
 
 
 @dataclass

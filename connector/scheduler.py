@@ -64,6 +64,10 @@ class SchedulerSide:
                          "stores": 0, "flushed": 0, "load_failures": 0, "store_failures": 0}
         self.stats = StatsReport(self.counters)
         self.lookup = Lookup(config, groups, self.client, self.engines, self._state, self.counters)
+        # CPU workers copy a load within their step (worker.py); vLLM reports a
+        # failed synchronous load by block ids, which it refuses with several groups.
+        cpu = vllm_config.device_config.device_type == "cpu"
+        self.lookup.sync_loads = config.sync_loads and cpu and len(groups) == 1
         # Answered by the parts themselves: vLLM calls these per request or per
         # step, and a call through this class would cost one more each time.
         self.on_new_request = self.lookup.on_new_request
@@ -124,7 +128,7 @@ class SchedulerSide:
             # A block a window freed may come back as a load target in the step
             # its store still reads it: that store goes first.
             self._new_flush |= self.store.stores_reading(b for t in transfers for b in t.block_ids)
-        job = TransferJob(self._job_id(), False, transfers, request.request_id)
+        job = TransferJob(self._job_id(), False, transfers, request.request_id, sync=self.lookup.sync_loads)
         self._add_job(JobState(job, [request.request_id], self.num_workers, loading_keys=keys), (st,))
         if end > st.stored_upto:
             self.store.stored(st, end)

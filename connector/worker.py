@@ -4,7 +4,9 @@ Per step, in the order vLLM calls it:
 - `handle_preemptions` (before the step's inputs are prepared): submit the
   stores queued last step, then submit and wait for the jobs to flush, whose
   GPU blocks this step is about to give to other requests.
-- `start_load_kv`: submit this step's loads.
+- `start_load_kv`: submit this step's loads. A synchronous load (a CPU
+  engine's, metadata.py) ends before it returns: vLLM calls it before the
+  forward pass in a step that has one.
 - `wait_for_save` (after the forward pass): queue this step's stores. They are
   submitted at the start of the next step, after the sampled tokens' copy,
   and each waits for the compute that wrote its blocks (the client records an
@@ -37,6 +39,9 @@ MAX_GROUPS = 16
 FLUSH_TIMEOUT_S = 60.0
 # How long a step waits for a job of workers in host memory it submitted.
 HOST_JOB_WAIT_S = 10.0
+# How long a step waits for a synchronous load, whose forward pass reads it:
+# past that it is cancelled here (failed, recomputed), as a flush gives up.
+SYNC_LOAD_WAIT_S = FLUSH_TIMEOUT_S
 
 
 @dataclass(eq=False)
@@ -159,10 +164,27 @@ class WorkerSide:
         about the time of a memcpy, so it is waited for here and reported in
         this step, as when these workers copied themselves, instead of costing
         the request a scheduler round trip."""
+        sync = state.job.sync and not state.job.is_store
         try:
-            results = self.client.wait(list(state.pending), timeout=HOST_JOB_WAIT_S)
-        except TimeoutError:
-            return  # reported by a later step, as a GPU engine's are
+            results = self.client.wait(list(state.pending), timeout=SYNC_LOAD_WAIT_S if sync else HOST_JOB_WAIT_S)
+        except TimeoutError as e:
+            if not sync:
+                return  # reported by a later step, as a GPU engine's are
+            # This step's forward pass reads the blocks: end the load failed now
+            # (nothing is copied into them later) and let vLLM recompute them.
+            log.error("kvdepot: a load timed out (%s); its blocks are recomputed", e)
+            pending = list(state.pending)
+            for daemon_id in pending:
+                self.client.cancel(daemon_id, "the engine's step stopped waiting for the load")
+            try:
+                results = self.client.wait(pending, timeout=FLUSH_TIMEOUT_S)
+            except (TimeoutError, KeyError):  # its end is running in another thread, and stuck
+                for daemon_id in pending:
+                    self._daemon_jobs.pop(daemon_id, None)
+                state.pending.clear()
+                state.failed = True
+                self._job_done(state)
+                return
         self._collect(results.values())
 
     def _flush(self, job_ids: set[int]) -> None:
@@ -195,10 +217,18 @@ class WorkerSide:
         self._report.done[job.job_id] = 1
         if state.failed:
             self._report.failed[job.job_id] = 1
-        if not job.is_store:
-            self._finished_loads.add(job.req_id)
+        if job.is_store:
+            return
+        if job.sync:
+            # vLLM scheduled the request already: no finished_recving; a
+            # failure reaches it as the blocks' ids, in this step.
             if state.failed:
-                self._failed_loads.append(job)
+                for transfer in job.groups:
+                    self._load_error_block_ids.update(transfer.block_ids)
+            return
+        self._finished_loads.add(job.req_id)
+        if state.failed:
+            self._failed_loads.append(job)
 
     def transfer_results(self, *, failed_as_block_ids: bool) -> tuple[set[str], set[str], set[str]]:
         """(stores done of finished requests, loads done, loads failed) since the last call.

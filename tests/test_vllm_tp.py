@@ -27,7 +27,7 @@ def tp_engine(start_daemon):
     config = h.make_vllm_config(
         "kvdepot.connector",
         "KVDepotConnector",
-        {"socket": daemon.socket},
+        {"socket": daemon.socket, "sync_loads": False},
         num_gpu_blocks=64,
         tp_size=2,
     )

@@ -115,10 +115,12 @@ def make_engine(
     async_scheduling: bool = False,
     **options,
 ) -> Engine:
+    # These engines model a GPU engine's steps (loads async, a step of their
+    # own) unless a test asks for a CPU engine's synchronous loads.
     config = h.make_vllm_config(
         "kvdepot.connector",
         "KVDepotConnector",
-        {"socket": daemon.socket, **(extra or {})},
+        {"socket": daemon.socket, "sync_loads": False, **(extra or {})},
         num_gpu_blocks=num_blocks,
         **options,
     )
