@@ -288,7 +288,9 @@ def plot_main(args) -> int:
     for path in args.files:
         run = json.loads(Path(path).read_text())
         title = f"{run['device']}, {run['date']}"
-        points = sorted((p for p in run["points"] if p["blocks"] == args.plot_blocks), key=lambda p: p["jobs_per_s"])
+        # In order of load (workers, then depth): the line follows the node as it gets busier.
+        points = sorted((p for p in run["points"] if p["blocks"] == args.plot_blocks),
+                        key=lambda p: (p["workers"], p["depth"]))
         rates = [p["jobs_per_s"] for p in points]
         line = ax.plot(rates, [p["p50_ms"] for p in points], "o-", label=f"{run['label']}: p50")[0]
         ax.plot(rates, [p["p99_ms"] for p in points], "s--", color=line.get_color(), label=f"{run['label']}: p99")
