@@ -29,8 +29,9 @@ def test_the_job_rate_benchmark_measures_a_node_of_workers_without_a_gpu(tmp_pat
     for point in points:
         assert point["failed"] == 0
         assert point["jobs"] > 10 and point["jobs_per_s"] > 0
-        assert 0 < point["p50_ms"] <= point["p99_ms"] <= point["worst_p99_ms"] + 1e-9
-        assert point["daemon_cpu_us_per_job"] >= point["loop_cpu_us_per_job"] > 0
+        assert 0 < point["p50_ms"] <= point["p99_ms"] and point["worst_p99_ms"] > 0
+        # CPU from /proc in clock ticks: the event loop's thread did work in the window.
+        assert point["daemon_cpu_us_per_job"] > 0 and point["loop_cpu_us_per_job"] > 0
     assert "jobs/s" in run.stdout
 
 
