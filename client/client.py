@@ -89,6 +89,8 @@ class KVDepotClient:
         self.target = grpc_target(target or default_socket_path())
         self.name = name
         self._jobs = JobBook()
+        # Shared-memory jobs in flight: (copier, block ids), for cancel.
+        self._staged: dict[int, tuple] = {}
         self._copies = EngineCopies()
         self._promoter = Promoter(self.lookup)
         metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
@@ -255,11 +257,18 @@ class KVDepotClient:
             jobtrace.client_stamp(self._session.connection.session_id, job_id, "submit")
         block_ids = [int(b) for b in block_ids]
         copier = worker.copier
-        on_end = _staging_end(kind, copier, block_ids) if copier is not None else None
+        on_end = None
+        if copier is not None:
+            on_end = _staging_end(kind, copier, block_ids, lambda: self._staged.pop(job_id, None))
         if not self._jobs.begin(job_id, on_end):
             raise AlreadyExists(f"job id {job_id} is in flight already in this client; wait for its result")
         if copier is not None:
+            if copier.staging.quarantined(block_ids):
+                self._jobs.finish(job_id, False, "the staging rows of these blocks belong to a cancelled load "
+                                  "that the daemon has not ended yet")
+                return
             copier.staging.take(block_ids)  # kept in memory until the job ends (on_end releases them)
+            self._staged[job_id] = (copier, block_ids)
         connection, worker_id = self._session.connection, worker.worker_id
         if connection is None or worker_id is None:
             self._jobs.finish(job_id, False, "kvdepotd is not available")
@@ -288,9 +297,15 @@ class KVDepotClient:
 
     def cancel(self, job_id: int, reason: str) -> None:
         """Ends a job in flight here, failed, without waiting for the daemon:
-        a CPU worker's load copies nothing into its blocks when the daemon's
-        end comes later (that end is ignored)."""
-        self._jobs.finish(job_id, False, reason)
+        a CPU worker's load copies nothing into its blocks. The daemon may
+        still be copying into the job's staging rows, so until its own end
+        comes a job that needs one of them fails at once (a store is not
+        stored, a load is recomputed), and the job's id is not taken again."""
+        staged = self._staged.get(job_id)
+        if staged is not None:
+            staged[0].staging.quarantine(staged[1])
+        after = (lambda: staged[0].staging.lift_quarantine(staged[1])) if staged is not None else (lambda: None)
+        self._jobs.cancel(job_id, reason, after)
 
     def take_finished(self) -> list[JobResult]:
         """Results of every job finished since the last call (and not taken by wait)."""
@@ -316,7 +331,7 @@ class KVDepotClient:
         return connection.session_id if connection is not None else ""
 
 
-def _staging_end(kind: str, copier, block_ids: list[int]):
+def _staging_end(kind: str, copier, block_ids: list[int], forget=lambda: None):
     """What a shared-memory job does when it ends: a load's blocks come out of
     the staging rows the daemon wrote; then the rows are released (kept in
     memory within the staging's budget, shm_copy.py)."""
@@ -329,6 +344,7 @@ def _staging_end(kind: str, copier, block_ids: list[int]):
             log.exception("load: copy out of the staging memory failed")
             ok, error = False, f"copy out of the staging memory failed: {e}"
         finally:
+            forget()
             copier.staging.release(block_ids)
         return ok, error
 

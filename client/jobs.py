@@ -40,12 +40,15 @@ class JobBook:
         self._ending: set[int] = set()
         # A store's counts from its submit's answer, until its result exists.
         self._store_counts: dict[int, tuple[int, int]] = {}
+        # Jobs cancelled here that the daemon may still be running: what runs
+        # when the daemon's own end comes (cancel).
+        self._after_daemon: dict[int, Callable[[], None]] = {}
 
     def begin(self, job_id: int, on_end: Callable[[bool, str], tuple[bool, str]] | None = None) -> bool:
         """Tracks a new job. False when the id is in flight already: the job
         that has the id must not be disturbed."""
         with self._changed:
-            if job_id in self._pending:
+            if job_id in self._pending or job_id in self._after_daemon:
                 return False
             self._pending.add(job_id)
             self._results.pop(job_id, None)
@@ -54,15 +57,24 @@ class JobBook:
             return True
 
     def finish(self, job_id: int, ok: bool, error: str = "") -> None:
-        """Files a job's result, once: a later finish of the same job is ignored."""
+        """Files a job's result, once: a later finish of the same job is ignored
+        (but for a cancelled job's, which runs what cancel left for it)."""
         with self._changed:
             if job_id not in self._pending or job_id in self._ending:
-                return
-            on_end = self._on_end.pop(job_id, None)
-            if on_end is None:
-                self._file(job_id, ok, error)
-                return
-            self._ending.add(job_id)
+                # Ended already; a cancelled job's daemon end runs what cancel left.
+                after = self._after_daemon.pop(job_id, None) if job_id not in self._pending else None
+                if after is None:
+                    return
+                on_end = None
+            else:
+                after, on_end = None, self._on_end.pop(job_id, None)
+                if on_end is None:
+                    self._file(job_id, ok, error)
+                    return
+                self._ending.add(job_id)
+        if after is not None:
+            after()
+            return
         try:
             ok, error = on_end(ok, error)
         except Exception as e:  # a caller's step must never see it
@@ -76,6 +88,16 @@ class JobBook:
         already, not_stored = self._store_counts.pop(job_id, (0, 0))
         self._results[job_id] = JobResult(job_id, ok, error, already, not_stored)
         self._changed.notify_all()
+
+    def cancel(self, job_id: int, reason: str, after_daemon: Callable[[], None]) -> None:
+        """Ends a job in flight, failed with `reason`, without its daemon's end;
+        `after_daemon` runs when that end comes (the daemon may still be
+        copying). Its id is not taken again until then."""
+        with self._changed:
+            if job_id not in self._pending or job_id in self._ending:
+                return
+            self._after_daemon[job_id] = after_daemon
+        self.finish(job_id, False, reason)
 
     def wait_idle(self, timeout: float | None) -> bool:
         """Waits until no job is in flight; False if some still are after `timeout`."""

@@ -60,6 +60,9 @@ class StagingMemory:
         # Rows of ended jobs still in memory, least recently used first; rows
         # taken by a job in flight are never in it (so never punched).
         self._idle: OrderedDict[int, None] = OrderedDict()
+        # Rows a cancelled job left to the daemon, which may still copy into
+        # them (KVDepotClient.cancel): no job uses them until its end comes.
+        self._quarantined: set[int] = set()
         self._lock = threading.Lock()
         size = max(1, num_blocks * row_bytes)
         self.fd = os.memfd_create("kvdepot-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -80,12 +83,28 @@ class StagingMemory:
             for b in block_ids:
                 idle.pop(b, None)
 
+    def quarantine(self, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._quarantined.update(block_ids)
+
+    def lift_quarantine(self, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._quarantined.difference_update(block_ids)
+        self.release(block_ids)
+
+    def quarantined(self, block_ids: Sequence[int]) -> bool:
+        """Whether a cancelled job's daemon may still write one of these rows."""
+        with self._lock:
+            return bool(self._quarantined) and not self._quarantined.isdisjoint(block_ids)
+
     def release(self, block_ids: Sequence[int]) -> None:
         """A job ended with these rows: they stay in memory, and the least
         recently used rows beyond the budget are given back."""
         idle = self._idle
         with self._lock:
             for b in block_ids:
+                if b in self._quarantined:
+                    continue
                 idle[b] = None
                 idle.move_to_end(b)
             over = len(idle) - self.max_idle_rows
