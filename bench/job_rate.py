@@ -11,7 +11,9 @@ or over the shared-memory transport (--transport shm, no GPU: CPU caches of
 --shm-block-bytes a block, which measures the per-job path without the bus). Each worker
 first stores the blocks it will load, then for --seconds keeps DEPTH jobs of BLOCKS blocks
 in flight, stores of new keys alternating with loads of stored ones, submitting the next
-as each ends. Every worker starts and stops at the same moment.
+as each ends. Every worker starts and stops at the same moment. The worker processes are
+started once and kept for every point (a point of N workers uses the first N): a CUDA worker
+takes seconds to start.
 
 For each point it prints the node's jobs/s, the p50 and p99 of submit to done (the
 client knows the job ended) over every job of every worker, the worst worker's p99,
@@ -83,7 +85,7 @@ def _worker_cache(args, index: int):
 
     blocks = args.cache_blocks
     if args.transport == "cuda":
-        from cuda_copy import BLOCK, BLOCK_SIZE, HEADS, HEAD_DIM, LAYERS
+        from cuda_copy import BLOCK, BLOCK_SIZE, HEAD_DIM, HEADS, LAYERS
 
         torch.cuda.set_device(index % args.gpus)
         tensors = [torch.zeros(2, blocks, BLOCK_SIZE, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
@@ -101,18 +103,21 @@ def _worker_cache(args, index: int):
 
 
 def worker_main(args) -> int:
+    """One worker process, kept for every point of the grid: it registers once,
+    then for each point stores what its loads will read ("point BLOCKS DEPTH",
+    answered "ready"), runs the window ("go START STOP", answered with its
+    figures as JSON), until "quit"."""
     from kvdepot.client import KVDepotClient
 
-    index, blocks, depth = args.index, args.blocks, args.depth
+    index = args.index
     tensors, block_dim, ns, _ = _worker_cache(args, index)
     client = KVDepotClient(args.socket, name=f"rate-{index}").connect(60)
     worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
     client.wait_connected(60)
     # Block ids: stores read rows [0, half), loads write rows [half, cache).
     half = args.cache_blocks // 2
-    # Keys of their own: another point's workers (same index) must not find them stored.
     prefix = os.getpid().to_bytes(4, "little")
-    counter = 0
+    counter = job_id = 0
 
     def new_keys(n: int) -> list[bytes]:
         nonlocal counter
@@ -120,83 +125,107 @@ def worker_main(args) -> int:
         counter += n
         return keys
 
-    # What the loads read: stored before the window, sized to fit one worker's share of the pool.
-    stored = [new_keys(blocks) for _ in range(args.load_sets)]
-    job_id = 0
-    for keys in stored:
-        job_id += 1
-        client.submit_store(worker, job_id, keys, [i % half for i in range(blocks)])
-        result = client.wait([job_id], 60)[job_id]
-        if not result.ok or result.not_stored:
-            raise SystemExit(f"worker {index}: could not store its load set: {result}")
-
-    print("ready", flush=True)
-    start_at, stop_at = (float(x) for x in sys.stdin.readline().split())
-    time.sleep(max(0.0, start_at - time.time()))
-    submitted: dict[int, tuple[float, str, float]] = {}
-    latencies: dict[str, list[float]] = {"store": [], "load": []}
-    failed = 0
-    turn = 0
-    store_ids = [i % half for i in range(blocks)]
-    load_ids = [half + i % half for i in range(blocks)]
-    while True:
-        now = time.time()
-        if now >= stop_at and not submitted:
+    print("up", flush=True)
+    for line in sys.stdin:
+        command, *values = line.split()
+        if command == "quit":
             break
-        while now < stop_at and len(submitted) < depth:
-            job_id += 1
-            turn += 1
-            kind = "store" if turn % 2 else "load"
-            submitted[job_id] = (time.perf_counter(), kind, now)
-            if kind == "store":
-                client.submit_store(worker, job_id, new_keys(blocks), store_ids)
-            else:
-                client.submit_load(worker, job_id, stored[turn // 2 % len(stored)], load_ids)
-        for result in _take_some(client, 1.0):
-            started, kind, wall = submitted.pop(result.job_id)
-            if not result.ok or result.not_stored:
-                failed += 1
-            elif wall < stop_at:  # jobs submitted in the window count
-                latencies[kind].append(time.perf_counter() - started)
+        if command == "point":
+            blocks, depth = (int(v) for v in values)
+            # What the loads read: stored before the window, sized to fit one worker's share of the pool.
+            stored = [new_keys(blocks) for _ in range(args.load_sets)]
+            for keys in stored:
+                job_id += 1
+                client.submit_store(worker, job_id, keys, [i % half for i in range(blocks)])
+                result = client.wait([job_id], 60)[job_id]
+                if not result.ok or result.not_stored:
+                    raise SystemExit(f"worker {index}: could not store its load set: {result}")
+            print("ready", flush=True)
+            continue
+        start_at, stop_at = (float(v) for v in values)
+        time.sleep(max(0.0, start_at - time.time()))
+        submitted: dict[int, tuple[float, str, float]] = {}
+        latencies: dict[str, list[float]] = {"store": [], "load": []}
+        failed = turn = 0
+        store_ids = [i % half for i in range(blocks)]
+        load_ids = [half + i % half for i in range(blocks)]
+        while True:
+            now = time.time()
+            if now >= stop_at and not submitted:
+                break
+            while now < stop_at and len(submitted) < depth:
+                job_id += 1
+                turn += 1
+                kind = "store" if turn % 2 else "load"
+                submitted[job_id] = (time.perf_counter(), kind, now)
+                if kind == "store":
+                    client.submit_store(worker, job_id, new_keys(blocks), store_ids)
+                else:
+                    client.submit_load(worker, job_id, stored[turn // 2 % len(stored)], load_ids)
+            for result in _take_some(client, 1.0):
+                started, kind, wall = submitted.pop(result.job_id)
+                if not result.ok or result.not_stored:
+                    failed += 1
+                elif wall < stop_at:  # jobs submitted in the window count
+                    latencies[kind].append(time.perf_counter() - started)
+        print(json.dumps({"latencies": latencies, "failed": failed}), flush=True)
     client.close()
-    print(json.dumps({"latencies": latencies, "failed": failed}), flush=True)
     return 0
 
 
 # ------------------------------------------------------------ the node
 
 
-def run_point(args, socket: str, daemon_pid: int, workers: int, blocks: int, depth: int) -> dict:
-    command = [sys.executable, __file__, "--role", "worker", "--socket", socket, "--transport", args.transport,
-               "--blocks", str(blocks), "--depth", str(depth), "--gpus", str(args.gpus),
-               "--cache-blocks", str(args.cache_blocks), "--shm-block-bytes", str(args.shm_block_bytes),
-               "--load-sets", str(args.load_sets)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    procs = [subprocess.Popen([*command, "--index", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=env) for i in range(workers)]
-    try:
+class Workers:
+    """The worker processes, started once for the whole grid (starting a CUDA
+    worker takes seconds); a point uses the first N."""
+
+    def __init__(self, args, socket: str, count: int):
+        command = [sys.executable, __file__, "--role", "worker", "--socket", socket, "--transport", args.transport,
+                   "--gpus", str(args.gpus), "--cache-blocks", str(args.cache_blocks),
+                   "--shm-block-bytes", str(args.shm_block_bytes), "--load-sets", str(args.load_sets)]
+        env = dict(os.environ,
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        self.procs = [subprocess.Popen([*command, "--index", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       text=True, env=env) for i in range(count)]
+        for proc in self.procs:
+            self._expect(proc, "up")
+
+    @staticmethod
+    def _expect(proc, word: str) -> None:
+        line = proc.stdout.readline()
+        if line.strip() != word:
+            raise SystemExit(f"a worker did not say {word!r} (it said {line!r}, exit code {proc.poll()})")
+
+    def tell(self, procs, line: str) -> None:
         for proc in procs:
-            line = proc.stdout.readline()
-            if line.strip() != "ready":
-                raise SystemExit(f"a worker did not start (it said {line!r})")
-        start_at = time.time() + 0.5
-        stop_at = start_at + args.seconds
-        for proc in procs:
-            proc.stdin.write(f"{start_at} {stop_at}\n")
+            proc.stdin.write(line + "\n")
             proc.stdin.flush()
-        time.sleep(max(0.0, start_at - time.time()))
-        cpu_before, loop_before = _cpu_seconds(daemon_pid), _cpu_seconds(daemon_pid, daemon_pid)
-        threads_before = _threads_cpu(daemon_pid)
-        time.sleep(max(0.0, stop_at - time.time()))
-        cpu_after, loop_after = _cpu_seconds(daemon_pid), _cpu_seconds(daemon_pid, daemon_pid)
-        threads_after = _threads_cpu(daemon_pid)
-        reports = [json.loads(proc.stdout.readline()) for proc in procs]
-        for proc in procs:
-            proc.wait(60)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                self.tell([proc], "quit")
+                proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
                 proc.kill()
+
+
+def run_point(args, pool: Workers, daemon_pid: int, workers: int, blocks: int, depth: int) -> dict:
+    procs = pool.procs[:workers]
+    pool.tell(procs, f"point {blocks} {depth}")
+    for proc in procs:
+        pool._expect(proc, "ready")
+    start_at = time.time() + 0.5
+    stop_at = start_at + args.seconds
+    pool.tell(procs, f"go {start_at} {stop_at}")
+    time.sleep(max(0.0, start_at - time.time()))
+    cpu_before, loop_before = _cpu_seconds(daemon_pid), _cpu_seconds(daemon_pid, daemon_pid)
+    threads_before = _threads_cpu(daemon_pid)
+    time.sleep(max(0.0, stop_at - time.time()))
+    cpu_after, loop_after = _cpu_seconds(daemon_pid), _cpu_seconds(daemon_pid, daemon_pid)
+    threads_after = _threads_cpu(daemon_pid)
+    reports = [json.loads(proc.stdout.readline()) for proc in procs]
     every = [x for r in reports for kind in ("store", "load") for x in r["latencies"][kind]]
     jobs = len(every)
     block_bytes = _block_bytes(args)
@@ -240,7 +269,6 @@ def node_main(args) -> int:
     block_bytes = _block_bytes(args)
     if args.transport == "cuda":
         import torch
-
         from kvdepotd import BenchDaemon
 
         args.gpus = min(args.gpus, torch.cuda.device_count())
@@ -255,26 +283,33 @@ def node_main(args) -> int:
     print(f"{label}: {what}, {os.cpu_count()} CPUs, {args.seconds:g} s a point, "
           f"{block_bytes >> 10} KiB blocks, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     print(f"{'workers':>7} {'blocks':>6} {'depth':>5} {'jobs/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'worst p99':>9} {'µs CPU/job':>10} {'loop µs/job':>11} {'daemon CPU':>10} {'loop CPU':>8} {'GB/s':>7}", flush=True)
-    points = []
+          f"{'worst p99':>9} {'µs CPU/job':>10} {'loop µs/job':>11} {'daemon CPU':>10} {'loop CPU':>8} {'GB/s':>7}",
+          flush=True)
     with daemon:
         daemon.wait_ready()
-        for workers, blocks, depth in grid:
-            point = run_point(args, daemon.socket, daemon.pid, workers, blocks, depth)
-            points.append(point)
-            print(f"{workers:>7} {blocks:>6} {depth:>5} {point['jobs_per_s']:>9,.0f} {point['p50_ms']:>8.2f} "
-                  f"{point['p99_ms']:>8.2f} {point['worst_p99_ms']:>9.2f} {point['daemon_cpu_us_per_job']:>10.0f} "
-                  f"{point['loop_cpu_us_per_job']:>11.0f} {point['daemon_cpu_share']:>10.0%} "
-                  f"{point['loop_cpu_share']:>8.0%} {point['gb_per_s']:>7.1f}"
-                  + (f"  ({point['failed']} failed)" if point["failed"] else ""), flush=True)
-            if args.threads:
-                print("        µs CPU a job by thread: " + ", ".join(
-                    f"{name} {us:.0f}" for name, us in point["threads_us_per_job"].items()), flush=True)
+        pool = Workers(args, daemon.socket, max(w for w, _, _ in grid))
+        try:
+            points = [_run_and_print(args, pool, daemon.pid, *point) for point in grid]
+        finally:
+            pool.close()
     if args.json:
         Path(args.json).write_text(json.dumps({"label": label, "device": what, "transport": args.transport,
                                                "gpus": args.gpus, "seconds": args.seconds,
                                                "date": time.strftime("%Y-%m-%d"), "points": points}, indent=1))
     return 0
+
+
+def _run_and_print(args, pool: Workers, daemon_pid: int, workers: int, blocks: int, depth: int) -> dict:
+    point = run_point(args, pool, daemon_pid, workers, blocks, depth)
+    print(f"{workers:>7} {blocks:>6} {depth:>5} {point['jobs_per_s']:>9,.0f} {point['p50_ms']:>8.2f} "
+          f"{point['p99_ms']:>8.2f} {point['worst_p99_ms']:>9.2f} {point['daemon_cpu_us_per_job']:>10.0f} "
+          f"{point['loop_cpu_us_per_job']:>11.0f} {point['daemon_cpu_share']:>10.0%} "
+          f"{point['loop_cpu_share']:>8.0%} {point['gb_per_s']:>7.1f}"
+          + (f"  ({point['failed']} failed)" if point["failed"] else ""), flush=True)
+    if args.threads:
+        print("        µs CPU a job by thread: " + ", ".join(
+            f"{name} {us:.0f}" for name, us in point["threads_us_per_job"].items()), flush=True)
+    return point
 
 
 def plot_main(args) -> int:
