@@ -107,11 +107,20 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
+import step_trace  # noqa: E402  (off unless KVDEPOT_STEP_TRACE is set)
 from serving_report import (  # noqa: E402
-    CONFIGS, DISK_CONFIGS, WORKLOADS, by_turn, draw, draw_disk, pct, print_disk_tables, print_tables, summarize,
+    CONFIGS,
+    DISK_CONFIGS,
+    WORKLOADS,
+    by_turn,
+    draw,
+    draw_disk,
+    pct,
+    print_disk_tables,
+    print_tables,
+    summarize,
     system_split,
 )
-import step_trace  # noqa: E402  (off unless KVDEPOT_STEP_TRACE is set)
 
 BLOCK_SIZE = 32  # vLLM 0.32's CPU attention backend needs a multiple of 32
 # vLLM's Prometheus counters (tokens) read around each workload.
@@ -303,9 +312,9 @@ def run_engine(args) -> int:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm_generate import kvdepot_kv_transfer_config
 
     from kvdepot.connector.lookup import REPORT_INTERVAL_S
-    from vllm_generate import kvdepot_kv_transfer_config
 
     kwargs = {}
     if args.config != "plain":
@@ -504,7 +513,6 @@ def common_results(runs: dict, configs, shape: dict, started: float) -> tuple[di
     their outputs match: (results, thread counts, requests checked, wall seconds)."""
     import torch
     import vllm
-
     import vllm_harness as vh
 
     threads = {c: runs[c]["torch_threads"] for c in configs}
@@ -513,8 +521,9 @@ def common_results(runs: dict, configs, shape: dict, started: float) -> tuple[di
     checked = check_outputs(runs)
     wall = time.monotonic() - started
     results = {
-        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "vllm": vllm.__version__, "torch_threads": threads["plain"]},  # fmt: skip
+        "machine": {"cores": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version(), "torch": torch.__version__, "vllm": vllm.__version__,
+                    "torch_threads": threads["plain"]},  # fmt: skip
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "model": {k: shape[k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads")}
@@ -564,7 +573,8 @@ def main() -> int:
     ap.add_argument("--disk-parent", default=".", metavar="DIR",
                     help="--disk-compare: where the disk tier's temporary folder goes (default: the current folder; "
                     "a real disk, not a tmpfs)")  # fmt: skip
-    ap.add_argument("--from-json", metavar="PATH", help="only print the tables and draw the plots of an earlier run's JSON")
+    ap.add_argument("--from-json", metavar="PATH",
+                    help="only print the tables and draw the plots of an earlier run's JSON")
     ap.add_argument("--keep-scratch", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", metavar="PATH",
                     help="results (default ./serving_ttft.json; --disk-compare ./serving_ttft_disk.json)")
@@ -641,7 +651,8 @@ def main() -> int:
 
     results, threads, checked, wall = common_results(runs, CONFIGS, shape, started)
     results |= {
-        "workload": {k: v for k, v in shape.items() if k not in ("hidden", "intermediate", "layers", "heads", "kv_heads")}
+        "workload": {k: v for k, v in shape.items()
+                     if k not in ("hidden", "intermediate", "layers", "heads", "kv_heads")}
         | {"concurrency": args.concurrency, "vllm_blocks": spec["vllm_blocks"], "max_model_len": spec["max_model_len"],
            "daemon_pool_mib": pool_mib, "daemon_slot_kib": slot >> 10},  # fmt: skip
         "summary": {w: {c: summarize(runs[c], w) for c in CONFIGS if w in runs[c]["workloads"]} for w in WORKLOADS},
