@@ -167,20 +167,20 @@ class ChangeFeed:
         if not self._changes:
             return
         changes, self._changes = self._changes, {}
-        watched = {ns.id for session in _live(self._sessions.values()) for ns in session.engines.values()}
-        messages = {}
-        for ns_id, states in changes.items():
-            if ns_id not in watched:  # no engine keeps a copy of this namespace
-                continue
-            lists: dict[str, list[bytes]] = {name: [] for name in _STATE_NAMES}
-            for key, state in states.items():
-                lists[state.value].append(key)
-            messages[ns_id] = lists
+        # One pass over the engines; a namespace's lists are made once, and
+        # only for a namespace some engine keeps a copy of.
+        messages: dict[int, dict[str, list[bytes]]] = {}
         for session in _live(self._sessions.values()):
             for engine_id, ns in session.engines.items():
+                states = changes.get(ns.id)
+                if not states:
+                    continue
                 lists = messages.get(ns.id)
-                if lists:
-                    session.outbox.blocks_changed(engine_id, **lists)
+                if lists is None:
+                    lists = messages[ns.id] = {name: [] for name in _STATE_NAMES}
+                    for key, state in states.items():
+                        lists[state.value].append(key)
+                session.outbox.blocks_changed(engine_id, **lists)
 
 
 _STATE_NAMES = tuple(state.value for state in BlockState)
