@@ -115,67 +115,62 @@ class JobQueue:
         only for the other's part of the same buffer, so transfers of one chunk
         overlap the kernel of the next. ids[first_id:] hold the job's block ids:
         on the host side of the ring (span) until uploaded here."""
-        rows = stream.rows
         programs = self._programs or copy_kernel.staging_programs(copies.device.index)
-        per_registration = self._per_registration
         slot_bytes, pool_base = self._slot_bytes, self._pool_base
         transfers, kernels = stream.handle, stream.kernels_handle
-        uploaded = span is None
         n = len(slots)
-        for first, count in staging_chunks(n, rows, not to_host and stream.idle):
+        uploaded = span is None
+
+        def upload() -> None:
+            nonlocal uploaded
+            if not uploaded:
+                ring = stream.ring
+                cuda_calls.copy(ring.gpu_address + 8 * span[0], ring.host_address + 8 * span[0], 8 * n, kernels)
+                uploaded = True
+                stamp("ids_up")
+
+        def launch(first: int, count: int, buffer: int) -> None:
+            copy_kernel.launch_at(copies.table, ids, first_id + first, count, stream.positions, buffer, slot_bytes,
+                                  to_host, self._chunk_bytes, programs, stream.kernels, kernels)
+            stamp("kernel")
+
+        def stamp(stage: str) -> None:
+            if trace is not None and stage not in trace:
+                trace[stage] = jobtrace.now()
+
+        for first, count in staging_chunks(n, stream.rows, not to_host and stream.idle):
             b = stream.next_buffer
             stream.next_buffer = (b + 1) % len(stream.buffers)
             buffer = stream.buffer_addresses[b]
             filled, drained = stream.filled_handles[b], stream.drained_handles[b]
-            runs = _runs(slots[first : first + count], per_registration)
+            # Pool side and buffer side of each transfer, in the job's direction.
+            runs = [(pool_base + slot * slot_bytes, buffer + row * slot_bytes, k * slot_bytes)
+                    for slot, row, k in _runs(slots[first : first + count], self._per_registration)]
             if to_host:
-                if not uploaded:
-                    self._upload_span(stream, span, n, kernels)
-                    uploaded = True
-                    if trace is not None:
-                        trace["ids_up"] = jobtrace.now()
+                upload()
                 if stream.used[b]:
                     cuda_calls.wait(kernels, drained)
-                copy_kernel.launch_at(copies.table, ids, first_id + first, count, stream.positions, buffer,
-                                      slot_bytes, True, self._chunk_bytes, programs, stream.kernels, kernels)
-                if trace is not None and "kernel" not in trace:
-                    trace["kernel"] = jobtrace.now()
+                launch(first, count, buffer)
                 cuda_calls.record(filled, kernels)
                 cuda_calls.wait(transfers, filled)
-                for slot, row, k in runs:
-                    cuda_calls.copy(pool_base + slot * slot_bytes, buffer + row * slot_bytes, k * slot_bytes,
-                                    transfers)
+                for pool_address, buffer_address, nbytes in runs:
+                    cuda_calls.copy(pool_address, buffer_address, nbytes, transfers)
                 cuda_calls.record(drained, transfers)
             else:
                 if stream.used[b]:
                     cuda_calls.wait(transfers, drained)
-                for slot, row, k in runs:
-                    cuda_calls.copy(buffer + row * slot_bytes, pool_base + slot * slot_bytes, k * slot_bytes,
-                                    transfers)
+                for pool_address, buffer_address, nbytes in runs:
+                    cuda_calls.copy(buffer_address, pool_address, nbytes, transfers)
                 cuda_calls.record(filled, transfers)
-                if trace is not None and "transfers" not in trace:
-                    trace["transfers"] = jobtrace.now()
-                if not uploaded:
-                    # Only now: the load's first transfer is queued already, and
-                    # the copy engine does not wait for the upload.
-                    self._upload_span(stream, span, n, kernels)
-                    uploaded = True
-                    if trace is not None:
-                        trace["ids_up"] = jobtrace.now()
+                stamp("transfers")
+                # Only now: the load's first transfer is queued already, and
+                # the copy engine does not wait for the upload.
+                upload()
                 cuda_calls.wait(kernels, filled)
-                copy_kernel.launch_at(copies.table, ids, first_id + first, count, stream.positions, buffer,
-                                      slot_bytes, False, self._chunk_bytes, programs, stream.kernels, kernels)
-                if trace is not None and "kernel" not in trace:
-                    trace["kernel"] = jobtrace.now()
+                launch(first, count, buffer)
                 cuda_calls.record(drained, kernels)
             stream.used[b] = True
-            if trace is not None and "first_chunk" not in trace:
-                trace["first_chunk"] = jobtrace.now()
-
-    @staticmethod
-    def _upload_span(stream: CopyStream, span, n: int, on: int) -> None:
-        ring = stream.ring
-        cuda_calls.copy(ring.gpu_address + 8 * span[0], ring.host_address + 8 * span[0], 8 * n, on)
+            stamp("first_chunk")
 
     @staticmethod
     def _upload_ids(block_ids, stream: CopyStream) -> torch.Tensor:
