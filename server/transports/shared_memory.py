@@ -214,12 +214,7 @@ class SharedMemoryTransport(Transport):
         if len(job.blocks) * job.worker.layout.block_bytes <= INLINE_BYTES:
             # Copied now, on the loop: less than handing it to a thread and back.
             # It ends on the loop's next turn, never inside its own submit.
-            error = None
-            try:
-                self._copy(job, staging)
-            except Exception as e:
-                error = e
-            loop.call_soon(self._copied_many, [(job, staging, error)])
+            loop.call_soon(self._copied_many, [(job, staging, self._try_copy(job, staging))])
             return
         self._queue.put((loop, job, staging))
 
@@ -232,12 +227,7 @@ class SharedMemoryTransport(Transport):
             ended = []
             while item:
                 loop, job, staging = item
-                error = None
-                try:
-                    self._copy(job, staging)
-                except Exception as e:
-                    error = e
-                ended.append((job, staging, error))
+                ended.append((job, staging, self._try_copy(job, staging)))
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -249,6 +239,13 @@ class SharedMemoryTransport(Transport):
             if item is False:
                 item = self._queue.get()
         # None: shutting down
+
+    def _try_copy(self, job, staging: Staging) -> Exception | None:
+        try:
+            self._copy(job, staging)
+        except Exception as e:  # the job fails, with the reason
+            return e
+        return None
 
     def _copied_many(self, ended: list) -> None:
         reported = []
