@@ -372,10 +372,7 @@ class BlockIndex:
         # block evicts one, of the scope that shares.py says gives up a slot.
         evictable = self._evictable
         while slot is None:
-            held = self._held
-            # One scope holds the whole pool (the common case): it evicts its own.
-            alone = len(held) == 1 and scope in held and not self.evictions.quotas
-            for victim_scope in (scope,) if alone else self.evictions.order(scope, self._slots_by_scope):
+            for victim_scope in self.evictions.order(scope, self._slots_by_scope):
                 own = victim_scope == scope
                 victim_key = self.evictions.of(victim_scope).victim(evictable, incoming if own else None)
                 if victim_key is not None:

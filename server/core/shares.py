@@ -59,6 +59,8 @@ class ScopedEviction:
     def victims(self, incoming: str, used: dict[str, int], total: int) -> list[str]:
         """The scopes to take room from, in turn, for `incoming` in a full store of
         `total` units (slots, bytes) of which each scope holds `used`."""
+        if len(used) == 1 and incoming in used:
+            return [incoming]  # one scope holds it all (the common case): it gives up its own
         used = dict(used)
         used.setdefault(incoming, 0)
         active = len([s for s, n in used.items() if n > 0 or s == incoming])
