@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, subprocess_env
-from kvdepot.server.daemon import options
-from kvdepot.server.daemon.options import BEGIN_MARK, BY_KEY, END_MARK, OPTIONS
+
+from kvdepot.server.daemon import options_doc
+from kvdepot.server.daemon.options import BY_KEY, OPTIONS
+from kvdepot.server.daemon.options_doc import BEGIN_MARK, END_MARK
 from kvdepot.settings import ConfigError, parse_size
 
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
@@ -56,13 +57,13 @@ def _flags_in(text: str) -> set[str]:
 
 
 def test_every_marked_option_table_is_what_the_generator_writes():
-    marked = options.marked_files(REPO)
+    marked = options_doc.marked_files(REPO)
     assert marked, f"no doc of README.md or docs/*.md has the marker {BEGIN_MARK}"
-    table = options.markdown()
+    table = options_doc.markdown()
     for path in DOCS:
         text = path.read_text()
         assert text.count(BEGIN_MARK) == text.count(END_MARK), f"{path.name}: the OPTIONS TABLE markers do not pair"
-        assert options.rewrite(text, table) == text, (
+        assert options_doc.rewrite(text, table) == text, (
             f"{path.name}'s option table is not what server/daemon/options.py says: run scripts/gen-options-doc"
         )
 
@@ -76,10 +77,10 @@ def test_the_generator_rewrites_a_stale_table(tmp_path):
                           env=subprocess_env(PYTHON=sys.executable), timeout=60)
     # The script rewrites the checkout it belongs to; the module takes any folder.
     assert proc.returncode == 0, proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "kvdepot.server.daemon.options", "--write", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "kvdepot.server.daemon.options_doc", "--write", str(tmp_path)],
                           capture_output=True, text=True, env=subprocess_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert doc.read_text() == f"# Options\n\n{BEGIN_MARK}\n{options.markdown()}{END_MARK}\n\nAfter.\n"
+    assert doc.read_text() == f"# Options\n\n{BEGIN_MARK}\n{options_doc.markdown()}{END_MARK}\n\nAfter.\n"
     assert (tmp_path / "README.md").read_text() == "No table here.\n"
 
 
