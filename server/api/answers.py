@@ -7,8 +7,8 @@ from dataclasses import asdict, fields
 
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.core.counters import Counters
-from kvdepot.server.core.depot import Submitted
 from kvdepot.server.core.index import LookupResult
+from kvdepot.server.core.jobs import Submitted
 from kvdepot.server.core.outbox import BlocksChanged, JobDone, Notice
 from kvdepot.server.core.report import Cleared, PoolInfo, Report
 from kvdepot.server.core.requests import LookupStatus

@@ -1,4 +1,6 @@
-"""The daemon's state machine: sessions, workers, jobs, pins and completion.
+"""The daemon's state machine: sessions, workers, registrations, lookups,
+reports; its jobs are the Python lane's (jobs.py), or the native lane's
+(server/native/depot.py, which takes this depot for its control plane).
 
 It speaks no protocol and knows no transport by name: the API wing
 (server/api) reads requests into the plain values of requests.py, calls
@@ -6,12 +8,6 @@ here, and turns the answers (and the typed errors raised here) into messages;
 each transport moves bytes behind the interface of transport.py, and the tiers
 below DRAM sit behind tiers.py. Every method runs on the event loop's thread,
 so the state needs no locks.
-
-A job's life: `submit` checks the request, lets the worker's transport check
-it too (`prepare_job`), reserves the blocks in the index (pinning them), and
-`start`s the transport. The transport ends it with `finish_job`, which
-commits or rolls back the blocks, unpins them, counts, and tells the client.
-Only the daemon writes the pool: no job's end waits on a client.
 """
 
 from __future__ import annotations
@@ -20,11 +16,8 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass
 
-from kvdepot import jobtrace
 from kvdepot.errors import (
-    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     KVDepotError,
@@ -37,12 +30,13 @@ from kvdepot.server.core import report, staging
 from kvdepot.server.core.blocks import Block
 from kvdepot.server.core.counters import COUNTER_MAX, BusyClock, Counters, JobTimes
 from kvdepot.server.core.index import BlockIndex, LookupResult
+from kvdepot.server.core.jobs import JobPath
 from kvdepot.server.core.limits import Limits, StagingBudget, shown
 from kvdepot.server.core.namespaces import Namespace, Namespaces
 from kvdepot.server.core.outbox import ChangeFeed
 from kvdepot.server.core.registration import worker_layout
-from kvdepot.server.core.requests import JobKind, JobRequest, LookupStatus, NamespaceSpec, WorkerSpec, check_keys
-from kvdepot.server.core.sessions import RECENT_JOB_IDS, Job, Session, Worker
+from kvdepot.server.core.requests import LookupStatus, NamespaceSpec, WorkerSpec, check_keys
+from kvdepot.server.core.sessions import Session, Worker
 from kvdepot.server.core.shares import ScopedEviction
 from kvdepot.server.core.tenants import Identity
 from kvdepot.server.core.tiers import TierStack
@@ -51,16 +45,7 @@ from kvdepot.server.core.transport import Transport
 log = logging.getLogger("kvdepot.depot")
 
 
-@dataclass(frozen=True)
-class Submitted:
-    """A store's answer: keys left out as already stored (or being stored by
-    another job), and keys not stored because every slot is pinned."""
-
-    already_stored: int = 0
-    not_stored: int = 0
-
-
-class Depot:
+class Depot(JobPath):
     def __init__(
         self,
         pool,
@@ -83,11 +68,10 @@ class Depot:
         self.sessions: dict[str, Session] = {}
         self.sessions_ended = 0
         self.changes = ChangeFeed(self.sessions)
-        self.namespaces = Namespaces(self.new_id, lambda ns: log.info("namespace %r created", ns.name), limits)
+        self.namespaces = Namespaces(self.new_id, self._namespace_created, limits, self._holds_blocks,
+                                     self._namespace_freed)
         self.evictions = ScopedEviction(eviction, pool.num_slots, quotas)
-        self.index = BlockIndex(
-            pool, self.evictions, self.namespaces, self._count_eviction, self.changes.note, self.changes.send, tiers
-        )
+        self.index = self._open_index(pool, tiers)
         # By the kind of handles their workers register with.
         self.transports: dict[str, Transport] = {}
         self.staging_budget = StagingBudget(limits)
@@ -96,6 +80,20 @@ class Depot:
         self._idle = asyncio.Event()
         self._idle.set()
         self._next_id = 1
+
+    def _open_index(self, pool, tiers: TierStack | None):
+        return BlockIndex(
+            pool, self.evictions, self.namespaces, self._count_eviction, self.changes.note, self.changes.send, tiers
+        )
+
+    def _namespace_created(self, ns: Namespace) -> None:
+        log.info("namespace %r created", ns.name)
+
+    def _holds_blocks(self, ns: Namespace) -> bool:
+        return ns.used_slots > 0 or ns.ready_blocks > 0
+
+    def _namespace_freed(self, ns: Namespace) -> None:
+        pass
 
     def pool_info(self) -> report.PoolInfo:
         return report.PoolInfo(self.pool.slot_bytes, self.pool.num_slots, self.pool.pinned)
@@ -143,6 +141,20 @@ class Depot:
         for memory in session.staging.values():
             memory.close()
         session.staging.clear()
+        jobs = self._end_jobs(session)
+        for ns in session.engines.values():
+            self._engine_gone(ns)
+        for ns in [*session.engines.values(), *(w.ns for w in session.workers.values())]:
+            self.namespaces.release(ns)
+        self.namespaces.sweep()
+        del self.sessions[session.id]
+        self.sessions_ended += 1
+        log.info("session %d ended: %s%s, %d job(s) were in flight", session.number, shown(session.client_name),
+                 _who(session), jobs)
+
+    def _end_jobs(self, session: Session) -> int:
+        """The session's jobs end (abandoned to their transports) and its workers
+        close once their copies have; returns how many jobs were in flight."""
         jobs = list(session.jobs.values())
         for job in jobs:
             job.worker.transport.abandon(job)
@@ -151,13 +163,13 @@ class Depot:
                 worker.transport.close_worker(worker)
             except Exception:  # the other workers' mappings must still be closed
                 log.exception("closing worker %d failed", worker.id)
-        for ns in [*session.engines.values(), *(w.ns for w in session.workers.values())]:
-            self.namespaces.release(ns)
-        self.namespaces.sweep()
-        del self.sessions[session.id]
-        self.sessions_ended += 1
-        log.info("session %d ended: %s%s, %d job(s) were in flight", session.number, shown(session.client_name),
-                 _who(session), len(jobs))
+        return len(jobs)
+
+    def _engine_registered(self, ns: Namespace) -> None:
+        """An engine keeps a copy of `ns`'s keys from now on."""
+
+    def _engine_gone(self, ns: Namespace) -> None:
+        """One of `ns`'s engines is gone."""
 
     def _session(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
@@ -185,10 +197,9 @@ class Depot:
         engine_id = self.new_id()
         session.engines[engine_id] = ns
         self.namespaces.acquire(ns)
-        blocks = self.index.blocks_of(ns)
-        ready = [b.key for b in blocks if b.ready]
-        storing = [b.key for b in blocks if not b.ready and b.writers]
-        lower = self.index.tiers.lower_keys(ns, {b.key for b in blocks})
+        self._engine_registered(ns)
+        ready, storing, held = self.index.snapshot(ns)
+        lower = self.index.tiers.lower_keys(ns, held)
         session.outbox.snapshot(engine_id, ready, storing, lower)
         return engine_id, ns
 
@@ -217,6 +228,14 @@ class Depot:
                  ns.name, worker.rank, worker.device, len(layout.tensors), layout.num_blocks, layout.block_bytes,
                  transport.name)
         return worker
+
+    # The job socket's connections stay with the API wing (api/job_socket.py);
+    # the native lane takes them after their hello (server/native/depot.py).
+    takes_job_connections = False
+
+    def adopt_job_connection(self, session: Session, fd: int, peer: str, first: bytes, leftover: bytes,
+                             release) -> bool:
+        raise NotImplementedError("this depot leaves job socket connections to the API wing")
 
     def take_staging(self, session_id: str, identity: Identity, fd: int) -> int:
         """Keeps a worker's staging memory (a descriptor from the job socket,
@@ -248,132 +267,6 @@ class Depot:
         ns = self._engine(session, engine_id)
         self.limits.check_lookup_report(lookups, hit_blocks, miss_blocks)
         self._count(session, ns, lookups=lookups, hit_blocks=hit_blocks, miss_blocks=miss_blocks)
-
-    # ------------------------------------------------------------ jobs
-
-    def submit(self, session_id: str, request: JobRequest, received_ns: int = 0) -> Submitted:
-        """Starts a store or load job. `received_ns`: when the request was
-        read, for jobtrace (0 where nobody traces)."""
-        session, worker, keys, state = self._check_job(session_id, request)
-        block_ids = request.block_ids
-        if request.kind is JobKind.STORE:
-            reservation = self.index.reserve_store(worker.ns, worker.rank, keys, request.job_id, worker.node)
-            writes = reservation.writes
-            blocks = [block for _, block in writes]
-            block_ids = [block_ids[position] for position, _ in writes]
-            answer = Submitted(reservation.already_stored, reservation.not_stored)
-        else:
-            if len(set(block_ids)) != len(block_ids):
-                raise InvalidArgument("a load writes each block id once; the request repeats some")
-            blocks = self.index.reserve_load(worker.ns, keys, worker.rank, worker.layout.block_bytes)
-            from_disk = self.index.take_promoted(blocks)
-            if from_disk:
-                self._count(session, worker.ns, disk_hit_blocks=from_disk)
-            answer = Submitted()
-        slots = [block.slots[worker.rank] for block in blocks]
-        job = Job(request.job_id, request.kind, session, worker, blocks, list(block_ids), slots, transport_state=state)
-        self._begin(job, received_ns)
-        self.changes.send()
-        if answer.not_stored:
-            log.warning(
-                "store job %d of session %d: %d block(s) not stored, every slot is pinned",
-                job.id, session.number, answer.not_stored,
-            )
-        return answer
-
-    def _check_job(self, session_id: str, request: JobRequest) -> tuple[Session, Worker, list[bytes], object]:
-        """Checks a store or load request before anything is reserved."""
-        if self.draining:
-            raise Unavailable("the daemon is shutting down and takes no new jobs")
-        session = self.session(session_id)
-        worker = session.workers.get(request.worker_id)
-        if worker is None:
-            raise NotFound(f"unknown worker {request.worker_id} in this session: register it first")
-        if request.job_id in session.jobs or request.job_id in session.recent_job_id_set:
-            raise AlreadyExists(f"job id {request.job_id} is already used by this session")
-        self.limits.room_for_job(session)
-        keys = request.checked_keys(self.pool.num_slots, worker.layout.num_blocks)
-        state = worker.transport.prepare_job(worker, request)
-        return session, worker, keys, state
-
-    def _begin(self, job: Job, received_ns: int) -> None:
-        if jobtrace.ON:
-            job.trace = {"received": received_ns, "begin": jobtrace.now()}
-        job.submitted = time.monotonic()
-        job.session.jobs[job.id] = job
-        (self.store_clock if job.kind is JobKind.STORE else self.load_clock).start()
-        self._jobs_in_flight += 1
-        self._idle.clear()
-        try:
-            job.worker.transport.start(job)
-        except Exception as e:  # a job that cannot start must not stay in flight forever
-            log.exception("%s job %d could not start", job.kind.value, job.id)
-            self.finish_job(job, False, f"the daemon could not start the job: {e}")
-
-    def finish_job(self, job: Job, ok: bool, error: str = "") -> None:
-        """Commits or rolls back a job whose copies have ended, and tells its client."""
-        if self._tell(job, ok, error):
-            self._settle(job, ok, error)
-
-    def finish_jobs(self, ended: list[tuple[Job, bool, str]]) -> None:
-        """finish_job of jobs whose copies ended together: every client is told
-        first, in one write a connection, and the bookkeeping follows."""
-        channels = []
-        for job, _, _ in ended:
-            channel = job.session.outbox.job_channel
-            if channel is not None and channel not in channels:
-                channel.hold_writes()
-                channels.append(channel)
-        told = [(job, ok, error) for job, ok, error in ended if self._tell(job, ok, error)]
-        for channel in channels:
-            channel.write_held()
-        for job, ok, error in told:
-            self._settle(job, ok, error)
-
-    def _tell(self, job: Job, ok: bool, error: str) -> bool:
-        """Tells the client that its job ended; False for a job ended already."""
-        session = job.session
-        if session.jobs.pop(job.id, None) is None:
-            return False
-        if job.trace is not None:
-            job.trace["finish"] = jobtrace.now()
-        # The client is told first, since it waits on this: nothing it sends next
-        # is handled before the bookkeeping below has run (one event loop).
-        if not session.ended:
-            session.outbox.job_done(job.id, ok, error)
-        if job.trace is not None:
-            job.trace["done_sent"] = jobtrace.now()
-        return True
-
-    def _settle(self, job: Job, ok: bool, error: str) -> None:
-        """Commits or rolls back the blocks of a job its client was told of."""
-        session, worker = job.session, job.worker
-        if len(session.recent_job_ids) == RECENT_JOB_IDS:
-            session.recent_job_id_set.discard(session.recent_job_ids[0])
-        session.recent_job_ids.append(job.id)
-        session.recent_job_id_set.add(job.id)
-        n, nbytes = len(job.blocks), len(job.blocks) * worker.layout.block_bytes
-        if job.kind is JobKind.STORE:
-            self.index.finish_stores(job.blocks, worker.rank, ok, worker.layout.block_bytes)
-            if ok:
-                self._count(session, worker.ns, stored_blocks=n, stored_bytes=nbytes)
-            self.store_clock.stop()
-        else:
-            self.index.finish_loads(job.blocks)
-            if ok:
-                self._count(session, worker.ns, loaded_blocks=n, loaded_bytes=nbytes)
-            self.load_clock.stop()
-        self.job_times.finished(job.kind, ok, time.monotonic() - job.submitted, session.ended)
-        if not ok:
-            self._count(session, worker.ns, failed_jobs=1)
-            log.warning("%s job %d of session %d failed: %s", job.kind.value, job.id, session.number, error)
-        self._jobs_in_flight -= 1
-        if self._jobs_in_flight == 0:
-            self._idle.set()
-        self.changes.send()
-        if job.trace is not None:
-            job.trace["committed"] = jobtrace.now()
-            jobtrace.write_job(session.id, job.id, job.kind.value, len(job.blocks), job.trace)
 
     # ------------------------------------------------------------ life cycle
 
@@ -416,6 +309,19 @@ class Depot:
     @property
     def jobs_in_flight(self) -> int:
         return self._jobs_in_flight
+
+    # What reports read (core/report.py); the native lane keeps its own.
+
+    def namespace_counts(self, ns: Namespace) -> tuple[int, int, Counters]:
+        """(slots used, ready blocks, counters) of `ns`."""
+        return ns.used_slots, ns.ready_blocks, ns.counters
+
+    def session_counts(self, session: Session) -> tuple[int, int, Counters]:
+        """(jobs in flight, workers, counters) of `session`."""
+        return len(session.jobs), len(session.workers), session.counters
+
+    def busy_seconds(self) -> tuple[float, float]:
+        return self.store_clock.seconds, self.load_clock.seconds
 
     # ------------------------------------------------------------ accounting
 

@@ -151,6 +151,14 @@ class BlockIndex:
     def blocks_of(self, ns: Namespace | None) -> list[Block]:
         return [b for b in self._blocks.values() if ns is None or b.ns is ns]
 
+    def snapshot(self, ns: Namespace) -> tuple[list[bytes], list[bytes], set[bytes]]:
+        """`ns`'s ready keys, keys being stored, and every key DRAM holds (a
+        registration's snapshot)."""
+        blocks = self.blocks_of(ns)
+        ready = [b.key for b in blocks if b.ready]
+        storing = [b.key for b in blocks if not b.ready and b.writers]
+        return ready, storing, {b.key for b in blocks}
+
     # ------------------------------------------------------------ for the tiers (core/tiers.py TierHost)
 
     def hold(self, block: Block) -> None:
@@ -200,13 +208,8 @@ class BlockIndex:
         return self.evictions.victims(incoming, used, total)
 
     def lower_gone(self, gone: set[tuple[bytes, bytes]]) -> None:
-        keys: dict[bytes, list[bytes]] = {}
-        for digest, key in gone:
-            keys.setdefault(digest, []).append(key)
-        for ns in self.namespaces:
-            for key in keys.get(ns.digest, ()):
-                if (ns.id, key) not in self._blocks:
-                    self._on_change(ns, key, BlockState.DROPPED)
+        for ns, key in gone_from_dram(gone, self.namespaces, lambda ns, key: (ns.id, key) in self._blocks):
+            self._on_change(ns, key, BlockState.DROPPED)
         self._send_changes()
 
     def restore(self, kept: Sequence[KeptBlock]) -> list[tuple[KeptBlock, Exception]]:
@@ -216,15 +219,12 @@ class BlockIndex:
         refused = []
         for block_kept in kept:
             try:
-                ns = self.namespaces.of(block_kept.spec, block_kept.scope)
+                ns = kept_namespace(self.namespaces, block_kept)
             except Exception as e:
                 for slot in block_kept.slots:
                     self.pool.release(slot)
                 refused.append((block_kept, e))
                 continue
-            for rank, signature in block_kept.signatures.items():
-                if signature is not None:
-                    ns.rank_signatures.setdefault(rank, signature)
             block = Block(ns, block_kept.key)
             block.slots = list(block_kept.slots)
             block.lengths = block_kept.lengths
@@ -427,3 +427,22 @@ class BlockIndex:
         self.tiers.clear(ns)
         return cleared, pinned
 
+
+
+def gone_from_dram(gone: set[tuple[bytes, bytes]], namespaces: Namespaces, in_dram) -> list[tuple[Namespace, bytes]]:
+    """Of the (namespace digest, key) pairs a tier no longer holds, the blocks
+    DRAM does not hold either (`in_dram(ns, key)`): gone for good."""
+    keys: dict[bytes, list[bytes]] = {}
+    for digest, key in gone:
+        keys.setdefault(digest, []).append(key)
+    return [(ns, key) for ns in namespaces for key in keys.get(ns.digest, ()) if not in_dram(ns, key)]
+
+
+def kept_namespace(namespaces: Namespaces, kept: KeptBlock) -> Namespace:
+    """The namespace of a block adopted from the kept pool, with its ranks'
+    signatures as its first workers fixed them; raises when it is refused now."""
+    ns = namespaces.of(kept.spec, kept.scope)
+    for rank, signature in kept.signatures.items():
+        if signature is not None:
+            ns.rank_signatures.setdefault(rank, signature)
+    return ns

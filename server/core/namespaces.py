@@ -100,10 +100,15 @@ class Namespaces:
         new_id: Callable[[], int],
         on_create: Callable[[Namespace], None] = lambda ns: None,
         limits: Limits | None = None,
+        holds_blocks: Callable[[Namespace], bool] = lambda ns: ns.used_slots > 0 or ns.ready_blocks > 0,
+        on_free: Callable[[Namespace], None] = lambda ns: None,
     ):
         self._new_id = new_id
         self._on_create = on_create
         self._limits = limits or Limits()
+        # Whether a namespace's blocks are in the index (the lane that holds them says).
+        self._holds_blocks = holds_blocks
+        self._on_free = on_free
         self._by_identity: dict[tuple, Namespace] = {}
         # Namespaces with no registration: freed once their last block is gone.
         self._idle: set[Namespace] = set()
@@ -151,10 +156,11 @@ class Namespaces:
 
     def sweep(self) -> int:
         """Frees the idle namespaces that hold no block; returns how many."""
-        empty = [ns for ns in self._idle if ns.used_slots == 0 and ns.ready_blocks == 0]
+        empty = [ns for ns in self._idle if not self._holds_blocks(ns)]
         for ns in empty:
             self._idle.discard(ns)
             del self._by_identity[ns.identity]
+            self._on_free(ns)
         return len(empty)
 
     def __len__(self) -> int:

@@ -119,31 +119,32 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
         return Report(**base)
     visible = visible_to(viewer)
     most = most if most is not None else depot.limits.stats_max_entries
-    namespaces = sorted((ns for ns in depot.namespaces if visible(ns.scope)), key=lambda ns: ns.used_slots,
-                        reverse=True)
-    sessions = [
-        s for s in depot.sessions.values()
+    counts = {ns: depot.namespace_counts(ns) for ns in depot.namespaces if visible(ns.scope)}
+    namespaces = sorted(counts, key=lambda ns: counts[ns][0], reverse=True)
+    clients = {
+        s: depot.session_counts(s) for s in depot.sessions.values()
         if s.identity is not None and visible(s.identity.scope) and s.id != asking_session_id
-    ]
-    sessions.sort(key=lambda s: s.counters.stored_bytes + s.counters.loaded_bytes, reverse=True)
+    }
+    sessions = sorted(clients, key=lambda s: clients[s][2].stored_bytes + clients[s][2].loaded_bytes, reverse=True)
     base.update(
         namespaces=[
-            NamespaceReport(ns.name, ns.scope, ns.counters.copy(), ns.ready_blocks, ns.used_slots)
+            NamespaceReport(ns.name, ns.scope, counts[ns][2].copy(), counts[ns][1], counts[ns][0])
             for ns in namespaces[:most]
         ],
         namespaces_omitted=max(0, len(namespaces) - most),
-        clients=[_client(s) for s in sessions[:most]],
+        clients=[_client(s, *clients[s]) for s in sessions[:most]],
         clients_omitted=max(0, len(sessions) - most),
     )
     if not viewer.admin:
-        return Report(**base, totals=_sum(ns.counters for ns in namespaces))
+        return Report(**base, totals=_sum(counts[ns][2] for ns in namespaces))
     transports = depot.transports.values()
+    store_seconds, load_seconds = depot.busy_seconds()
     return Report(
         **base,
         totals=depot.totals.copy(),
         admin=True,
-        store_seconds=depot.store_clock.seconds,
-        load_seconds=depot.load_clock.seconds,
+        store_seconds=store_seconds,
+        load_seconds=load_seconds,
         pinned_slots=depot.index.pinned_slots,
         open_ipc_mappings=sum(t.open_mappings for t in transports),
         # NVML is asked here, on the loop: about a millisecond per GPU.
@@ -155,7 +156,7 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
     )
 
 
-def _client(session) -> ClientReport:
+def _client(session, jobs: int, workers: int, counters: Counters) -> ClientReport:
     who = session.identity
     return ClientReport(
         session_number=session.number,
@@ -163,9 +164,9 @@ def _client(session) -> ClientReport:
         pid=who.pid,
         tenant=who.tenant,
         uid=who.uid if who.uid is not None else 0,
-        counters=session.counters.copy(),
-        jobs_in_flight=len(session.jobs),
-        workers=len(session.workers),
+        counters=counters.copy(),
+        jobs_in_flight=jobs,
+        workers=workers,
     )
 
 

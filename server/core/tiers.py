@@ -142,6 +142,17 @@ class Tier(ABC):
         """Each rank's bytes, if the tier can promote `ns`'s block `key` now; else None."""
         return None
 
+    def note(self, ns, rank: int | None) -> None:
+        """A namespace whose shards DRAM may commit (with `rank`, once a worker
+        of that rank fixed its layout): a tier that names namespaces in its
+        records learns them now."""
+
+    def hand_sealing_over(self, sealer) -> bool:
+        """A tier that seals DRAM's committed shards itself (the kept pool) lets
+        `sealer` (the native lane) seal them instead, as the index commits them;
+        True if it did."""
+        return False
+
     def promote(self, ns, key: bytes, slots: list[int], done: Callable[[bool], None]) -> None:
         """Fills `slots` (one a rank) with the block; calls `done(ok)` on the event loop."""
         raise NotImplementedError(f"the {self.name} tier promotes nothing")
@@ -190,6 +201,13 @@ class TierStack:
     def committed(self, ns, rank: int, blocks: Sequence, length: int) -> None:
         for tier in self.tiers:
             tier.demote(ns, rank, blocks, length)
+
+    def note(self, ns, rank: int | None) -> None:
+        for tier in self.tiers:
+            tier.note(ns, rank)
+
+    def hand_sealing_over(self, sealer) -> bool:
+        return any([tier.hand_sealing_over(sealer) for tier in self.tiers])
 
     def promote(self, ns, key: bytes) -> bool:
         """Starts bringing `ns`'s block `key` into DRAM from the highest tier

@@ -61,6 +61,62 @@ class GpuStats:
     daemon_memory_bytes: int
 
 
+@dataclass(frozen=True)
+class LaneStream:
+    """One direction of one GPU as the native lane runs its copies (its CUDA
+    handles and addresses; transports/cuda_streams.py CopyStream has each)."""
+
+    stream: int
+    kernels: int
+    buffers: tuple[int, int]
+    rows: int
+    filled: tuple[int, int]
+    drained: tuple[int, int]
+    ring_host: int
+    ring_gpu: int
+    ring_entries: int
+    positions: int
+    # The compiled copy kernel, launched by its handle (cuda_calls.KernelLaunch).
+    function: int
+    block: int
+    shared: int
+    programs: int
+    param_sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LaneDevice:
+    """A GPU as the native lane runs its copies."""
+
+    index: int
+    wait_for_compute: bool
+    chunk_bytes: int
+    spin_bytes: int
+    # Slots of one CUDA registration of the pool (a DMA copy cannot cross two).
+    per_registration: int
+    store: LaneStream
+    load: LaneStream
+    # The CUDA entry points torch loaded, by name, at their addresses.
+    api: dict[str, int]
+
+
+@dataclass(frozen=True)
+class LaneWorker:
+    """What the native lane needs of a worker: its transport's kind there
+    (server/native/src/lane.h TransportKind), and that transport's part."""
+
+    kind: int
+    # Shared memory: the staging rows the daemon mapped.
+    memory: int = 0
+    memory_bytes: int = 0
+    # CUDA: its GPU, its page table there (copy_kernel.PageTable.pointers) and its fence.
+    device: LaneDevice | None = None
+    table: tuple[int, ...] = ()
+    pages_per_block: int = 0
+    max_page_bytes: int = 0
+    fence: int = 0
+
+
 class Transport(ABC):
     # For logs and stats.
     name: str = ""
@@ -94,6 +150,10 @@ class Transport(ABC):
     def open_mappings(self) -> int:
         """Mappings of workers' memory the transport holds open now."""
         return 0
+
+    def lane_worker(self, worker: Worker) -> LaneWorker:
+        """What the native lane needs of a registered worker to run its jobs."""
+        raise FailedPrecondition(f"the native lane cannot run the {self.name} transport's jobs")
 
     def take_memory(self, fd: int, max_bytes: int, charge) -> object:
         """Keeps the memory behind `fd` (the caller closes `fd`) for a worker;
