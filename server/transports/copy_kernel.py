@@ -208,6 +208,22 @@ def launch_at(
         _launches[key] = cuda_calls.KernelLaunch.of(_compiled[key], _ARGS) or False
 
 
+def prepared(positions: torch.Tensor, buffer: int, slot_bytes: int, to_host: bool,
+             chunk_bytes: int) -> cuda_calls.KernelLaunch | None:
+    """The kernel `launch_at` runs into (or out of) staging buffers like
+    `buffer` of `positions`' GPU, compiled now if it was not (a launch with no
+    work), as a KernelLaunch; None where it must be launched through Triton."""
+    key = _key(positions.device.index, to_host, chunk_bytes, buffer, slot_bytes)
+    if key not in _compiled:
+        p = positions
+        with torch.cuda.device(positions.device):
+            _compiled[key] = _copy_pages[(1, 1, 1)](p, p, p, p, p, p, buffer, slot_bytes, 1, 1, 0, TO_HOST=to_host,
+                                                    CHUNK=chunk_bytes, num_warps=4)
+    if key not in _launches:
+        _launches[key] = cuda_calls.KernelLaunch.of(_compiled[key], _ARGS) or False
+    return _launches[key] or None
+
+
 def _work(table: PageTable, blocks: int, chunk_bytes: int) -> tuple[int, int]:
     chunks = triton.cdiv(table.max_page_bytes, chunk_bytes)
     work = blocks * table.pages_per_block * chunks

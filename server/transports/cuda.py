@@ -23,11 +23,20 @@ import torch
 from kvdepot import cuda, jobtrace
 from kvdepot.errors import FailedPrecondition, InvalidArgument
 from kvdepot.server.core.requests import JobKind
-from kvdepot.server.core.transport import Finish, FinishMany, GpuStats, Transport, one_by_one
+from kvdepot.server.core.transport import (
+    Finish,
+    FinishMany,
+    GpuStats,
+    LaneDevice,
+    LaneStream,
+    LaneWorker,
+    Transport,
+    one_by_one,
+)
 from kvdepot.server.host import numa
-from kvdepot.server.transports import copy_kernel, gpu_memory
+from kvdepot.server.transports import copy_kernel, cuda_calls, gpu_memory
 from kvdepot.server.transports.cuda_jobs import JobQueue
-from kvdepot.server.transports.cuda_streams import ComputeGate, CopyStream, completed
+from kvdepot.server.transports.cuda_streams import RING_ENTRIES, ComputeGate, CopyStream, completed
 
 log = logging.getLogger("kvdepot.cuda")
 
@@ -35,6 +44,8 @@ COPY_MODES = ("dma", "kernel")
 
 # Interprocess events a worker may use (the client uses a small ring of them).
 MAX_EVENTS_PER_WORKER = 1024
+# This transport in the native lane (server/native/src/lane.h TransportKind).
+LANE_KIND = 2
 
 
 @dataclass
@@ -106,7 +117,10 @@ class CudaTransport(Transport):
         chunk_bytes: int = 16384,
         programs: int = 0,
         finish_many: FinishMany | None = None,
+        native: bool = False,
     ):
+        """native: the native lane runs the jobs (lane_worker); this transport
+        sets up the GPUs and the workers' mappings, and starts no thread."""
         if mode not in COPY_MODES:
             raise ValueError(f"copy mode must be one of {COPY_MODES}, not {mode!r}")
         if staging_bytes < pool.slot_bytes:
@@ -125,7 +139,9 @@ class CudaTransport(Transport):
         self._devices: dict[int, _Device] = {}
         self._mappings: dict[tuple[int, bytes], _Mapping] = {}
         self._workers: dict[int, _WorkerCopies] = {}
-        self._gate = ComputeGate(self._loop, self._gate_opened, self._gate_failed)
+        self._native = native
+        self._gate = None if native else ComputeGate(self._loop, self._gate_opened, self._gate_failed)
+        self._lane_devices: dict[int, LaneDevice] = {}
         self._held_at_gate = 0
         # The pool as rows of slots, for the copy engines: registered with CUDA,
         # so torch copies it asynchronously.
@@ -161,6 +177,9 @@ class CudaTransport(Transport):
         if device is None:
             slot = self._pool.slot_bytes
             shape = (max(1, self._staging_bytes // slot), slot) if self._mode == "dma" else None
+            # The lane waits for room in the ring rather than making tensors of
+            # a job's own: any job must fit in it alone.
+            ring = (max(RING_ENTRIES, self._pool.num_slots + 2), False) if self._native else ()
             # The daemon's kernels (copies) need no stack: the GPU memory that a
             # context reserves for it is left to the engines.
             try:
@@ -170,8 +189,8 @@ class CudaTransport(Transport):
             with torch.cuda.device(index):
                 device = _Device(
                     index,
-                    CopyStream(index, "store", self._loop, self._finished_many, shape),
-                    CopyStream(index, "load", self._loop, self._finished_many, shape),
+                    CopyStream(index, "store", self._loop, self._finished_many, shape, *ring),
+                    CopyStream(index, "load", self._loop, self._finished_many, shape, *ring),
                     torch.cuda.default_stream(index),
                 )
             self._devices[index] = device
@@ -268,6 +287,38 @@ class CudaTransport(Transport):
         for mapping in copies.mappings:
             self._unmap(mapping)
         log.info("closed the CUDA mappings of worker %d", worker_id)
+
+    # ------------------------------------------------------------ the native lane
+
+    def lane_worker(self, worker) -> LaneWorker:
+        if self._mode != "dma":
+            raise FailedPrecondition("the native lane copies in dma mode only: start kvdepotd with --lane python")
+        copies = self._workers[worker.id]
+        return LaneWorker(LANE_KIND, device=self._lane_device(copies.device), table=copies.table.pointers,
+                          pages_per_block=copies.table.pages_per_block, max_page_bytes=copies.table.max_page_bytes,
+                          fence=copies.fence_address)
+
+    def _lane_device(self, device: _Device) -> LaneDevice:
+        lane_device = self._lane_devices.get(device.index)
+        if lane_device is None:
+            lane_device = self._lane_devices[device.index] = LaneDevice(
+                device.index, self.wait_for_compute, self._chunk_bytes, self._spin_bytes,
+                self._pool.registration_bytes // self._pool.slot_bytes, self._lane_stream(device, device.store, True),
+                self._lane_stream(device, device.load, False), cuda_calls.entry_points())
+        return lane_device
+
+    def _lane_stream(self, device: _Device, stream: CopyStream, to_host: bool) -> LaneStream:
+        slot = self._pool.slot_bytes
+        launch = copy_kernel.prepared(stream.positions, stream.buffer_addresses[0], slot, to_host, self._chunk_bytes)
+        if launch is None:
+            raise FailedPrecondition("the native lane cannot launch this Triton's copy kernel by its handle: "
+                                     "start kvdepotd with --lane python")
+        ring = stream.ring
+        return LaneStream(
+            stream.handle, stream.kernels_handle, tuple(stream.buffer_addresses), stream.rows,
+            tuple(stream.filled_handles), tuple(stream.drained_handles), ring.host_address, ring.gpu_address,
+            len(ring.host), stream.positions.data_ptr(), launch.function, launch.block, launch.shared,
+            self._programs or copy_kernel.staging_programs(device.index), launch.param_sizes)
 
     # ------------------------------------------------------------ jobs
 

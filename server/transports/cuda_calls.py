@@ -119,6 +119,18 @@ def event_handle(event) -> int:
     return event.cuda_event
 
 
+def entry_points() -> dict[str, int]:
+    """The addresses of the CUDA functions a native caller makes (the native
+    lane), in the libraries torch loaded."""
+    runtime, driver = _runtime(), _driver()
+    names = ("cudaSetDevice", "cudaMemcpyAsync", "cudaEventRecord", "cudaStreamWaitEvent", "cudaEventQuery",
+             "cudaEventSynchronize", "cudaEventCreateWithFlags", "cudaEventDestroy", "cudaIpcOpenEventHandle",
+             "cudaStreamSynchronize", "cudaGetErrorString")
+    addresses = {name: ctypes.cast(getattr(runtime, name), ctypes.c_void_p).value for name in names}
+    addresses["cuLaunchKernel"] = ctypes.cast(driver.cuLaunchKernel, ctypes.c_void_p).value
+    return addresses
+
+
 class KernelLaunch:
     """Launches one compiled Triton kernel with cuLaunchKernel, its parameters
     packed by the sizes the driver reports for the function.
@@ -137,6 +149,22 @@ class KernelLaunch:
         self._pointers = (ctypes.c_void_p * len(sizes))(*[ctypes.addressof(v) for v in self._values])
         self._args = args
         self._masks = [(1 << (8 * size)) - 1 for size in sizes]
+
+    @property
+    def function(self) -> int:
+        return self._function
+
+    @property
+    def block(self) -> int:
+        return self._block
+
+    @property
+    def shared(self) -> int:
+        return self._shared
+
+    @property
+    def param_sizes(self) -> tuple[int, ...]:
+        return tuple(ctypes.sizeof(v) for v in self._values)
 
     @classmethod
     def of(cls, kernel, args: int) -> KernelLaunch | None:

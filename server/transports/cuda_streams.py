@@ -127,7 +127,9 @@ class CopyStream:
     jobs of one direction end in order on that stream.
     """
 
-    def __init__(self, device: int, name: str, loop: asyncio.AbstractEventLoop, on_done, staging_shape):
+    def __init__(self, device: int, name: str, loop: asyncio.AbstractEventLoop, on_done, staging_shape,
+                 ring_entries: int = RING_ENTRIES, thread: bool = True):
+        """thread: False where the native lane waits for the stream's jobs itself."""
         self.stream = torch.cuda.Stream(device=device)
         self.kernels = torch.cuda.Stream(device=device) if staging_shape else None
         # Each buffer holds rows of one pool slot; only this direction uses them.
@@ -146,7 +148,7 @@ class CopyStream:
         # Row i of a buffer holds the i-th block of a chunk: made once, not per chunk.
         self.positions = torch.arange(staging_shape[0], dtype=torch.int64, device=device) if staging_shape else None
         self.buffer_addresses = [buffer.data_ptr() for buffer in self.buffers]
-        self.ring = IdRing(device)
+        self.ring = IdRing(device, ring_entries)
         self.handle = self.stream.cuda_stream
         self.kernels_handle = self.kernels.cuda_stream if self.kernels is not None else 0
         self.filled_handles = [cuda_calls.event_handle(e) for e in self.filled]
@@ -162,7 +164,8 @@ class CopyStream:
         self._tracked = 0
         self._ended = 0
         self._thread = threading.Thread(target=self._run, name=f"kvdepot-{name}-{device}", daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread.start()
 
     @property
     def rows(self) -> int:
@@ -235,7 +238,8 @@ class CopyStream:
         return job, ok, error
 
     def stop(self) -> None:
-        self._pending.put(None)
+        if self._thread.is_alive():
+            self._pending.put(None)
 
 
 def _done(event: int) -> bool:

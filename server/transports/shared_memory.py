@@ -24,7 +24,7 @@ import threading
 
 from kvdepot.errors import InvalidArgument
 from kvdepot.server.core.requests import JobKind
-from kvdepot.server.core.transport import Finish, FinishMany, Transport, one_by_one
+from kvdepot.server.core.transport import Finish, FinishMany, LaneWorker, Transport, one_by_one
 from kvdepot.thread_names import name_os_thread
 
 log = logging.getLogger("kvdepot.shm")
@@ -34,6 +34,8 @@ COPY_THREADS = 2
 # A job of at most this many bytes is copied on the event loop (tens of
 # microseconds), not by a thread.
 INLINE_BYTES = 256 << 10
+# This transport in the native lane (server/native/src/lane.h TransportKind).
+LANE_KIND = 1
 
 
 class Staging:
@@ -168,13 +170,15 @@ class SharedMemoryTransport(Transport):
     handle_kind = "shared_memory"
     takes_memory = True
 
-    def __init__(self, finish: Finish, pool, finish_many: FinishMany | None = None):
+    def __init__(self, finish: Finish, pool, finish_many: FinishMany | None = None, threads: bool = True):
+        """threads: False where the native lane copies (this transport then maps and checks)."""
         self._finish_many = finish_many or one_by_one(finish)
         self._pool = pool
         # Daemon threads: a copy still running when the daemon gives up
         # draining must not keep the process from exiting.
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        for n in range(COPY_THREADS):
+        self._threads = COPY_THREADS if threads else 0
+        for n in range(self._threads):
             threading.Thread(target=self._run_copies, name=f"kvdepot-shm-{n}", daemon=True).start()
         # worker id -> its Staging, while registered.
         self._staging: dict[int, Staging] = {}
@@ -201,6 +205,10 @@ class SharedMemoryTransport(Transport):
             )
         staging.keep(needed)
         self._staging[worker.id] = staging
+
+    def lane_worker(self, worker) -> LaneWorker:
+        staging = self._staging[worker.id]
+        return LaneWorker(LANE_KIND, memory=staging.base, memory_bytes=staging.mapped)
 
     def close_worker(self, worker) -> None:
         staging = self._staging.pop(worker.id, None)
@@ -278,5 +286,5 @@ class SharedMemoryTransport(Transport):
         pass
 
     def shutdown(self) -> None:
-        for _ in range(COPY_THREADS):
+        for _ in range(self._threads):
             self._queue.put(None)

@@ -1,0 +1,142 @@
+"""The block index when the native lane holds it: what the depot's control
+plane and the tiers ask of it (core/index.py BlockIndex's methods other than a
+job's), answered by the lane.
+
+The tiers see blocks as `NativeBlock`s, views of a block by its handle: the
+fields they read are asked of the lane, and a handle whose block has left the
+index answers that it is gone (the lane reuses entries with a new generation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvdepot.server.core.blocks import BlockState
+from kvdepot.server.core.index import LookupResult, gone_from_dram, kept_namespace
+from kvdepot.server.core.namespaces import Namespace, Namespaces
+from kvdepot.server.core.requests import LookupStatus
+from kvdepot.server.core.shares import ScopedEviction
+from kvdepot.server.core.tiers import KeptBlock, TierStack
+from kvdepot.server.native import lane as lanes
+from kvdepot.server.native.lane import Lane
+
+
+class NativeBlock:
+    """A block of the lane's index, as a tier reads it."""
+
+    __slots__ = ("_lane", "handle", "ns", "key", "lengths")
+
+    def __init__(self, lane: Lane, handle: int, key: bytes, ns: Namespace, lengths: tuple | None = None):
+        self._lane = lane
+        self.handle = handle
+        self.ns = ns
+        self.key = key
+        self.lengths = lengths
+
+    @property
+    def slots(self) -> list[int | None]:
+        ranks = [self._lane.block_rank(self.handle, rank) for rank in range(self.ns.tp_size)]
+        return [r[0] if r is not None and r[0] >= 0 else None for r in ranks]
+
+    @property
+    def committed(self) -> set[int]:
+        ranks = [self._lane.block_rank(self.handle, rank) for rank in range(self.ns.tp_size)]
+        return {rank for rank, r in enumerate(ranks) if r is not None and r[1]}
+
+
+class NativeIndex:
+    def __init__(self, lane: Lane, namespaces: Namespaces, evictions: ScopedEviction, note: Callable,
+                 send_changes: Callable[[], None], after_call: Callable[[], None], tiers: TierStack | None):
+        self.lane = lane
+        self.namespaces = namespaces
+        self.evictions = evictions
+        self._note = note
+        self._send_changes = send_changes
+        # Reads what the lane said during a call (its events).
+        self._after_call = after_call
+        self.tiers = tiers or TierStack()
+        self.tiers.attach(self)
+
+    # ------------------------------------------------------------ lookups and snapshots
+
+    def lookup(self, ns: Namespace, keys: list[bytes]) -> LookupResult:
+        """index.py BlockIndex.lookup, the tiers' part here: a block absent from
+        DRAM that a tier holds starts its promotion."""
+        blob, n = b"".join(keys), len(keys)
+        kind, (ready, loading, storing, at) = self.lane.lookup(ns.id, blob, n, 0, True)
+        while kind == lanes.LOOKUP_ABSENT:
+            key = keys[at]
+            if self.tiers.promote(ns, key):
+                kind, (_, _, more, at) = self.lane.lookup(ns.id, blob, n, at + 1, False)
+                storing += 1 + more
+                continue
+            if self.tiers.on and not self.tiers.holds(ns, key):
+                # An engine's copy may still list it below DRAM: it is gone.
+                self._note(ns, key, BlockState.DROPPED)
+            break
+        self._after_call()
+        status = LookupStatus.NOT_YET if storing else LookupStatus.READY
+        return LookupResult(status, ready, loading, storing)
+
+    def snapshot(self, ns: Namespace) -> tuple[list[bytes], list[bytes], set[bytes]]:
+        """`ns`'s ready keys, keys being stored, and every key DRAM holds."""
+        return (self.lane.keys_of(ns.id, lanes.READY), self.lane.keys_of(ns.id, lanes.STORING),
+                set(self.lane.keys_of(ns.id, lanes.ALL)))
+
+    def clear(self, ns: Namespace | None) -> tuple[int, int]:
+        counts = self.lane.clear(None if ns is None else ns.id)
+        self._after_call()
+        self.tiers.clear(ns)
+        return counts
+
+    @property
+    def pinned_slots(self) -> int:
+        return self.lane.counts()["pinned_slots"]
+
+    def verify(self) -> str:
+        return self.lane.verify()
+
+    # ------------------------------------------------------------ for the tiers (core/tiers.py TierHost)
+
+    def hold(self, block: NativeBlock) -> None:
+        self.lane.hold(block.handle)
+
+    def let_go(self, block: NativeBlock) -> None:
+        self.lane.let_go(block.handle)
+
+    def holds(self, block: NativeBlock) -> bool:
+        return self.lane.holds(block.handle)
+
+    def reserve_promotion(self, ns: Namespace, key: bytes, lengths: tuple) -> NativeBlock | None:
+        handle, _ = self.lane.reserve_promotion(ns.id, ns.tp_size, key, lengths)
+        self._after_call()
+        return NativeBlock(self.lane, handle, key, ns, tuple(lengths)) if handle else None
+
+    def finish_promotion(self, block: NativeBlock, ok: bool) -> None:
+        self.lane.finish_promotion(block.handle, ok)
+        self._after_call()
+        self._send_changes()
+
+    def share(self, scope: str, active: int) -> float:
+        return self.evictions.part(scope, active)
+
+    def victims(self, incoming: str, used: dict[str, int], total: int) -> list[str]:
+        return self.evictions.victims(incoming, used, total)
+
+    def lower_gone(self, gone: set[tuple[bytes, bytes]]) -> None:
+        for ns, key in gone_from_dram(gone, self.namespaces, lambda ns, key: self.lane.contains(ns.id, key)):
+            self._note(ns, key, BlockState.DROPPED)
+        self._send_changes()
+
+    def restore(self, kept: Sequence[KeptBlock]) -> list[tuple[KeptBlock, Exception]]:
+        refused = []
+        for block_kept in kept:
+            try:
+                ns = kept_namespace(self.namespaces, block_kept)
+            except Exception as e:
+                refused.append((block_kept, e))
+                continue
+            self.lane.restore(ns.id, block_kept.key, block_kept.slots, block_kept.lengths)
+        # The slots of refused blocks are free: the lane takes every slot but the restored ones.
+        self.lane.keep_only(slot for block in kept if all(block is not r[0] for r in refused) for slot in block.slots)
+        return refused

@@ -1,0 +1,474 @@
+// The C functions Python calls (server/native/binding.py declares each).
+// Every one runs on the event loop's thread. A call that can refuse returns a
+// gRPC status code (0: none) and leaves its message for kvd_error. A closed
+// lane (NULL: the daemon is exiting, and a call may still come from a stream
+// that ends late) is a call that does nothing.
+#include <exception>
+
+#include "lane_impl.h"
+
+using namespace kvd;
+
+#define KVD_API __attribute__((visibility("default")))
+
+namespace {
+
+template <class F>
+int guarded(Lane* lane, F&& body) {
+  try {
+    body();
+    return 0;
+  } catch (Refusal& r) {
+    lane->error = r.message;
+    return r.code;
+  } catch (std::exception& e) {
+    lane->error = e.what();
+    return INTERNAL;
+  }
+}
+
+std::vector<Key> keys_of(const uint8_t* blob, uint32_t n) {
+  std::vector<Key> keys(n);
+  if (n) std::memcpy(keys.data(), blob, (size_t)n * KEY_BYTES);
+  return keys;
+}
+
+void put_counters(const Counters& c, uint64_t* out) { std::memcpy(out, c.v, sizeof c.v); }
+
+}  // namespace
+
+extern "C" {
+
+// A source digest compiled in, so that Python can tell a stale build (build.py).
+KVD_API const char* kvd_build_id() { return KVD_BUILD_ID; }
+
+KVD_API Lane* kvd_open(const LaneConfig* config, char* error, size_t error_bytes) {
+  try {
+    Lane* lane = new Lane(*config);
+    lane->start();
+    return lane;
+  } catch (std::exception& e) {
+    snprintf(error, error_bytes, "%s", e.what());
+    return nullptr;
+  }
+}
+
+KVD_API void kvd_close(Lane* lane) {
+  if (!lane) return;
+  lane->stop();
+  // Copies still running (the daemon gave up draining) may touch the lane's
+  // memory until the process exits: it is left to the exit.
+  if (lane->jobs->in_flight) return;
+  delete lane;
+}
+
+KVD_API const char* kvd_error(Lane* lane) {
+  if (!lane) return "";
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  return lane->error.c_str();
+}
+
+KVD_API int kvd_events_fd(Lane* lane) {
+  if (!lane) return -1;
+  return lane->python_fd;
+}
+
+// What the lane said since the last call; valid until the next call.
+KVD_API size_t kvd_take_events(Lane* lane, const uint8_t** data) {
+  if (!lane) return 0;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  const std::string& taken = lane->take_events();
+  *data = reinterpret_cast<const uint8_t*>(taken.data());
+  return taken.size();
+}
+
+// ---------------------------------------------------------------- scopes and namespaces
+
+KVD_API uint32_t kvd_scope(Lane* lane, const char* name, int64_t quota) {
+  if (!lane) return 0;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  return lane->index->scope(name, quota);
+}
+
+KVD_API void kvd_ns_add(Lane* lane, uint32_t id, uint32_t scope, uint32_t tp, const char* name, const uint8_t* digest) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Namespace& ns = lane->index->add_namespace(id, scope, (uint16_t)tp, name);
+  ns.digest.assign(reinterpret_cast<const char*>(digest), 16);
+}
+
+KVD_API void kvd_ns_follow(Lane* lane, uint32_t id, int followed) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Namespace* ns = lane->index->ns(id);
+  if (ns) ns->followed = followed != 0;
+}
+
+KVD_API void kvd_ns_remove(Lane* lane, uint32_t id) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  lane->index->remove_namespace(id);
+}
+
+KVD_API int kvd_ns_counts(Lane* lane, uint32_t id, int64_t* counts, uint64_t* counters) {
+  if (!lane) return UNAVAILABLE;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Namespace* ns = lane->index->ns(id);
+  if (!ns) return NOT_FOUND;
+  counts[0] = ns->used_slots;
+  counts[1] = ns->ready_blocks;
+  put_counters(ns->counters, counters);
+  return 0;
+}
+
+KVD_API void kvd_ns_count(Lane* lane, uint32_t id, uint32_t session, int which, uint64_t delta) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Namespace* ns = lane->index->ns(id);
+  if (ns) lane->jobs->count(lane->jobs->session(session), *ns, which, delta);
+}
+
+// ---------------------------------------------------------------- sessions and workers
+
+KVD_API void kvd_session_add(Lane* lane, uint32_t handle, uint32_t number, const char* id, uint64_t max_jobs) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  lane->jobs->add_session(handle, number, id, max_jobs);
+}
+
+KVD_API void kvd_session_end(Lane* lane, uint32_t handle) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Session* s = lane->jobs->session(handle);
+  if (s && s->conn >= 0) lane->conns->close((uint32_t)s->conn);
+  lane->jobs->end_session(handle);
+}
+
+KVD_API int kvd_session_info(Lane* lane, uint32_t handle, uint64_t* counts, uint64_t* counters) {
+  if (!lane) return UNAVAILABLE;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Session* s = lane->jobs->session(handle);
+  if (!s) return NOT_FOUND;
+  counts[0] = s->jobs.size();
+  counts[1] = s->workers.size();
+  put_counters(s->counters, counters);
+  return 0;
+}
+
+KVD_API int kvd_worker_add(Lane* lane, uint32_t session, uint32_t worker, uint32_t ns, uint32_t rank, uint64_t num_blocks,
+                   uint64_t block_bytes, int32_t node, int transport, uint64_t staging, uint64_t staging_bytes) {
+  if (!lane) return UNAVAILABLE;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  return guarded(lane, [&] {
+    Session* s = lane->jobs->session(session);
+    Namespace* n = lane->index->ns(ns);
+    if (!s || !n || rank >= n->tp) throw Refusal{FAILED_PRECONDITION, "the lane knows no such session or namespace"};
+    if (transport != (int)TransportKind::SHM && transport != (int)TransportKind::CUDA)
+      throw Refusal{INVALID_ARGUMENT, "no such transport in the lane"};
+    if (transport == (int)TransportKind::CUDA && !lane->cuda)
+      throw Refusal{FAILED_PRECONDITION, "the lane's CUDA transport is not set up"};
+    if (transport == (int)TransportKind::SHM && staging_bytes / std::max<uint64_t>(1, block_bytes) < num_blocks)
+      throw Refusal{INVALID_ARGUMENT, "the staging memory does not hold the worker's blocks"};
+    Worker& w = lane->jobs->add_worker(*s, worker, *n, rank, num_blocks, block_bytes, node, (TransportKind)transport);
+    w.staging = reinterpret_cast<uint8_t*>(staging);
+    w.staging_bytes = staging_bytes;
+  });
+}
+
+// ---------------------------------------------------------------- CUDA
+
+// The CUDA transport, once Python has set up CUDA (the entry points torch loaded).
+KVD_API void kvd_cuda_init(Lane* lane, const CudaApi* api) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  if (lane->cuda) return;
+  lane->cuda.reset(new CudaTransport(*api, reinterpret_cast<uint8_t*>(lane->config.pool_base), lane->config.slot_bytes,
+                                     *lane->completions));
+  lane->jobs->transports[(int)TransportKind::CUDA] = lane->cuda.get();
+}
+
+KVD_API int kvd_cuda_has_device(Lane* lane, int index) {
+  if (!lane) return 0;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  return lane->cuda && lane->cuda->has_device(index);
+}
+
+KVD_API void kvd_cuda_device(Lane* lane, const CudaDeviceConfig* config) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  if (lane->cuda && !lane->cuda->has_device(config->index)) lane->cuda->add_device(*config);
+}
+
+KVD_API int kvd_cuda_worker(Lane* lane, uint32_t session, uint32_t worker, int device, const uint64_t* table,
+                            uint64_t pages_per_block, uint64_t max_page_bytes, uint64_t fence) {
+  if (!lane) return UNAVAILABLE;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  return guarded(lane, [&] {
+    Session* s = lane->jobs->session(session);
+    Worker* w = s ? lane->jobs->worker(*s, worker) : nullptr;
+    if (!w || !lane->cuda || !lane->cuda->has_device(device))
+      throw Refusal{FAILED_PRECONDITION, "the lane knows no such worker or GPU"};
+    lane->cuda->open_worker(*w, device, table, pages_per_block, max_page_bytes, fence);
+  });
+}
+
+// ---------------------------------------------------------------- connections and jobs
+
+KVD_API int64_t kvd_conn_add(Lane* lane, uint32_t session, int fd, const char* peer, const uint8_t* first, size_t first_bytes,
+                     const uint8_t* leftover, size_t leftover_bytes) {
+  if (!lane) return -1;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Session* s = lane->jobs->session(session);
+  if (!s) return -1;
+  uint32_t id = lane->conns->add(*s, fd, peer, std::string(reinterpret_cast<const char*>(first), first_bytes),
+                                 std::string(reinterpret_cast<const char*>(leftover), leftover_bytes));
+  lane->conns->flush();
+  return id;
+}
+
+KVD_API int kvd_submit(Lane* lane, uint32_t session, int kind, uint32_t worker, uint64_t job, const uint8_t* keys,
+               const uint64_t* key_lengths, uint32_t n_keys, const uint32_t* block_ids, uint32_t n_ids,
+               const uint8_t* event, size_t event_bytes, uint64_t fence_seq, uint32_t* answer) {
+  if (!lane) return UNAVAILABLE;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  return guarded(lane, [&] {
+    Session* s = lane->jobs->session(session);
+    if (!s) throw Refusal{NOT_FOUND, "unknown session: attach first (after a daemon restart, attach and register again)"};
+    JobRequest r;
+    r.kind = kind ? JobKind::LOAD : JobKind::STORE;
+    r.worker = worker;
+    r.job = job;
+    for (uint32_t i = 0, at = 0; i < n_keys; at += (uint32_t)key_lengths[i], i++) r.keys.push_back({keys + at, key_lengths[i]});
+    r.block_ids.assign(block_ids, block_ids + n_ids);
+    r.event = event;
+    r.event_len = event_bytes;
+    r.fence_seq = fence_seq;
+    Submitted sub = lane->jobs->submit(*s, r, 0);
+    answer[0] = sub.already;
+    answer[1] = sub.not_stored;
+  });
+}
+
+KVD_API void kvd_set_demote(Lane* lane, int on) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  lane->demote_events = on != 0;
+}
+
+KVD_API void kvd_set_draining(Lane* lane, int draining) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  lane->jobs->draining = draining != 0;
+}
+
+// ---------------------------------------------------------------- the index, for lookups and the tiers
+
+KVD_API int kvd_lookup(Lane* lane, uint32_t ns, const uint8_t* keys, uint32_t n, uint32_t start, int count_ready,
+               uint32_t* out) {
+  if (!lane) return UNAVAILABLE;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Namespace* space = lane->index->ns(ns);
+  if (!space) return -1;
+  std::vector<Key> k = keys_of(keys, n);
+  size_t at = 0;
+  out[0] = out[1] = out[2] = out[3] = 0;
+  Index::Next next = lane->index->lookup(*space, k.data(), n, start, count_ready != 0, &out[0], &out[1], &out[2], &at);
+  out[3] = (uint32_t)at;
+  return (int)next;
+}
+
+KVD_API int kvd_contains(Lane* lane, uint32_t ns, const uint8_t* key) {
+  if (!lane) return UNAVAILABLE;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Key k;
+  std::memcpy(k.b, key, KEY_BYTES);
+  return lane->index->contains(ns, k);
+}
+
+KVD_API size_t kvd_keys_of(Lane* lane, uint32_t ns, int which, const uint8_t** out) {
+  if (!lane) return 0;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  std::vector<Key> keys = lane->index->keys_of(ns, (Index::Which)which);
+  lane->scratch.assign(reinterpret_cast<const char*>(keys.data()), keys.size() * KEY_BYTES);
+  *out = reinterpret_cast<const uint8_t*>(lane->scratch.data());
+  return keys.size();
+}
+
+KVD_API void kvd_clear(Lane* lane, int64_t ns, uint64_t* out) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  const Namespace* space = ns < 0 ? nullptr : lane->index->ns((uint32_t)ns);
+  if (ns >= 0 && !space) {
+    out[0] = out[1] = 0;
+    return;
+  }
+  auto counts = lane->index->clear(space);
+  out[0] = counts.first;
+  out[1] = counts.second;
+}
+
+KVD_API void kvd_restore(Lane* lane, uint32_t ns, const uint8_t* key, const int64_t* slots, const uint64_t* lengths) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Namespace* space = lane->index->ns(ns);
+  Key k;
+  std::memcpy(k.b, key, KEY_BYTES);
+  lane->index->restore(*space, k, std::vector<int64_t>(slots, slots + space->tp),
+                       std::vector<uint64_t>(lengths, lengths + space->tp));
+}
+
+KVD_API void kvd_keep_only(Lane* lane, const int64_t* used, size_t n) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  lane->slots->keep_only(std::vector<int64_t>(used, used + n));
+}
+
+KVD_API uint64_t kvd_reserve_promotion(Lane* lane, uint32_t ns, const uint8_t* key, const uint64_t* lengths, int64_t* slots) {
+  if (!lane) return 0;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Namespace* space = lane->index->ns(ns);
+  if (!space) return 0;
+  Key k;
+  std::memcpy(k.b, key, KEY_BYTES);
+  uint32_t b = lane->index->reserve_promotion(*space, k, std::vector<uint64_t>(lengths, lengths + space->tp));
+  if (b == NIL) return 0;
+  for (uint32_t rank = 0; rank < space->tp; rank++) slots[rank] = lane->index->block(b).shards[rank].slot;
+  return lane->index->handle(b);
+}
+
+KVD_API void kvd_finish_promotion(Lane* lane, uint64_t handle, int ok) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Block* block = lane->index->by_handle(handle);
+  if (!block) return;
+  uint32_t b = (uint32_t)handle;
+  Namespace& ns = *lane->index->ns(block->ik.ns);
+  bool sealed = ok != 0;
+  lane->index->finish_promotion(b, ok != 0);
+  if (sealed && lane->index->by_handle(handle)) {
+    // In DRAM again: the kept pool seals every rank (tiers.py TierStack._promoted).
+    for (uint32_t rank = 0; rank < ns.tp; rank++)
+      lane->sealer->seal(*lane->index, ns, rank, {b}, lane->index->block(b).shards[rank].length);
+  }
+}
+
+// Whether the handle's block is still the index's (not evicted or cleared).
+KVD_API int kvd_holds(Lane* lane, uint64_t handle) {
+  if (!lane) return UNAVAILABLE;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  return lane->index->by_handle(handle) != nullptr;
+}
+
+KVD_API void kvd_hold(Lane* lane, uint64_t handle) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  if (lane->index->by_handle(handle)) lane->index->hold((uint32_t)handle);
+}
+
+KVD_API void kvd_let_go(Lane* lane, uint64_t handle) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  if (lane->index->by_handle(handle)) lane->index->let_go((uint32_t)handle);
+}
+
+// A block's rank: [slot, committed (0/1), namespace id, tp]; its key in `key`. 0: no such block.
+KVD_API int kvd_block_info(Lane* lane, uint64_t handle, uint32_t rank, int64_t* out, uint8_t* key) {
+  if (!lane) return UNAVAILABLE;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Block* block = lane->index->by_handle(handle);
+  if (!block || rank >= block->tp) return 0;
+  out[0] = block->shards[rank].slot;
+  out[1] = (block->committed >> rank) & 1;
+  out[2] = block->ik.ns;
+  out[3] = block->tp;
+  std::memcpy(key, block->ik.key.b, KEY_BYTES);
+  return 1;
+}
+
+// ---------------------------------------------------------------- counts
+
+// [used slots, pinned slots, eviction order size, jobs in flight, sessions ended,
+//  sealed, not sealed, unsealed, store busy ns, load busy ns, connections, free slots]
+KVD_API void kvd_counts(Lane* lane, int64_t* out) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  int64_t now = now_ns();
+  out[0] = lane->slots->num_slots() - lane->slots->free();
+  out[1] = lane->index->pinned_slots();
+  out[2] = (int64_t)lane->index->eviction_size();
+  out[3] = (int64_t)lane->jobs->in_flight;
+  out[4] = (int64_t)lane->jobs->sessions_ended;
+  out[5] = (int64_t)lane->sealer->sealed;
+  out[6] = (int64_t)lane->sealer->skipped;
+  out[7] = (int64_t)lane->sealer->unsealed();
+  out[8] = lane->jobs->store_clock.seconds_ns(now);
+  out[9] = lane->jobs->load_clock.seconds_ns(now);
+  out[10] = (int64_t)lane->conns->size();
+  out[11] = lane->slots->free();
+}
+
+KVD_API int64_t kvd_free_in(Lane* lane, uint32_t range) {
+  if (!lane) return -1;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  return lane->slots->free_in(range);
+}
+
+KVD_API void kvd_totals(Lane* lane, uint64_t* out) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  put_counters(lane->jobs->totals, out);
+}
+
+KVD_API void kvd_job_times(Lane* lane, uint64_t* buckets, double* seconds, uint64_t* failures) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  std::memcpy(buckets, lane->jobs->job_times.buckets, sizeof lane->jobs->job_times.buckets);
+  std::memcpy(seconds, lane->jobs->job_times.seconds, sizeof lane->jobs->job_times.seconds);
+  std::memcpy(failures, lane->jobs->job_times.failures, sizeof lane->jobs->job_times.failures);
+}
+
+// For the tests' launchers alone (tests/daemon_with_held_copies.py): shared-memory copies wait at `gate`.
+KVD_API void kvd_test_hold_copies(Lane* lane, const char* gate) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  lane->shm->hold_with(gate, 64);
+}
+
+KVD_API void kvd_set_generation(Lane* lane, uint64_t generation) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  lane->sealer->generation = generation;
+}
+
+KVD_API const char* kvd_verify(Lane* lane) {
+  if (!lane) return "";
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  lane->scratch = lane->index->verify();
+  return lane->scratch.c_str();
+}
+
+}  // extern "C"
+
+// For the tests of the wire codec (tests/test_native_wire.py): a frame's
+// decoding as one line, "-" when it is not a JobFrame:
+// KIND REQUEST_ID WORKER JOB FENCE_SEQ EVENT_HEX SESSION_HEX KEY_HEX,... ID,...
+extern "C" KVD_API const char* kvd_decode_frame(const uint8_t* data, size_t size) {
+  static thread_local std::string line;
+  auto hex = [](const uint8_t* p, size_t n) {
+    static const char* digits = "0123456789abcdef";
+    std::string s;
+    for (size_t i = 0; i < n; i++) s += digits[p[i] >> 4], s += digits[p[i] & 15];
+    return s.empty() ? std::string("_") : s;
+  };
+  Frame f;
+  if (!decode_frame(data, size, f)) return "-";
+  const JobRequest& r = f.request;
+  line = format("%d %llu %u %llu %llu ", (int)f.kind, (unsigned long long)f.request_id, r.worker,
+                (unsigned long long)r.job, (unsigned long long)r.fence_seq);
+  line += hex(r.event, r.event_len) + " " + hex(reinterpret_cast<const uint8_t*>(f.session_id.data()), f.session_id.size()) + " ";
+  std::string keys, ids;
+  for (auto& k : r.keys) keys += (keys.empty() ? "" : ",") + hex(k.first, k.second);
+  for (uint32_t id : r.block_ids) ids += (ids.empty() ? "" : ",") + std::to_string(id);
+  line += (keys.empty() ? "_" : keys) + " " + (ids.empty() ? "_" : ids);
+  return line.c_str();
+}

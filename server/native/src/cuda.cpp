@@ -1,0 +1,543 @@
+// The CUDA transport's copies (port of server/transports/cuda.py's job path,
+// cuda_jobs.py and cuda_streams.py, whose docstrings say why each step is as
+// it is). A job is: its block ids written to its stream's ring and copied up
+// in one transfer; per staging chunk a gather (store) or scatter (load) kernel
+// and one cudaMemcpyAsync per run of consecutive slots, ordered by the
+// buffers' events; a store's fence read back; an event at its end, which the
+// stream's thread waits for. A store starts only once its worker's compute
+// event has completed (the gate's thread polls it on the host, so that a
+// worker killed mid-compute stalls no stream).
+#include "cuda.h"
+
+#include <unistd.h>
+
+namespace kvd {
+
+namespace {
+constexpr int MEMCPY_DEFAULT = 4;  // the direction from the addresses (UVA)
+constexpr int NOT_READY = 600;     // cudaErrorNotReady
+constexpr unsigned EVENT_BLOCKING_SYNC = 0x01, EVENT_DISABLE_TIMING = 0x02;
+constexpr size_t MAX_EVENTS_PER_WORKER = 1024;
+constexpr uint64_t TAIL_CHUNK_SHARE = 8;
+constexpr int GATE_POLL_US = 20;
+// Stage stamps (server/native/binding.py STAGES).
+enum Stage : uint8_t { LAUNCH = 2, IDS_UP = 3, KERNEL = 4, TRANSFERS = 5, FIRST_CHUNK = 6, QUEUED = 7, GPU_DONE = 8 };
+
+void stamp(Job& job, uint8_t stage) {
+  if (job.trace.empty()) return;  // not traced
+  for (auto& s : job.trace)
+    if (s.first == stage) return;
+  job.trace.push_back({stage, now_ns()});
+}
+
+// (first, count) of a job's staging chunks of up to `rows` blocks; a load alone
+// ends with a small chunk (cuda_streams.py staging_chunks).
+std::vector<std::pair<uint64_t, uint64_t>> staging_chunks(uint64_t blocks, uint64_t rows, bool small_tail) {
+  uint64_t tail = small_tail && blocks > 1 ? std::max<uint64_t>(1, std::min(blocks, rows) / TAIL_CHUNK_SHARE) : 0;
+  std::vector<std::pair<uint64_t, uint64_t>> chunks;
+  uint64_t first = 0;
+  for (uint64_t left = blocks - tail; left;) {
+    uint64_t size = std::min(rows, left);
+    chunks.push_back({first, size});
+    first += size;
+    left -= size;
+  }
+  if (tail) chunks.push_back({first, tail});
+  return chunks;
+}
+}  // namespace
+
+// ---------------------------------------------------------------- the ring's spans
+
+bool Spans::take(uint64_t count, int64_t* start, int64_t* end) {
+  uint64_t head = head_;
+  if (taken_.empty()) {
+    head = 0;
+  } else {
+    uint64_t oldest = (uint64_t)taken_.front().first;
+    if (head > oldest) {  // in use: [oldest, head)
+      if (head + count > entries_) {
+        head = 0;
+        if (count > oldest) return false;
+      }
+    } else if (head + count > oldest) {  // wrapped; free: [head, oldest)
+      return false;
+    }
+  }
+  if (head + count > entries_) return false;
+  *start = (int64_t)head;
+  *end = (int64_t)(head + count);
+  head_ = head + count;
+  taken_.push_back({*start, *end});
+  return true;
+}
+
+void Spans::give_back(int64_t start, int64_t end) {
+  if (!taken_.empty() && taken_.front() == std::make_pair(start, end)) {
+    taken_.pop_front();
+    return;
+  }
+  for (auto it = taken_.begin(); it != taken_.end(); ++it)
+    if (*it == std::make_pair(start, end)) {
+      taken_.erase(it);
+      return;
+    }
+}
+
+// ---------------------------------------------------------------- a stream and its thread
+
+struct Tracked {
+  void* event;
+  bool blocking;
+  Job* job;
+  int64_t fence_index;  // -1: no fence to check
+  uint64_t fence_seq;
+};
+
+struct CopyStream {
+  CudaStreamConfig config;
+  int device = 0;
+  const CudaApi* api = nullptr;
+  Completions* completions = nullptr;
+  Spans spans;
+  int next_buffer = 0;
+  bool used[2] = {false, false};
+  std::deque<Job*> waiting;  // for room in the ring, in order (the lane's thread's)
+  std::atomic<uint64_t> tracked{0}, done{0};
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::deque<Tracked> pending;
+  bool stopping = false;
+  std::mutex spare_mutex;
+  std::vector<void*> spare[2];  // ended events for reuse: [spinning, blocking]
+  std::thread thread;
+
+  explicit CopyStream(const CudaStreamConfig& c) : config(c), spans(c.ring_entries) {}
+  bool idle() const { return tracked.load() == done.load(); }
+  void* stream() const { return reinterpret_cast<void*>(config.stream); }
+  void* kernels() const { return reinterpret_cast<void*>(config.kernels); }
+  Ended wait(Tracked& item);
+  void run();
+};
+
+Ended CopyStream::wait(Tracked& item) {
+  int rc = api->event_synchronize(item.event);
+  Job* job = item.job;
+  stamp(*job, GPU_DONE);
+  if (rc) return Ended{job, false, format("copy failed on the GPU: %s (CUDA error %d)", api->error_string(rc), rc)};
+  {
+    std::lock_guard<std::mutex> lock(spare_mutex);
+    spare[item.blocking].push_back(item.event);
+  }
+  if (item.fence_index >= 0) {
+    volatile int64_t* ring = reinterpret_cast<volatile int64_t*>(config.ring_host);
+    if ((uint64_t)ring[item.fence_index] < item.fence_seq)
+      // The event fired but the worker never wrote its fence: it died before
+      // its compute ended, and the blocks hold no valid data.
+      return Ended{job, false, "the worker's compute did not finish (the worker died?)"};
+  }
+  return Ended{job, true, ""};
+}
+
+void CopyStream::run() {
+  api->set_device(device);
+  std::unique_lock<std::mutex> lock(mutex);
+  for (;;) {
+    wake.wait(lock, [this] { return stopping || !pending.empty(); });
+    if (pending.empty()) return;  // stopping
+    Tracked item = pending.front();
+    pending.pop_front();
+    lock.unlock();
+    // Jobs that end together go to the loop together: one wake-up however many.
+    std::vector<Ended> ended{wait(item)};
+    for (;;) {
+      lock.lock();
+      bool more = !pending.empty() && api->event_query(pending.front().event) != NOT_READY;
+      if (more) {
+        item = pending.front();
+        pending.pop_front();
+      }
+      lock.unlock();
+      if (!more) break;
+      ended.push_back(wait(item));
+    }
+    done += ended.size();
+    completions->push(std::move(ended));
+    lock.lock();
+  }
+}
+
+struct CudaTransport::Device {
+  CudaDeviceConfig config;
+  std::unique_ptr<CopyStream> store, load;
+};
+
+// ---------------------------------------------------------------- the transport
+
+CudaTransport::CudaTransport(const CudaApi& api, uint8_t* pool, uint64_t slot_bytes, Completions& completions)
+    : api_(api), pool_(pool), slot_bytes_(slot_bytes), completions_(completions) {
+  gate_ = std::thread([this] {
+    name_thread("kvdepot-gate");
+    gate_run();
+  });
+}
+
+CudaTransport::~CudaTransport() {
+  {
+    std::lock_guard<std::mutex> lock(gate_mutex_);
+    stopping_ = true;
+  }
+  gate_wake_.notify_all();
+  gate_.join();
+  for (auto& entry : devices_)
+    for (CopyStream* s : {entry.second->store.get(), entry.second->load.get()}) {
+      {
+        std::lock_guard<std::mutex> lock(s->mutex);
+        s->stopping = true;
+      }
+      s->wake.notify_all();
+      s->thread.join();
+      for (auto& spare : s->spare)
+        for (void* event : spare) api_.event_destroy(event);
+    }
+}
+
+bool CudaTransport::has_device(int index) const { return devices_.count(index) != 0; }
+
+void CudaTransport::add_device(const CudaDeviceConfig& config) {
+  auto device = std::make_unique<Device>();
+  device->config = config;
+  device->store.reset(new CopyStream(config.store));
+  device->load.reset(new CopyStream(config.load));
+  const char* names[2] = {"kvdepot-store-", "kvdepot-load-"};
+  int i = 0;
+  for (CopyStream* s : {device->store.get(), device->load.get()}) {
+    s->device = config.index;
+    s->api = &api_;
+    s->completions = &completions_;
+    std::string name = names[i++] + std::to_string(config.index);
+    s->thread = std::thread([s, name] {
+      name_thread(name);
+      s->run();
+    });
+  }
+  devices_[config.index] = std::move(device);
+}
+
+void CudaTransport::open_worker(Worker& worker, int device, const uint64_t table[4], uint64_t pages_per_block,
+                                uint64_t max_page_bytes, uint64_t fence) {
+  worker.device_index = device;
+  std::memcpy(worker.table, table, sizeof worker.table);
+  worker.pages_per_block = pages_per_block;
+  worker.max_page_bytes = max_page_bytes;
+  worker.fence_address = fence;
+}
+
+void CudaTransport::check(int code, const char* what) const {
+  if (code) throw std::runtime_error(format("%s failed: %s (CUDA error %d)", what, api_.error_string(code), code));
+}
+
+void CudaTransport::set_device(int index) {
+  if (current_device_ == index) return;
+  check(api_.set_device(index), "cudaSetDevice");
+  current_device_ = index;
+}
+
+void CudaTransport::prepare(Worker& worker, Job& job, const JobRequest& request) {
+  Device& device = *devices_.at(worker.device_index);
+  if (job.kind != JobKind::STORE || !device.config.wait_for_compute) return;
+  if (request.event_len != sizeof(IpcEventHandle))
+    throw Refusal{INVALID_ARGUMENT,
+                  "a CUDA store needs cuda_event_handle: the 64-byte IPC handle of an event recorded after the "
+                  "compute that wrote the blocks"};
+  std::string handle(reinterpret_cast<const char*>(request.event), request.event_len);
+  auto found = worker.events.find(handle);
+  if (found == worker.events.end()) {
+    if (worker.events.size() >= MAX_EVENTS_PER_WORKER)
+      throw Refusal{INVALID_ARGUMENT, format("the worker has used %zu different compute events; reuse them",
+                                             MAX_EVENTS_PER_WORKER)};
+    set_device(worker.device_index);
+    IpcEventHandle h;
+    std::memcpy(h.reserved, request.event, sizeof h.reserved);
+    void* event = nullptr;
+    int rc = api_.ipc_open_event(&event, h);
+    if (rc)
+      throw Refusal{INVALID_ARGUMENT, format("cannot open the store's cuda_event_handle: %s (CUDA error %d)",
+                                             api_.error_string(rc), rc)};
+    found = worker.events.emplace(handle, event).first;
+  }
+  job.event = found->second;
+  job.fence_seq = request.fence_seq;
+}
+
+void CudaTransport::start(Job& job) {
+  if (job.slots.empty()) {
+    completions_.push(Ended{&job, true, ""});
+    return;
+  }
+  // Most stores arrive after their compute ended: no trip through the gate,
+  // unless stores wait there (they go first).
+  if (job.event && (held_at_gate_ || api_.event_query(job.event) != 0)) {
+    held_at_gate_++;
+    job.at_gate = true;
+    {
+      std::lock_guard<std::mutex> lock(gate_mutex_);
+      gate_new_.push_back(&job);
+    }
+    gate_wake_.notify_one();
+    return;
+  }
+  launch(job);
+}
+
+void CudaTransport::abandon(Job& job) {
+  // A store still at the gate is dropped there; copies already queued on the
+  // GPU end first (and fail, the session having ended).
+  if (!job.at_gate) return;
+  {
+    std::lock_guard<std::mutex> lock(gate_mutex_);
+    gate_abandoned_.insert(&job);
+  }
+  gate_wake_.notify_one();
+}
+
+void CudaTransport::forget(Worker& worker) {
+  for (auto& entry : worker.events) api_.event_destroy(entry.second);
+  worker.events.clear();
+}
+
+void CudaTransport::fail(Job& job, const std::string& reason) { completions_.push(Ended{&job, false, reason}); }
+
+void CudaTransport::gate_run() {
+  std::vector<Job*> waiting;
+  std::unique_lock<std::mutex> lock(gate_mutex_);
+  for (;;) {
+    if (waiting.empty()) gate_wake_.wait(lock, [this] { return stopping_ || !gate_new_.empty(); });
+    else gate_wake_.wait_for(lock, std::chrono::microseconds(GATE_POLL_US));
+    if (stopping_) return;
+    for (Job* job : gate_new_) waiting.push_back(job);
+    gate_new_.clear();
+    std::unordered_set<Job*> abandoned;
+    abandoned.swap(gate_abandoned_);
+    lock.unlock();
+    std::vector<std::pair<Job*, std::string>> done;
+    std::vector<Job*> still;
+    for (Job* job : waiting) {
+      if (abandoned.count(job)) {
+        done.push_back({job, "the client went away before its compute finished"});
+        continue;
+      }
+      int rc = api_.event_query(job->event);
+      if (rc == 0) done.push_back({job, ""});
+      else if (rc == NOT_READY) still.push_back(job);
+      // One bad event must not stop every other store.
+      else done.push_back({job, format("waiting for the worker's compute failed: %s", api_.error_string(rc))});
+    }
+    waiting.swap(still);
+    lock.lock();
+    if (!done.empty()) {
+      for (auto& d : done) gate_done_.push_back(std::move(d));
+      completions_.poke();
+    }
+  }
+}
+
+void CudaTransport::poll() {
+  std::vector<std::pair<Job*, std::string>> done;
+  {
+    std::lock_guard<std::mutex> lock(gate_mutex_);
+    done.swap(gate_done_);
+  }
+  for (auto& d : done) {
+    held_at_gate_--;
+    d.first->at_gate = false;
+    if (d.second.empty()) launch(*d.first);
+    else fail(*d.first, d.second);
+  }
+}
+
+void CudaTransport::launch(Job& job) {
+  stamp(job, LAUNCH);
+  if (job.session->ended) {
+    fail(job, "the client went away before its compute finished");
+    return;
+  }
+  bool to_host = job.kind == JobKind::STORE;
+  Device& device = *devices_.at(job.worker->device_index);
+  CopyStream& stream = to_host ? *device.store : *device.load;
+  if (!stream.waiting.empty() || !stream.spans.take(job.slots.size() + 1, &job.span_start, &job.span_end)) {
+    stream.waiting.push_back(&job);  // its turn comes as earlier jobs give their entries back
+    return;
+  }
+  try {
+    enqueue(job, stream, to_host);
+  } catch (std::exception& e) {
+    // Whatever part was queued must end before the slots can be reused.
+    api_.stream_synchronize(stream.stream());
+    api_.stream_synchronize(stream.kernels());
+    fail(job, format("the daemon could not start the copy: %s", e.what()));
+  }
+}
+
+void CudaTransport::ended(Job& job) {
+  if (job.span_start < 0) return;
+  Device& device = *devices_.at(job.worker->device_index);
+  CopyStream& stream = job.kind == JobKind::STORE ? *device.store : *device.load;
+  stream.spans.give_back(job.span_start, job.span_end);
+  job.span_start = job.span_end = -1;
+  // Jobs that waited for room go now, in order, as long as there is room.
+  while (!stream.waiting.empty()) {
+    Job* next = stream.waiting.front();
+    if (next->session->ended) {
+      stream.waiting.pop_front();
+      fail(*next, "the client went away before its copy started");
+      continue;
+    }
+    if (!stream.spans.take(next->slots.size() + 1, &next->span_start, &next->span_end)) break;
+    stream.waiting.pop_front();
+    try {
+      enqueue(*next, stream, next->kind == JobKind::STORE);
+    } catch (std::exception& e) {
+      api_.stream_synchronize(stream.stream());
+      api_.stream_synchronize(stream.kernels());
+      fail(*next, format("the daemon could not start the copy: %s", e.what()));
+    }
+  }
+}
+
+void CudaTransport::enqueue(Job& job, CopyStream& stream, bool to_host) {
+  const CudaDeviceConfig& config = devices_.at(job.worker->device_index)->config;
+  uint64_t n = job.slots.size();
+  set_device(config.index);
+  int64_t* host = reinterpret_cast<int64_t*>(stream.config.ring_host);
+  for (uint64_t i = 0; i < n; i++) host[job.span_start + i] = job.block_ids[i];
+  copy_via_staging(job, stream, to_host);
+  int64_t fence_index = -1;
+  if (job.event) {
+    // The fence the worker's compute wrote, read back after the copy.
+    fence_index = job.span_start + (int64_t)n;
+    check(api_.memcpy_async(reinterpret_cast<void*>(stream.config.ring_host + 8 * fence_index),
+                            reinterpret_cast<void*>(job.worker->fence_address), 8, MEMCPY_DEFAULT, stream.stream()),
+          "cudaMemcpyAsync");
+  }
+  // A small job on an idle stream is waited for by spinning (the driver's
+  // default): waking a thread that sleeps in the driver costs such a job a
+  // noticeable part of its time. Behind others, or a big job, it sleeps.
+  bool blocking = !(stream.idle() && n * slot_bytes_ <= config.spin_bytes);
+  void* event = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(stream.spare_mutex);
+    if (!stream.spare[blocking].empty()) {
+      event = stream.spare[blocking].back();
+      stream.spare[blocking].pop_back();
+    }
+  }
+  if (!event)
+    check(api_.event_create(&event, EVENT_DISABLE_TIMING | (blocking ? EVENT_BLOCKING_SYNC : 0)), "cudaEventCreate");
+  // A store ends with its last transfer, a load with its last scatter.
+  check(api_.event_record(event, to_host ? stream.stream() : stream.kernels()), "cudaEventRecord");
+  stamp(job, QUEUED);
+  stream.tracked++;
+  {
+    std::lock_guard<std::mutex> lock(stream.mutex);
+    stream.pending.push_back(Tracked{event, blocking, &job, fence_index, job.fence_seq});
+  }
+  stream.wake.notify_one();
+}
+
+void CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_host) {
+  const CudaDeviceConfig& device = devices_.at(job.worker->device_index)->config;
+  const CudaStreamConfig& c = stream.config;
+  const Worker& w = *job.worker;
+  uint64_t n = job.slots.size();
+  void* transfers = stream.stream();
+  void* kernels = stream.kernels();
+  bool uploaded = false;
+  auto upload = [&] {
+    if (uploaded) return;
+    uint64_t at = 8 * (uint64_t)job.span_start;
+    check(api_.memcpy_async(reinterpret_cast<void*>(c.ring_gpu + at), reinterpret_cast<void*>(c.ring_host + at), 8 * n,
+                            MEMCPY_DEFAULT, kernels),
+          "cudaMemcpyAsync");
+    uploaded = true;
+    stamp(job, IDS_UP);
+  };
+  auto launch = [&](uint64_t first, uint64_t count, uint64_t buffer) {
+    uint64_t chunks = (w.max_page_bytes + device.chunk_bytes - 1) / device.chunk_bytes;
+    uint64_t work = count * w.pages_per_block * chunks;
+    if (work >= (1ull << 31) - (1ull << 20)) throw std::runtime_error("a job too large for one launch of the copy kernel");
+    uint64_t args[11] = {c.ring_gpu + 8 * ((uint64_t)job.span_start + first), c.positions, w.table[0], w.table[1],
+                         w.table[2], w.table[3], buffer, slot_bytes_, w.pages_per_block, chunks, work};
+    uint64_t values[32] = {};
+    void* params[32];
+    for (uint32_t i = 0; i < c.n_params; i++) {
+      values[i] = i < 11 ? args[i] : 0;  // Triton's own scratch pointers: null
+      if (c.param_sizes[i] == 4) values[i] &= 0xFFFFFFFFull;  // its low half, little-endian
+      params[i] = &values[i];
+    }
+    unsigned grid = (unsigned)std::min<uint64_t>(work, c.programs);
+    check(api_.launch_kernel(reinterpret_cast<void*>(c.function), grid, 1, 1, c.block, 1, 1, c.shared, kernels, params,
+                             nullptr),
+          "cuLaunchKernel");
+    stamp(job, KERNEL);
+  };
+  for (auto& chunk : staging_chunks(n, c.rows, !to_host && stream.idle())) {
+    uint64_t first = chunk.first, count = chunk.second;
+    int b = stream.next_buffer;
+    stream.next_buffer = (b + 1) % 2;
+    uint64_t buffer = c.buffers[b];
+    void* filled = reinterpret_cast<void*>(c.filled[b]);
+    void* drained = reinterpret_cast<void*>(c.drained[b]);
+    // Runs of consecutive slots inside one CUDA registration of the pool (a DMA copy cannot cross two).
+    struct Run {
+      int64_t slot;
+      uint64_t row, count;
+    };
+    std::vector<Run> runs;
+    for (uint64_t row = 0; row < count; row++) {
+      int64_t slot = job.slots[first + row];
+      if (!runs.empty() && runs.back().slot + (int64_t)runs.back().count == slot &&
+          (uint64_t)slot % device.per_registration)
+        runs.back().count++;
+      else
+        runs.push_back({slot, row, 1});
+    }
+    if (to_host) {
+      upload();
+      if (stream.used[b]) check(api_.stream_wait_event(kernels, drained, 0), "cudaStreamWaitEvent");
+      launch(first, count, buffer);
+      check(api_.event_record(filled, kernels), "cudaEventRecord");
+      check(api_.stream_wait_event(transfers, filled, 0), "cudaStreamWaitEvent");
+      for (Run& r : runs)
+        check(api_.memcpy_async(pool_ + (uint64_t)r.slot * slot_bytes_, reinterpret_cast<void*>(buffer + r.row * slot_bytes_),
+                                r.count * slot_bytes_, MEMCPY_DEFAULT, transfers),
+              "cudaMemcpyAsync");
+      check(api_.event_record(drained, transfers), "cudaEventRecord");
+    } else {
+      if (stream.used[b]) check(api_.stream_wait_event(transfers, drained, 0), "cudaStreamWaitEvent");
+      for (Run& r : runs)
+        check(api_.memcpy_async(reinterpret_cast<void*>(buffer + r.row * slot_bytes_), pool_ + (uint64_t)r.slot * slot_bytes_,
+                                r.count * slot_bytes_, MEMCPY_DEFAULT, transfers),
+              "cudaMemcpyAsync");
+      check(api_.event_record(filled, transfers), "cudaEventRecord");
+      stamp(job, TRANSFERS);
+      // Only now: the load's first transfer is queued already, and the copy engine does not wait for the upload.
+      upload();
+      check(api_.stream_wait_event(kernels, filled, 0), "cudaStreamWaitEvent");
+      launch(first, count, buffer);
+      check(api_.event_record(drained, kernels), "cudaEventRecord");
+    }
+    stream.used[b] = true;
+    stamp(job, FIRST_CHUNK);
+  }
+}
+
+void CudaTransport::synchronize() {
+  for (auto& entry : devices_)
+    for (CopyStream* s : {entry.second->store.get(), entry.second->load.get()}) {
+      api_.stream_synchronize(s->stream());
+      api_.stream_synchronize(s->kernels());
+    }
+}
+
+}  // namespace kvd

@@ -1,0 +1,73 @@
+// The CUDA transport's copies in the lane (port of server/transports/cuda.py's
+// job path, cuda_jobs.py and cuda_streams.py): per GPU and direction a copy
+// stream, its ring of block ids and the thread that reports its jobs as they
+// end; and the gate that holds stores until their worker's compute is done.
+#pragma once
+
+#include "transports.h"
+
+namespace kvd {
+
+// Runs of consecutive entries of a ring, taken in order and given back
+// (mostly) in order as jobs end (cuda_streams.py Spans).
+class Spans {
+ public:
+  explicit Spans(uint64_t entries) : entries_(entries) {}
+  bool take(uint64_t count, int64_t* start, int64_t* end);
+  void give_back(int64_t start, int64_t end);
+
+ private:
+  uint64_t entries_;
+  uint64_t head_ = 0;
+  std::deque<std::pair<int64_t, int64_t>> taken_;
+};
+
+struct CopyStream;
+
+class CudaTransport : public Transport {
+ public:
+  CudaTransport(const CudaApi& api, uint8_t* pool, uint64_t slot_bytes, Completions& completions);
+  ~CudaTransport() override;
+  void add_device(const CudaDeviceConfig& config);
+  bool has_device(int index) const;
+  // A worker's page table on its GPU, and its fence.
+  void open_worker(Worker& worker, int device, const uint64_t table[4], uint64_t pages_per_block,
+                   uint64_t max_page_bytes, uint64_t fence);
+
+  void prepare(Worker& worker, Job& job, const JobRequest& request) override;
+  void start(Job& job) override;
+  void abandon(Job& job) override;
+  void forget(Worker& worker) override;
+  void poll() override;
+  void ended(Job& job) override;
+  // Waits for every copy queued: the pool is unpinned after this.
+  void synchronize();
+
+ private:
+  struct Device;
+  void launch(Job& job);
+  void enqueue(Job& job, CopyStream& stream, bool to_host);
+  void copy_via_staging(Job& job, CopyStream& stream, bool to_host);
+  void fail(Job& job, const std::string& reason);
+  void check(int code, const char* what) const;
+  void set_device(int index);
+  void gate_run();
+
+  CudaApi api_;
+  uint8_t* pool_;
+  uint64_t slot_bytes_;
+  Completions& completions_;
+  std::unordered_map<int, std::unique_ptr<Device>> devices_;
+  int current_device_ = -1;  // the lane's thread's
+  // Stores held until their compute event completed, oldest first (cuda.py ComputeGate).
+  uint64_t held_at_gate_ = 0;
+  std::mutex gate_mutex_;
+  std::condition_variable gate_wake_;
+  std::deque<Job*> gate_new_;
+  std::unordered_set<Job*> gate_abandoned_;
+  std::vector<std::pair<Job*, std::string>> gate_done_;  // "" when opened, else why it failed
+  bool stopping_ = false;
+  std::thread gate_;
+};
+
+}  // namespace kvd

@@ -1,0 +1,157 @@
+// The block index (port of server/core/index.py), its eviction orders
+// (eviction.py, shares.py) and the pool's free slots (host/free_slots.py).
+#pragma once
+
+#include "lane.h"
+
+namespace kvd {
+
+// The pool's free slots, one stack per NUMA range (free_slots.py FreeSlots),
+// and what a slot's release does to the pool (host/pool.py HostPool.release):
+// its record cleared, its epoch bumped.
+class Slots {
+ public:
+  struct Range {
+    int32_t node;  // -1: the whole pool, not carved
+    int64_t first;
+    int64_t count;
+  };
+  Slots(int64_t num_slots, std::vector<Range> ranges, uint8_t* records);
+  int64_t allocate(int32_t node);  // -1 when none is free
+  void release(int64_t slot);
+  // After adoption: every slot but `used` is free, and its record cleared.
+  void keep_only(const std::vector<int64_t>& used);
+  int64_t free() const { return free_; }
+  int64_t free_in(size_t range) const { return (int64_t)stacks_[range].size(); }
+  int64_t num_slots() const { return num_slots_; }
+  const std::vector<Range>& ranges() const { return ranges_; }
+  uint64_t epoch(int64_t slot) const { return epochs_[slot].load(std::memory_order_acquire); }
+  uint8_t* record(int64_t slot) const { return records_ ? records_ + slot * RECORD_BYTES : nullptr; }
+
+ private:
+  void fill(const std::vector<int64_t>& used, bool clear_records);
+
+  int64_t num_slots_;
+  std::vector<Range> ranges_;
+  std::vector<std::vector<int64_t>> stacks_;
+  int64_t free_ = 0;
+  uint8_t* records_;
+  std::unique_ptr<std::atomic<uint64_t>[]> epochs_;
+};
+
+// What the index tells the rest of the lane.
+class IndexHooks {
+ public:
+  virtual ~IndexHooks() = default;
+  virtual void changed(const Namespace& ns, const Key& key, Change state) = 0;
+  virtual void evicted(Namespace& ns) = 0;
+  // Rank `rank` shards of `blocks` (of `length` bytes) were committed.
+  virtual void committed(Namespace& ns, uint32_t rank, const std::vector<uint32_t>& blocks, uint64_t length) = 0;
+};
+
+class Index {
+ public:
+  Index(Slots& slots, IndexHooks& hooks, bool arc, int64_t capacity, uint64_t seed);
+
+  // ------------------------------------------------ scopes and namespaces
+  uint32_t scope(const std::string& name, int64_t quota);
+  Namespace& add_namespace(uint32_t id, uint32_t scope, uint16_t tp, const std::string& name);
+  Namespace* ns(uint32_t id);
+  void remove_namespace(uint32_t id);
+
+  // ------------------------------------------------ stores
+  struct Reservation {
+    std::vector<std::pair<uint32_t, uint32_t>> writes;  // (position in the request, block)
+    uint32_t already = 0;
+    uint32_t not_stored = 0;
+  };
+  Reservation reserve_store(Namespace& ns, uint32_t rank, const Key* keys, size_t n, uint64_t job, int32_t node);
+  void finish_stores(const std::vector<uint32_t>& blocks, uint32_t rank, bool ok, uint64_t length);
+
+  // ------------------------------------------------ loads
+  std::vector<uint32_t> reserve_load(Namespace& ns, const Key* keys, size_t n, uint32_t rank, uint64_t block_bytes);
+  uint32_t take_promoted(const std::vector<uint32_t>& blocks);
+  void finish_loads(const std::vector<uint32_t>& blocks);
+
+  // ------------------------------------------------ lookups (Python adds the tiers' part)
+  enum class Next : uint8_t { END = 0, ABSENT = 1, STORING = 2, STOP = 3 };
+  // From keys[start]: with `count_ready`, the ready prefix (and how many of it
+  // are being loaded); then blocks being stored, until one that is absent
+  // (Python asks the tiers) or neither.
+  Next lookup(const Namespace& ns, const Key* keys, size_t n, size_t start, bool count_ready, uint32_t* ready,
+              uint32_t* loading, uint32_t* storing, size_t* at);
+  bool contains(uint32_t ns, const Key& key) const;
+
+  // ------------------------------------------------ for the tiers (core/tiers.py TierHost)
+  uint64_t handle(uint32_t b) const { return ((uint64_t)blocks_[b].gen << 32) | b; }
+  Block* by_handle(uint64_t handle);
+  void hold(uint32_t b) { pin(b); }
+  void let_go(uint32_t b) { unpin(b); }
+  // Slots for every rank of a block a tier fills, pinned; NIL when none can be had.
+  uint32_t reserve_promotion(Namespace& ns, const Key& key, const std::vector<uint64_t>& lengths);
+  void finish_promotion(uint32_t b, bool ok);
+  // A ready block adopted from the kept pool, its slots taken already.
+  void restore(Namespace& ns, const Key& key, const std::vector<int64_t>& slots, const std::vector<uint64_t>& lengths);
+  // Drops every unpinned block of `ns` (every namespace: nullptr): (dropped, kept pinned).
+  std::pair<uint64_t, uint64_t> clear(const Namespace* ns);
+  // Keys of `ns`: ready ones, being stored ones, or all.
+  enum class Which : uint8_t { READY = 0, STORING = 1, ALL = 2 };
+  std::vector<Key> keys_of(uint32_t ns, Which which) const;
+
+  // ------------------------------------------------ counts
+  int64_t pinned_slots() const;
+  size_t eviction_size() const;
+  // Recomputes every derived count (index_check.py); the first difference, or "".
+  std::string verify() const;
+
+  Block& block(uint32_t b) { return blocks_[b]; }
+  const std::unordered_map<uint32_t, Namespace>& namespaces() const { return namespaces_; }
+
+ private:
+  friend class Eviction;
+  uint32_t find(const IndexKey& ik) const;
+  uint32_t create(Namespace& ns, const Key& key);
+  void erase(uint32_t b);
+  void count(Namespace& ns, int64_t held, int64_t storing, int64_t ready);
+  void pin(uint32_t b);
+  void unpin(uint32_t b);
+  int64_t allocate_slot(uint32_t incoming, uint32_t scope, int32_t node);
+  int64_t storing_room(uint32_t scope);
+  void finish_shard(uint32_t b, uint32_t rank, bool ok);
+  void drop_shard(uint32_t b, uint32_t rank);
+  void drop(uint32_t b);
+  Policy& policy(uint32_t scope);
+  std::vector<std::pair<uint32_t, int64_t>> held_by_scope() const;
+
+  Slots& slots_;
+  IndexHooks& hooks_;
+  bool arc_;
+  int64_t capacity_;
+  KeyHash hash_;
+  std::vector<Block> blocks_;
+  std::vector<uint32_t> free_entries_;
+  std::unordered_map<IndexKey, uint32_t, KeyHash> map_;
+  std::unordered_set<uint32_t> pinned_;
+  std::vector<Scope> scopes_;
+  std::unordered_map<std::string, uint32_t> scope_ids_;
+  std::vector<uint32_t> held_order_;  // scopes in the order they first held slots
+  std::unordered_map<uint32_t, Namespace> namespaces_;
+};
+
+// One scope's eviction order, and which scope gives up a slot when the pool
+// is full (eviction.py, shares.py): over the index's blocks.
+class Eviction {
+ public:
+  static void insert(Index& index, Policy& policy, uint32_t b);
+  static void touch(Index& index, Policy& policy, uint32_t b);
+  static void remove(Index& index, Policy& policy, uint32_t b);
+  // Removes and returns the block to evict, NIL when every one is pinned.
+  static uint32_t victim(Index& index, Policy& policy, const IndexKey* incoming);
+  // The scopes to take room from, in turn (shares.py ScopedEviction.victims).
+  static std::vector<uint32_t> victims(const std::vector<Scope>& scopes, uint32_t incoming,
+                                       const std::vector<std::pair<uint32_t, int64_t>>& used, double capacity,
+                                       double total);
+  static double share(const Scope& scope, double capacity, size_t active);
+};
+
+}  // namespace kvd

@@ -1,0 +1,147 @@
+// The lane put together: its thread, which waits on its epoll set (the job
+// connections, one eventfd that the transports' and the sealer's threads
+// write, one that stops it) and serves what is ready under the lane's lock;
+// and what the index tells the rest.
+#include "lane_impl.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+
+namespace kvd {
+
+namespace {
+// The epoll set's data of its two eventfds; connections are 1 and up.
+constexpr uint64_t WAKE = 0;
+constexpr uint64_t STOP = UINT64_MAX;
+}  // namespace
+
+Lane::Lane(const LaneConfig& c) : config(c) {
+  epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+  event_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  python_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (epoll_fd < 0 || event_fd < 0 || stop_fd < 0 || python_fd < 0)
+    throw std::runtime_error("cannot make the lane's epoll set");
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = WAKE;
+  epoll_ctl(epoll_fd, EPOLL_CTL_ADD, event_fd, &ev);
+  ev.data.u64 = STOP;
+  epoll_ctl(epoll_fd, EPOLL_CTL_ADD, stop_fd, &ev);
+  std::vector<Slots::Range> ranges;
+  for (uint32_t i = 0; i < c.n_ranges; i++) ranges.push_back({c.ranges[i].node, c.ranges[i].first, c.ranges[i].count});
+  slots.reset(new Slots(c.num_slots, ranges, reinterpret_cast<uint8_t*>(c.records_base)));
+  index.reset(new Index(*slots, *this, c.arc != 0, c.num_slots, c.seed));
+  completions.reset(new Completions(event_fd));
+  jobs.reset(new Jobs(*index, *slots, events, *completions, *this));
+  jobs->tracing = c.tracing != 0;
+  conns.reset(new Conns(epoll_fd, *jobs, events, c.max_unread));
+  uint8_t* pool = reinterpret_cast<uint8_t*>(c.pool_base);
+  sealer.reset(new Sealer(*slots, pool, c.slot_bytes, *completions));
+  shm.reset(new ShmTransport(pool, c.slot_bytes, *completions));
+  jobs->transports[(int)TransportKind::SHM] = shm.get();
+}
+
+Lane::~Lane() {
+  stop();
+  // Copy threads end first: their jobs' memory is the lane's.
+  cuda.reset();
+  shm.reset();
+  sealer.reset();
+  conns.reset();
+  jobs.reset();
+  for (int fd : {event_fd, stop_fd, python_fd, epoll_fd}) close(fd);
+}
+
+void Lane::start() {
+  thread_ = std::thread([this] {
+    name_thread("kvdepot-lane");
+    run();
+  });
+}
+
+void Lane::stop() {
+  if (!thread_.joinable()) return;
+  uint64_t one = 1;
+  ssize_t n = write(stop_fd, &one, sizeof one);
+  (void)n;
+  thread_.join();
+}
+
+void Lane::run() {
+  epoll_event ready[256];
+  for (;;) {
+    int n = epoll_wait(epoll_fd, ready, 256, -1);
+    if (n < 0) continue;  // EINTR
+    for (int i = 0; i < n; i++)
+      if (ready[i].data.u64 == STOP) return;
+    std::lock_guard<std::mutex> lock(mutex);
+    serve(ready, n);
+  }
+}
+
+void Lane::serve(const epoll_event* ready, int n) {
+  for (int i = 0; i < n; i++)
+    if (ready[i].data.u64 != WAKE) conns->on_epoll((uint32_t)ready[i].data.u64, ready[i].events);
+  for (Transport* transport : jobs->all_transports()) transport->poll();
+  std::vector<Ended> ended = completions->take();
+  sealer->write_sealed();
+  if (!ended.empty()) jobs->finish(ended);
+  conns->flush();
+  if (config.check) {
+    std::string problem = index->verify();
+    if (!problem.empty()) {
+      // Only where the tests ask (KVDEPOT_CHECK_INDEX): a wrong count must stop everything.
+      std::fprintf(stderr, "the native lane's index is inconsistent: %s\n", problem.c_str());
+      std::abort();
+    }
+  }
+  tell_python();
+}
+
+void Lane::tell_python() {
+  if (events.empty() || python_woken_) return;
+  python_woken_ = true;
+  uint64_t one = 1;
+  ssize_t n = write(python_fd, &one, sizeof one);
+  (void)n;
+}
+
+const std::string& Lane::take_events() {
+  taken_.clear();
+  taken_.swap(events.buffer());
+  uint64_t count;
+  ssize_t n = read(python_fd, &count, sizeof count);
+  (void)n;
+  python_woken_ = false;
+  return taken_;
+}
+
+void Lane::changed(const Namespace& ns, const Key& key, Change state) {
+  if (ns.followed) events.change(ns.id, key, state);
+}
+
+void Lane::evicted(Namespace& ns) {
+  jobs->totals.add(EVICTED_BLOCKS, 1);
+  ns.counters.add(EVICTED_BLOCKS, 1);
+}
+
+void Lane::committed(Namespace& ns, uint32_t rank, const std::vector<uint32_t>& blocks, uint64_t length) {
+  sealer->seal(*index, ns, rank, blocks, length);
+  if (demote_events) {
+    std::vector<uint64_t> handles;
+    std::vector<Key> keys;
+    for (uint32_t b : blocks) {
+      handles.push_back(index->handle(b));
+      keys.push_back(index->block(b).ik.key);
+    }
+    events.committed(ns.id, rank, length, handles, keys);
+  }
+}
+
+}  // namespace kvd

@@ -1,0 +1,182 @@
+"""The native lane's CUDA path without a GPU: its real code (server/native/src/
+cuda.cpp) driven through the lane's C functions, over a stand-in for the CUDA
+runtime (tests/fake_cuda/fake_cuda.cpp: host memory, every operation at
+once, the copy kernel on the CPU). What it shows is the lane's bookkeeping:
+bytes land where the block ids and slots say, in chunks smaller than a job,
+with jobs waiting for room in a small id ring, stores held until their
+compute is done, a worker that died before its compute fails its store, a bad
+event handle is refused. `pytest -m cuda` runs the same path on a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+from kvdepot.server.core.requests import JobKind, JobRequest
+from kvdepot.server.core.transport import LaneDevice, LaneStream, LaneWorker
+from kvdepot.server.host.pool import HostPool
+from kvdepot.server.native import binding, build
+from kvdepot.server.native.binding import EventType
+from kvdepot.server.native.lane import Lane
+
+FAKE = os.path.join(os.path.dirname(__file__), "fake_cuda", "fake_cuda.cpp")
+GATHER, SCATTER = 0x1000, 0x2000
+SLOT = 4096
+LAYERS, PAGE = 4, 1024  # a block: four pages of 1 KiB
+BLOCKS = 64
+ROWS = 4  # staging rows: a job of more than 4 blocks takes several chunks
+RING = 64  # ring entries: a few jobs in flight fill it
+SESSION, WORKER, NS = 1, 10, 1
+
+if build.compiler() is None:
+    pytest.skip("no C++ compiler here: the native lane cannot be built", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fake") / "fake_cuda.so"
+    subprocess.run([build.compiler(), "-std=c++17", "-O1", "-fPIC", "-shared", FAKE, "-o", str(path)], check=True)
+    return ctypes.CDLL(str(path))
+
+
+class Rig:
+    """A lane with one fake GPU, one worker of it, and what its memory holds."""
+
+    def __init__(self, fake, tmp_path):
+        self.fake = fake
+        self.pool = HostPool(size=256 * SLOT, slot_bytes=SLOT, directory=str(tmp_path), name="p", pin="off")
+        self.lane = Lane(binding.load(build.build(quiet=True)), self.pool, arc=False, tracing=False,
+                         max_unread=1 << 20, check=True)
+        self.lane.add_namespace(NS, self.lane.scope("t", None), 1, "ns", bytes(16))
+        self.lane.add_session(SESSION, SESSION, "s" * 32, 4096)
+        self.keep = []  # host memory the "GPU" uses, alive while the lane is
+        self.cache = [self._memory(torch.randint(0, 256, (BLOCKS, PAGE), dtype=torch.uint8)) for _ in range(LAYERS)]
+        table = [self._ints([t.data_ptr() for t in self.cache]), self._ints([PAGE] * LAYERS),
+                 self._ints([k * PAGE for k in range(LAYERS)]), self._ints([PAGE] * LAYERS)]
+        self.fence = self._ints([0])
+        device = LaneDevice(0, True, 16384, 0, self.pool.registration_bytes // SLOT, self._stream(GATHER),
+                            self._stream(SCATTER), self._api())
+        self.lane.cuda_device(device)
+        self.lane.add_worker(SESSION, WORKER, NS, 0, BLOCKS, LAYERS * PAGE, None, 2)
+        self.lane.cuda_worker(SESSION, WORKER, LaneWorker(2, device=device, table=tuple(t.data_ptr() for t in table),
+                                                          pages_per_block=LAYERS, max_page_bytes=PAGE,
+                                                          fence=self.fence.data_ptr()))
+        self.done: dict[int, tuple[bool, str]] = {}
+        self.seq = 0
+
+    def _memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.keep.append(tensor)
+        return tensor
+
+    def _ints(self, values) -> torch.Tensor:
+        return self._memory(torch.tensor(values, dtype=torch.int64))
+
+    def _stream(self, function: int) -> LaneStream:
+        buffers = [self._memory(torch.zeros(ROWS * SLOT, dtype=torch.uint8)) for _ in range(2)]
+        host, gpu = self._ints([0] * RING), self._ints([0] * RING)
+        return LaneStream(0x11, 0x12, tuple(b.data_ptr() for b in buffers), ROWS, (0x21, 0x22), (0x23, 0x24),
+                          host.data_ptr(), gpu.data_ptr(), RING, self._ints(list(range(ROWS))).data_ptr(), function,
+                          128, 0, 4, (8,) * 8 + (4,) * 3)
+
+    def _api(self) -> dict[str, int]:
+        names = dict((field, name) for field, name in binding.CUDA_ENTRY_POINTS)
+        return {names[field]: ctypes.cast(getattr(self.fake, f"fake_{field}"), ctypes.c_void_p).value
+                for field, _ in binding.CUDA_ENTRY_POINTS}
+
+    def block(self, block_id: int) -> bytes:
+        return b"".join(bytes(t[block_id].numpy()) for t in self.cache)
+
+    def store(self, job: int, keys, block_ids, event: bytes = b"E" * 64, computed: bool = True) -> None:
+        self.seq += 1
+        if computed:
+            self.fence[0] = self.seq  # what the worker's stream writes after its compute
+        self.lane.submit(SESSION, JobRequest(JobKind.STORE, WORKER, job, keys, block_ids, event, self.seq))
+
+    def load(self, job: int, keys, block_ids) -> None:
+        self.lane.submit(SESSION, JobRequest(JobKind.LOAD, WORKER, job, keys, block_ids))
+
+    def wait(self, jobs, timeout: float = 10.0) -> dict[int, tuple[bool, str]]:
+        deadline = time.monotonic() + timeout
+        while not all(j in self.done for j in jobs):
+            assert time.monotonic() < deadline, f"jobs {[j for j in jobs if j not in self.done]} did not end"
+            for event in self.lane.take_events():
+                if event.type is EventType.JOB_DONE:
+                    _, job, ok, _, _ = binding.JOB_DONE.unpack_from(event.payload)
+                    self.done[job] = (bool(ok), event.payload[binding.JOB_DONE.size :].decode())
+            time.sleep(0.002)
+        assert self.lane.verify() == ""
+        return {j: self.done.pop(j) for j in jobs}
+
+    def close(self) -> None:
+        self.lane.close()
+        self.pool.close(discard=True)
+
+
+@pytest.fixture
+def rig(fake, tmp_path):
+    fake.fake_set_compute_done(1)
+    rig = Rig(fake, tmp_path)
+    yield rig
+    rig.close()
+
+
+def keys(n: int, first: int) -> list[bytes]:
+    return [(first + i).to_bytes(32, "little") for i in range(n)]
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 4, 5, 9, 23])
+def test_stored_blocks_load_back_byte_for_byte(rig, blocks):
+    ks = keys(blocks, 100)
+    sources = list(range(0, 2 * blocks, 2))  # not consecutive: runs of slots and rows differ
+    rig.store(1, ks, sources)
+    assert rig.wait([1]) == {1: (True, "")}
+    targets = [BLOCKS - 1 - 2 * i for i in range(blocks)]  # odd ids, the sources even
+    rig.load(2, ks, targets)
+    assert rig.wait([2]) == {2: (True, "")}
+    assert [rig.block(t) for t in targets] == [rig.block(s) for s in sources]
+    assert rig.fake.fake_launches() > 0
+
+
+def test_jobs_beyond_the_rings_room_wait_their_turn_and_all_land(rig):
+    # Five jobs of 20 blocks (21 ring entries each) in a ring of 64 entries.
+    jobs = {}
+    for j in range(5):
+        ks = keys(20, 1000 + 100 * j)
+        rig.store(10 + j, ks, [(j * 7 + i) % 40 for i in range(20)])
+        jobs[10 + j] = ks
+    assert all(ok for ok, _ in rig.wait(list(jobs)).values())
+    for j, ks in jobs.items():
+        rig.load(100 + j, ks, list(range(40, 60)))
+        assert rig.wait([100 + j]) == {100 + j: (True, "")}
+        assert [rig.block(40 + i) for i in range(20)] == [rig.block(((j - 10) * 7 + i) % 40) for i in range(20)]
+
+
+def test_a_store_waits_at_the_gate_until_its_compute_is_done(rig, fake):
+    fake.fake_set_compute_done(0)
+    rig.store(1, keys(3, 500), [1, 2, 3])
+    time.sleep(0.2)
+    assert 1 not in rig.done and not [e for e in rig.lane.take_events() if e.type is EventType.JOB_DONE]
+    fake.fake_set_compute_done(1)
+    assert rig.wait([1]) == {1: (True, "")}
+
+
+def test_a_store_whose_worker_never_wrote_its_fence_fails(rig):
+    rig.store(1, keys(2, 600), [4, 5], computed=False)
+    ok, error = rig.wait([1])[1]
+    assert not ok and "compute did not finish" in error
+    # Nothing was committed: loading its keys is refused.
+    with pytest.raises(Exception, match="not stored"):
+        rig.load(2, keys(2, 600), [6, 7])
+
+
+def test_a_bad_event_handle_is_refused_before_anything_is_reserved(rig):
+    with pytest.raises(Exception, match="cannot open the store's cuda_event_handle"):
+        rig.store(1, keys(1, 700), [1], event=b"X" * 64)
+    with pytest.raises(Exception, match="64-byte IPC handle"):
+        rig.store(2, keys(1, 701), [1], event=b"short")
+    assert rig.lane.counts()["used_slots"] == 0
