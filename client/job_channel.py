@@ -1,8 +1,7 @@
 """How a session's jobs reach the daemon: one interface, two ways.
 
-`call` sends a job request and returns the daemon's answer (or raises its
-typed error); `submit` sends one nobody waits for: its refusal, or a store's
-counts, come back through the session's JobBook; `hand_over` gives the daemon
+`submit` sends a store or load nobody waits for: its refusal, a store's
+counts and its end come back through the session's JobBook; `hand_over` gives the daemon
 a worker's staging memory, which only the job socket can carry. The job socket (the daemon's
 `PATH.jobs`, proto: "job socket") is the fast way, where the daemon offers it;
 the gRPC calls of the same names are the other, on TCP or where the socket
@@ -23,7 +22,7 @@ import grpc
 from kvdepot import jobtrace
 from kvdepot.client.job_socket import JobSocket, JobSocketRefused, hand_over
 from kvdepot.client.jobs import JobBook
-from kvdepot.client.rpc import typed_error, unary
+from kvdepot.client.rpc import typed_error
 from kvdepot.errors import FailedPrecondition, KVDepotError, Unavailable, status_code
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
@@ -50,10 +49,6 @@ class JobChannel(ABC):
     kind: str = ""
 
     @abstractmethod
-    def call(self, kind: str, request):
-        """The answer to a job request ("submit_store" or "submit_load")."""
-
-    @abstractmethod
     def submit(self, kind: str, job_id: int, request) -> None:
         """Sends a store or load ("store", "load") nobody waits for; its outcome goes to the JobBook."""
 
@@ -77,9 +72,6 @@ class GrpcJobChannel(JobChannel):
         self._timeout = timeout
         self._metadata = metadata
 
-    def call(self, kind: str, request):
-        return unary(getattr(self._stub, _METHODS[kind]), request, self._timeout, self._metadata)
-
     def submit(self, kind: str, job_id: int, request) -> None:
         method = getattr(self._stub, _METHODS["submit_" + kind])
         try:
@@ -101,9 +93,12 @@ class GrpcJobChannel(JobChannel):
 
 
 class SocketJobChannel(JobChannel):
-    """The job socket. Its reader thread files answers for the callers waiting
-    on them, JobDone and the outcomes of submits in the JobBook. Everything here
-    is under this channel's own lock, and nothing is called while holding it."""
+    """The job socket. Its reader thread files JobDone and the outcomes of
+    submits in the JobBook. Where the daemon answers submits quietly
+    (proto: JobSocketHello.quiet_submits), a job costs one message each way:
+    its JobDone says a store's counts, and a refusal names the job by its
+    request id, which is the job's id. Everything here is under this channel's
+    own lock, and nothing is called while holding it."""
 
     kind = "socket"
 
@@ -116,15 +111,14 @@ class SocketJobChannel(JobChannel):
         self._on_lost = on_lost
         self._changed = threading.Condition()
         self._request_ids = itertools.count(1)
-        # A caller blocked on an answer is in _wanted until the reader files it
-        # in _replies; a request nobody waits for is in _unanswered as (kind, job id).
-        self._wanted: set[int] = set()
-        self._replies: dict[int, pb.JobReply] = {}
+        # Submits not answered yet, by request id: (kind, job id); quietly
+        # answered ones until their JobDone (or refusal) comes.
         self._unanswered: dict[int, tuple[str, int]] = {}
         self._closed = False
         self._path, self._session_id, self._trusted = path, session_id, trusted
         # Raises OSError when the daemon cannot be reached or refuses the hello.
         self.socket = JobSocket(path, session_id, self._on_reply, self._lost, timeout, trusted)
+        self.quiet = self.socket.quiet
 
     def hand_over(self, fd: int) -> int:
         try:
@@ -134,34 +128,8 @@ class SocketJobChannel(JobChannel):
         except OSError as e:
             raise Unavailable(f"kvdepotd is not available: {e}") from None
 
-    def call(self, kind: str, request):
-        request_id = next(self._request_ids)
-        with self._changed:
-            self._wanted.add(request_id)
-        try:
-            try:
-                self.socket.send(pb.JobFrame(request_id=request_id, **{kind: request}))
-            except OSError as e:
-                self._lost(str(e))
-                raise Unavailable(f"kvdepotd is not available: {e}") from None
-            with self._changed:
-                self._changed.wait_for(lambda: request_id in self._replies or self._closed, self._timeout)
-                reply = self._replies.pop(request_id, None)
-                closed = self._closed
-        finally:
-            with self._changed:
-                self._wanted.discard(request_id)
-                self._replies.pop(request_id, None)
-        if reply is None:
-            if closed:
-                raise Unavailable("the connection to kvdepotd was lost; reconnecting")
-            raise Unavailable(f"kvdepotd did not answer {kind} within {self._timeout} s")
-        if reply.HasField("refused"):
-            raise _refusal(reply.refused)
-        return getattr(reply, reply.WhichOneof("kind"))
-
     def submit(self, kind: str, job_id: int, request) -> None:
-        request_id = next(self._request_ids)
+        request_id = job_id if self.quiet else next(self._request_ids)
         with self._changed:
             self._unanswered[request_id] = (kind, job_id)
         try:
@@ -192,15 +160,15 @@ class SocketJobChannel(JobChannel):
                 # Its jobs failed with the session, and their ids may be in use again.
                 return
             if kind != "job_done":
-                if reply.request_id in self._wanted:
-                    self._replies[reply.request_id] = reply
-                    self._changed.notify_all()
-                    return
                 unanswered = self._unanswered.pop(reply.request_id, None)
+            elif self.quiet:
+                unanswered = self._unanswered.pop(reply.job_done.job_id, None)
         if kind == "job_done":
             done = reply.job_done
             if jobtrace.ON:
                 jobtrace.client_stamp(self._session_id, done.job_id, "done_read")
+            if self.quiet and unanswered is not None and unanswered[0] == "store":
+                self._book.store_counts(done.job_id, done.already_stored, done.not_stored)
             self._book.finish(done.job_id, done.ok, done.error)
         elif unanswered is None:
             return  # its session is gone, and the job failed with it

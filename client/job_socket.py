@@ -48,12 +48,14 @@ class JobSocket:
             self._sock.settimeout(timeout)
             self._sock.connect(path)
             check_peer(self._sock, path, trusted or trusted_uids())
-            self.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=session_id)))
+            self.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=session_id, quiet_submits=True)))
             self._reader = self._sock.makefile("rb", buffering=1 << 16)
             answer = self._read_reply()
             if answer is None or not answer.HasField("ready"):
                 why = answer.refused.message if answer is not None and answer.HasField("refused") else "no answer"
                 raise JobSocketRefused(f"the daemon refused the job socket's hello: {why}")
+            # A daemon that answers every submit (older ones) says so by leaving it false.
+            self.quiet = answer.ready.quiet_submits
             # From here reads block for as long as nothing comes, and a write that
             # cannot go out within `timeout` (a daemon that stopped reading) fails.
             self._sock.settimeout(None)

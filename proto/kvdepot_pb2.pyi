@@ -68,14 +68,18 @@ class PoolInfo(_message.Message):
     def __init__(self, slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class JobDone(_message.Message):
-    __slots__ = ("job_id", "ok", "error")
+    __slots__ = ("job_id", "ok", "error", "already_stored", "not_stored")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
+    NOT_STORED_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     ok: bool
     error: str
-    def __init__(self, job_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    already_stored: int
+    not_stored: int
+    def __init__(self, job_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., already_stored: _Optional[int] = ..., not_stored: _Optional[int] = ...) -> None: ...
 
 class NamespaceSpec(_message.Message):
     __slots__ = ("model", "revision", "kv_dtype", "block_size", "layout", "tp_size", "kv_group", "extra", "key_version")
@@ -296,10 +300,12 @@ class JobFrame(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., hello: _Optional[_Union[JobSocketHello, _Mapping]] = ..., submit_store: _Optional[_Union[SubmitStoreRequest, _Mapping]] = ..., submit_load: _Optional[_Union[SubmitLoadRequest, _Mapping]] = ..., staging: _Optional[_Union[StagingOffer, _Mapping]] = ...) -> None: ...
 
 class JobSocketHello(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "quiet_submits")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    QUIET_SUBMITS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    quiet_submits: bool
+    def __init__(self, session_id: _Optional[str] = ..., quiet_submits: _Optional[bool] = ...) -> None: ...
 
 class JobReply(_message.Message):
     __slots__ = ("request_id", "store_submitted", "load_submitted", "refused", "job_done", "ready", "staging_ready", "staging_taken")
@@ -338,12 +344,14 @@ class StagingTaken(_message.Message):
     def __init__(self, staging_id: _Optional[int] = ...) -> None: ...
 
 class JobSocketReady(_message.Message):
-    __slots__ = ("tenant", "admin")
+    __slots__ = ("tenant", "admin", "quiet_submits")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     ADMIN_FIELD_NUMBER: _ClassVar[int]
+    QUIET_SUBMITS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     admin: bool
-    def __init__(self, tenant: _Optional[str] = ..., admin: _Optional[bool] = ...) -> None: ...
+    quiet_submits: bool
+    def __init__(self, tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., quiet_submits: _Optional[bool] = ...) -> None: ...
 
 class JobRefused(_message.Message):
     __slots__ = ("code", "message")

@@ -172,3 +172,37 @@ def test_a_client_that_cannot_open_the_job_socket_does_not_use_the_session_and_s
         assert "cannot be used" in caplog.text
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("lane", ["native", "python"])
+def test_quiet_submits_cost_one_message_each_way(start_daemon, lane):
+    """A client that asks for quiet submits gets no answer for a submit the
+    daemon takes: the job's JobDone is the one message back, and says a store's
+    counts; a submit it refuses is answered, named by its job id. Either lane."""
+    from kvcache import make_kv_cache
+
+    daemon = start_daemon(lane=lane)
+    session = RawSession(daemon.socket, hello=False)
+    raw = RawJobSocket(daemon.socket + ".jobs")
+    raw.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=session.id, quiet_submits=True)))
+    assert raw.reply().ready.quiet_submits
+    tensors, block_dim = make_kv_cache("per_layer", seed=34)
+    registered, _ = session.register_cpu_worker(namespace("per_layer"), tensors, block_dim)
+    keys = prompt_keys(3, prompt=340)
+
+    def store(job_id: int, ks, block_ids) -> pb.JobReply:
+        raw.send(pb.JobFrame(request_id=job_id, submit_store=pb.SubmitStoreRequest(
+            session_id=session.id, worker_id=registered.worker_id, job_id=job_id, keys=ks, block_ids=block_ids)))
+        return raw.reply()
+
+    first = store(7, keys[:2], [0, 1])
+    assert first.WhichOneof("kind") == "job_done" and first.job_done.job_id == 7 and first.job_done.ok
+    assert (first.job_done.already_stored, first.job_done.not_stored) == (0, 0)
+    second = store(8, keys, [0, 1, 2])
+    assert second.WhichOneof("kind") == "job_done" and second.job_done.job_id == 8
+    assert (second.job_done.ok, second.job_done.already_stored) == (True, 2)
+    refused = store(9, keys, [0, 1])  # one block id short
+    assert refused.WhichOneof("kind") == "refused" and refused.request_id == 9
+    assert "3 keys but 2 block ids" in refused.refused.message
+    raw.close()
+    session.close()

@@ -39,7 +39,8 @@ def cleared(answer: Cleared) -> pb.ClearResponse:
 
 
 def job_done(done: JobDone) -> pb.JobDone:
-    return pb.JobDone(job_id=done.job_id, ok=done.ok, error=done.error)
+    return pb.JobDone(job_id=done.job_id, ok=done.ok, error=done.error, already_stored=done.already_stored,
+                      not_stored=done.not_stored)
 
 
 def notification(notice: Notice) -> pb.Notification:

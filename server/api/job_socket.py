@@ -98,6 +98,8 @@ class JobConnection(asyncio.Protocol):
         # lane): handed over with what was read after the hello.
         self._handover: bytes | None = None
         self._handed_over = False
+        # The hello asked for quiet submits (proto: JobSocketHello.quiet_submits).
+        self._quiet = False
 
     @property
     def open(self) -> bool:
@@ -260,24 +262,31 @@ class JobConnection(asyncio.Protocol):
             return
         self._held_dones = []
         try:
-            self._write(self._answer(request, kind, received))
+            answer = self._answer(request, kind, received)
+            if answer is not None:
+                self._write(answer)
             for message in self._held_dones:
                 if self.open:
                     self._write(message)
         finally:
             self._held_dones = None
 
-    def _answer(self, request: pb.JobFrame, kind: str, received: int) -> bytes:
+    def _answer(self, request: pb.JobFrame, kind: str, received: int) -> bytes | None:
+        """The answer to a request; None for a submit taken quietly."""
         reply = pb.JobReply(request_id=request.request_id)
         try:
             if kind == "submit_store":
                 self._check_session(request.submit_store.session_id)
                 job = parse.store_job(request.submit_store)
                 submitted = self._depot.submit(self.session.id, job, received)
+                if self._quiet:
+                    return None
                 reply.store_submitted.CopyFrom(answers.store_submitted(submitted))
             elif kind == "submit_load":
                 self._check_session(request.submit_load.session_id)
                 self._depot.submit(self.session.id, parse.load_job(request.submit_load), received)
+                if self._quiet:
+                    return None
                 reply.load_submitted.SetInParent()
             elif kind in ("hello", "staging"):
                 raise FailedPrecondition(f"{kind} must be the first frame of a job socket connection")
@@ -316,7 +325,9 @@ class JobConnection(asyncio.Protocol):
         if self._hello_timer is not None:
             self._hello_timer.cancel()
             self._hello_timer = None
-        ready = pb.JobSocketReady(tenant=session.identity.tenant, admin=session.identity.admin)
+        self._quiet = request.hello.quiet_submits
+        ready = pb.JobSocketReady(tenant=session.identity.tenant, admin=session.identity.admin,
+                                  quiet_submits=self._quiet)
         answer = frame(pb.JobReply(request_id=request.request_id, ready=ready))
         if self._depot.takes_job_connections:
             self._handover = answer  # once the hello is taken off the buffer
@@ -337,7 +348,7 @@ class JobConnection(asyncio.Protocol):
         self._admitted = False
         self._transport.pause_reading()
         try:
-            self._depot.adopt_job_connection(self.session, fd, self._peer, self._handover, leftover,
+            self._depot.adopt_job_connection(self.session, fd, self._peer, self._handover, leftover, self._quiet,
                                              lambda: gate.release(uid))
         finally:
             self._transport.abort()

@@ -233,7 +233,7 @@ class Depot(JobPath):
     # the native lane takes them after their hello (server/native/depot.py).
     takes_job_connections = False
 
-    def adopt_job_connection(self, session: Session, fd: int, peer: str, first: bytes, leftover: bytes,
+    def adopt_job_connection(self, session: Session, fd: int, peer: str, first: bytes, leftover: bytes, quiet: bool,
                              release) -> bool:
         raise NotImplementedError("this depot leaves job socket connections to the API wing")
 

@@ -55,7 +55,8 @@ class JobPath:
                 self._count(session, worker.ns, disk_hit_blocks=from_disk)
             answer = Submitted()
         slots = [block.slots[worker.rank] for block in blocks]
-        job = Job(request.job_id, request.kind, session, worker, blocks, list(block_ids), slots, transport_state=state)
+        job = Job(request.job_id, request.kind, session, worker, blocks, list(block_ids), slots, transport_state=state,
+                  already_stored=answer.already_stored, not_stored=answer.not_stored)
         self._begin(job, received_ns)
         self.changes.send()
         if answer.not_stored:
@@ -124,7 +125,7 @@ class JobPath:
         # The client is told first, since it waits on this: nothing it sends next
         # is handled before the bookkeeping below has run (one event loop).
         if not session.ended:
-            session.outbox.job_done(job.id, ok, error)
+            session.outbox.job_done(job.id, ok, error, job.already_stored, job.not_stored)
         if job.trace is not None:
             job.trace["done_sent"] = jobtrace.now()
         return True

@@ -36,6 +36,9 @@ class JobDone:
     job_id: int
     ok: bool
     error: str = ""
+    # A store's counts (requests.py Submitted), for a client that asked them of its JobDone.
+    already_stored: int = 0
+    not_stored: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,8 @@ class Outbox:
     def has_job_channel(self) -> bool:
         return self.job_channel is not None and self.job_channel.open
 
-    def job_done(self, job_id: int, ok: bool, error: str) -> None:
-        done = JobDone(job_id, ok, error)
+    def job_done(self, job_id: int, ok: bool, error: str, already_stored: int = 0, not_stored: int = 0) -> None:
+        done = JobDone(job_id, ok, error, already_stored, not_stored)
         channel = self.job_channel
         if channel is not None and channel.open:
             channel.send_done(done)

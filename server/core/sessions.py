@@ -54,6 +54,9 @@ class Job:
     submitted: float = 0.0
     # {stage: ns} when jobs are traced (kvdepot.jobtrace), else None.
     trace: dict | None = None
+    # A store's keys left out (already stored) and not stored (every slot pinned), for its JobDone.
+    already_stored: int = 0
+    not_stored: int = 0
 
 
 @dataclass(eq=False)

@@ -141,9 +141,9 @@ class NativeDepot(Depot):
         self._after_call()
         return jobs
 
-    def adopt_job_connection(self, session: Session, fd: int, peer: str, first: bytes, leftover: bytes,
+    def adopt_job_connection(self, session: Session, fd: int, peer: str, first: bytes, leftover: bytes, quiet: bool,
                              release) -> bool:
-        conn = self.lane.add_connection(session.number, fd, peer, first, leftover)
+        conn = self.lane.add_connection(session.number, fd, peer, first, leftover, quiet)
         if conn < 0:
             os.close(fd)
             release()
@@ -284,10 +284,11 @@ class NativeDepot(Depot):
                 self.changes.note(ns, key, _CHANGES[state])
             return True
         if kind is EventType.JOB_DONE:
-            number, job_id, ok, _, _ = binding.JOB_DONE.unpack_from(data)
+            number, job_id, ok, already, not_stored = binding.JOB_DONE.unpack_from(data)
             session = self._session_numbered(number)
             if session is not None:
-                session.outbox.job_done(job_id, bool(ok), data[binding.JOB_DONE.size :].decode(errors="replace"))
+                error = data[binding.JOB_DONE.size :].decode(errors="replace")
+                session.outbox.job_done(job_id, bool(ok), error, already, not_stored)
         elif kind is EventType.LOG:
             level, key_length = data[0], data[1]
             key, text = data[2 : 2 + key_length].decode(), data[2 + key_length :].decode(errors="replace")

@@ -137,9 +137,9 @@ class Lane:
 
     # ------------------------------------------------------------ jobs
 
-    def add_connection(self, session: int, fd: int, peer: str, first: bytes, leftover: bytes) -> int:
+    def add_connection(self, session: int, fd: int, peer: str, first: bytes, leftover: bytes, quiet: bool) -> int:
         return self._lib.kvd_conn_add(self._h, session, fd, peer.encode(errors="replace"), first, len(first),
-                                      leftover, len(leftover))
+                                      leftover, len(leftover), int(quiet))
 
     def submit(self, session: int, request: JobRequest) -> tuple[int, int]:
         keys = list(request.keys)

@@ -214,14 +214,14 @@ KVD_API int kvd_cuda_worker(Lane* lane, uint32_t session, uint32_t worker, int d
 
 // ---------------------------------------------------------------- connections and jobs
 
-KVD_API int64_t kvd_conn_add(Lane* lane, uint32_t session, int fd, const char* peer, const uint8_t* first, size_t first_bytes,
-                     const uint8_t* leftover, size_t leftover_bytes) {
+KVD_API int64_t kvd_conn_add(Lane* lane, uint32_t session, int fd, const char* peer, const uint8_t* first,
+                             size_t first_bytes, const uint8_t* leftover, size_t leftover_bytes, int quiet) {
   if (!lane) return -1;
   std::lock_guard<std::mutex> lock(lane->mutex);
   Session* s = lane->jobs->session(session);
   if (!s) return -1;
   uint32_t id = lane->conns->add(*s, fd, peer, std::string(reinterpret_cast<const char*>(first), first_bytes),
-                                 std::string(reinterpret_cast<const char*>(leftover), leftover_bytes));
+                                 std::string(reinterpret_cast<const char*>(leftover), leftover_bytes), quiet != 0);
   lane->conns->flush();
   return id;
 }

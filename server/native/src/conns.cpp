@@ -30,7 +30,7 @@ Conns::~Conns() {
 }
 
 uint32_t Conns::add(Session& session, int fd, const std::string& peer, const std::string& first,
-                    const std::string& leftover) {
+                    const std::string& leftover, bool quiet) {
   auto owned = std::make_unique<Conn>();
   Conn& c = *owned;
   c.id = next_id_++;
@@ -39,6 +39,7 @@ uint32_t Conns::add(Session& session, int fd, const std::string& peer, const std
   c.peer = peer;
   c.out = first;
   c.in = leftover;
+  c.quiet = quiet;
   conns_[c.id] = std::move(owned);
   session.conn = (int32_t)c.id;
   epoll_event ev{};
@@ -136,6 +137,7 @@ void Conns::answer(Conn& c, Frame& frame, int64_t received) {
           throw Refusal{INVALID_ARGUMENT, format("this job socket connection belongs to session %u, not to the one named",
                                                  session->number)};
         Submitted submitted = jobs_.submit(*session, frame.request, received);
+        if (c.quiet) return;
         if (frame.kind == Frame::STORE) reply_store_submitted(c.out, frame.request_id, submitted);
         else reply_load_submitted(c.out, frame.request_id);
         return;
@@ -233,11 +235,10 @@ void Conns::end(Conn& c, Closed kind) {
 }
 
 bool Conns::job_done(Session& session, uint64_t job, bool ok, const std::string& error, const Submitted& counts) {
-  (void)counts;
   if (session.conn < 0) return false;
   auto found = conns_.find((uint32_t)session.conn);
   if (found == conns_.end() || found->second->fd < 0 || found->second->closing) return false;
-  reply_job_done(found->second->out, job, ok, error);
+  reply_job_done(found->second->out, job, ok, error, counts);
   dirty_.push_back(found->second->id);
   return true;
 }

@@ -17,7 +17,9 @@ class Conns : public Replies {
   // Takes a connection that said hello: `fd` is the lane's from now on. `first`
   // goes out before anything else (the answer to hello); `leftover` holds
   // what was read after the hello.
-  uint32_t add(Session& session, int fd, const std::string& peer, const std::string& first, const std::string& leftover);
+  // `quiet`: submits taken get no answer (proto: JobSocketHello.quiet_submits).
+  uint32_t add(Session& session, int fd, const std::string& peer, const std::string& first, const std::string& leftover,
+               bool quiet);
   // The session ended (or Python closes it): closes once its output is written.
   void close(uint32_t id);
   void on_epoll(uint32_t id, uint32_t events);
@@ -38,6 +40,7 @@ class Conns : public Replies {
     bool paused = false;   // its replies pile up unread: its requests wait
     bool closing = false;  // closes once its output is written
     bool dropped = false;  // for a frame it sent
+    bool quiet = false;
     uint32_t interest = 0;
   };
   void read(Conn& c);

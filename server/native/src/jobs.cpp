@@ -303,8 +303,8 @@ Submitted Jobs::submit(Session& session, JobRequest& request, int64_t received_n
       job->blocks.push_back(write.second);
       job->block_ids.push_back(request.block_ids[write.first]);
     }
-    answer.already = r.already;
-    answer.not_stored = r.not_stored;
+    answer.already = job->already = r.already;
+    answer.not_stored = job->not_stored = r.not_stored;
   } else {
     std::vector<uint32_t> sorted(request.block_ids);
     std::sort(sorted.begin(), sorted.end());
@@ -363,9 +363,9 @@ bool Jobs::tell(Ended& e) {
   session.jobs.erase(found);
   if (tracing) job->trace.push_back({9, now_ns()});
   if (!session.ended) {
-    Submitted none;
-    if (!replies_.job_done(session, job->id, e.ok, e.error, none))
-      events_.job_done(session.handle, job->id, e.ok, 0, 0, e.error);
+    Submitted counts{job->already, job->not_stored};
+    if (!replies_.job_done(session, job->id, e.ok, e.error, counts))
+      events_.job_done(session.handle, job->id, e.ok, job->already, job->not_stored, e.error);
   }
   if (tracing) job->trace.push_back({10, now_ns()});
   return true;

@@ -17,16 +17,19 @@
 // watches; Python watches that epoll set with the event loop.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -228,6 +231,8 @@ struct Job {
   uint64_t fence_seq = 0;
   int64_t span_start = -1, span_end = -1;
   bool at_gate = false;
+  // A store's keys left out (already stored) and not stored, for its JobDone.
+  uint32_t already = 0, not_stored = 0;
   // Stage stamps (jobtrace), when tracing.
   std::vector<std::pair<uint8_t, int64_t>> trace;
 };

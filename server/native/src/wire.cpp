@@ -233,7 +233,7 @@ void reply_refused(std::string& out, uint64_t request_id, int code, const std::s
   put_reply(out, request_id, 4, body);
 }
 
-void reply_job_done(std::string& out, uint64_t job_id, bool ok, const std::string& error) {
+void reply_job_done(std::string& out, uint64_t job_id, bool ok, const std::string& error, const Submitted& counts) {
   std::string body;
   if (job_id) {
     put_tag(body, 1, VARINT);
@@ -247,6 +247,14 @@ void reply_job_done(std::string& out, uint64_t job_id, bool ok, const std::strin
     put_tag(body, 3, BYTES);
     put_varint(body, error.size());
     body += error;
+  }
+  if (counts.already) {
+    put_tag(body, 4, VARINT);
+    put_varint(body, counts.already);
+  }
+  if (counts.not_stored) {
+    put_tag(body, 5, VARINT);
+    put_varint(body, counts.not_stored);
   }
   put_reply(out, 0, 5, body);
 }

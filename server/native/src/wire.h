@@ -27,7 +27,7 @@ bool decode_frame(const uint8_t* data, size_t size, Frame& frame);
 void reply_store_submitted(std::string& out, uint64_t request_id, const Submitted& counts);
 void reply_load_submitted(std::string& out, uint64_t request_id);
 void reply_refused(std::string& out, uint64_t request_id, int code, const std::string& message);
-void reply_job_done(std::string& out, uint64_t job_id, bool ok, const std::string& error);
+void reply_job_done(std::string& out, uint64_t job_id, bool ok, const std::string& error, const Submitted& counts);
 
 bool valid_utf8(const uint8_t* data, size_t size);
 
