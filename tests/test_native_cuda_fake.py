@@ -18,14 +18,16 @@ import pytest
 import torch
 
 from kvdepot.server.core.requests import JobKind, JobRequest
-from kvdepot.server.core.transport import LaneDevice, LaneStream, LaneWorker
+from kvdepot.server.core.transport import LaneDevice, LaneKernel, LaneStream, LaneWorker
+from kvdepot.server.host import shard_hash
 from kvdepot.server.host.pool import HostPool
+from kvdepot.server.host.shard_record import RECORD_BYTES, unpack
 from kvdepot.server.native import binding, build
 from kvdepot.server.native.binding import EventType
 from kvdepot.server.native.lane import Lane
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_cuda", "fake_cuda.cpp")
-GATHER, SCATTER = 0x1000, 0x2000
+GATHER, SCATTER, HASH_BLOCKS, HASH_ROWS = 0x1000, 0x2000, 0x3000, 0x4000
 SLOT = 4096
 LAYERS, PAGE = 4, 1024  # a block: four pages of 1 KiB
 BLOCKS = 64
@@ -79,14 +81,30 @@ class Rig:
     def _stream(self, function: int) -> LaneStream:
         buffers = [self._memory(torch.zeros(ROWS * SLOT, dtype=torch.uint8)) for _ in range(2)]
         host, gpu = self._ints([0] * RING), self._ints([0] * RING)
+        hashes = {}
+        if function == GATHER:  # a store's rows are hashed "on the GPU"
+            keys = self._memory(torch.from_numpy(shard_hash.keys().reshape(-1).copy()))
+            scratch = [self._ints([0] * ROWS * (SLOT // 4096)) for _ in buffers]
+            hashes = dict(hash_blocks=LaneKernel(HASH_BLOCKS, 128, 0, (8, 8, 8, 8, 8, 4)),
+                          hash_rows=LaneKernel(HASH_ROWS, 32, 0, (8, 8, 4, 8)), hash_keys=keys.data_ptr(),
+                          hash_scratch=tuple(t.data_ptr() for t in scratch))
         return LaneStream(0x11, 0x12, tuple(b.data_ptr() for b in buffers), ROWS, (0x21, 0x22), (0x23, 0x24),
-                          host.data_ptr(), gpu.data_ptr(), RING, self._ints(list(range(ROWS))).data_ptr(), function,
-                          128, 0, 4, (8,) * 8 + (4,) * 3)
+                          host.data_ptr(), gpu.data_ptr(), RING, self._ints(list(range(ROWS))).data_ptr(),
+                          LaneKernel(function, 128, 0, (8,) * 8 + (4,) * 3, programs=4), **hashes)
 
     def _api(self) -> dict[str, int]:
         names = dict((field, name) for field, name in binding.CUDA_ENTRY_POINTS)
         return {names[field]: ctypes.cast(getattr(self.fake, f"fake_{field}"), ctypes.c_void_p).value
                 for field, _ in binding.CUDA_ENTRY_POINTS}
+
+    def records(self) -> dict[bytes, tuple]:
+        """The sealed records in the pool, by key: (record, the slot's bytes)."""
+        found = {}
+        for slot in range(self.pool.num_slots):
+            record, _ = unpack(self.pool.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES])
+            if record is not None:
+                found[record.key] = (record, bytes(self.pool.slot_view(slot, record.length)))
+        return found
 
     def block(self, block_id: int) -> bytes:
         return b"".join(bytes(t[block_id].numpy()) for t in self.cache)
@@ -180,3 +198,18 @@ def test_a_bad_event_handle_is_refused_before_anything_is_reserved(rig):
     with pytest.raises(Exception, match="64-byte IPC handle"):
         rig.store(2, keys(1, 701), [1], event=b"short")
     assert rig.lane.counts()["used_slots"] == 0
+
+
+def test_a_stores_records_are_sealed_with_the_hash_the_gpu_took(rig):
+    """A CUDA store's records carry the hash its GPU computed of the rows it
+    gathered (host/shard_hash.py's), written as the store commits: the slot's
+    bytes hash to it, and no CPU thread hashed them."""
+    ks = keys(5, 800)
+    rig.store(1, ks, [3, 9, 10, 11, 40])
+    assert rig.wait([1]) == {1: (True, "")}
+    records = rig.records()
+    assert set(records) == set(ks)
+    for record, data in records.values():
+        assert record.gpu_hashed and record.length == LAYERS * PAGE
+        assert record.data_hash == shard_hash.gpu_hash(data)
+    assert rig.lane.counts()["sealed"] == 5 and rig.lane.counts()["unsealed"] == 0

@@ -62,6 +62,18 @@ class GpuStats:
 
 
 @dataclass(frozen=True)
+class LaneKernel:
+    """A compiled kernel the native lane launches by its handle (cuda_calls.KernelLaunch)."""
+
+    function: int
+    block: int
+    shared: int
+    param_sizes: tuple[int, ...]
+    # Programs a launch runs at most (the copy kernel's), 0: as many as its work.
+    programs: int = 0
+
+
+@dataclass(frozen=True)
 class LaneStream:
     """One direction of one GPU as the native lane runs its copies (its CUDA
     handles and addresses; transports/cuda_streams.py CopyStream has each)."""
@@ -76,12 +88,13 @@ class LaneStream:
     ring_gpu: int
     ring_entries: int
     positions: int
-    # The compiled copy kernel, launched by its handle (cuda_calls.KernelLaunch).
-    function: int
-    block: int
-    shared: int
-    programs: int
-    param_sizes: tuple[int, ...]
+    copy: LaneKernel
+    # A store's: the rows' hashes for their records (hash_kernel.py), with the
+    # hash's keys and a scratch array per buffer; None: sealed on the CPU.
+    hash_blocks: LaneKernel | None = None
+    hash_rows: LaneKernel | None = None
+    hash_keys: int = 0
+    hash_scratch: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)

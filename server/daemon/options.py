@@ -202,7 +202,8 @@ OPTIONS = [
     Option(
         "spin_bytes", "copy", "64MiB",
         "A CUDA job of up to this many bytes that finds its stream idle is waited for by spinning a core "
-        "rather than sleeping, which shortens small jobs; 0: never spin.",
+        "(the native lane: for 50 us once it should have ended) rather than sleeping, which shortens small "
+        "jobs; 0: never spin.",
         size=True,
     ),
     Option(

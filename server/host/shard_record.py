@@ -18,6 +18,7 @@ from typing import NamedTuple
 import xxhash
 
 from kvdepot.defaults import KEY_BYTES
+from kvdepot.server.host import shard_hash
 
 MAGIC = b"KVDSHRD1"
 # Bumped whenever the bytes of a record, a pool header or a segment change
@@ -34,6 +35,10 @@ _PAD = RECORD_BYTES - _FIELDS.size - _HASH.size
 assert _PAD >= 0
 
 FLAG_SEALED = 1
+# The data hash is host/shard_hash.py's (the GPU computed it as it stored the
+# bytes), not xxh3. A daemon that does not know the flag checks it as xxh3 and
+# discards the record: never a wrong byte.
+FLAG_GPU_HASH = 2
 
 
 class ShardRecord(NamedTuple):
@@ -44,6 +49,8 @@ class ShardRecord(NamedTuple):
     length: int
     data_hash: int
     generation: int = 0
+    # data_hash is shard_hash.gpu_hash's (FLAG_GPU_HASH).
+    gpu_hashed: bool = False
 
 
 def data_hash(data) -> int:
@@ -52,11 +59,16 @@ def data_hash(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def hash_of(record: ShardRecord, data) -> int:
+    """`data`'s hash as `record` says it was taken (to compare with its data_hash)."""
+    return shard_hash.gpu_hash(data, record.length) if record.gpu_hashed else data_hash(data)
+
+
 def pack(record: ShardRecord) -> bytes:
     fields = _FIELDS.pack(
         MAGIC,
         FORMAT_VERSION,
-        FLAG_SEALED,
+        FLAG_SEALED | (FLAG_GPU_HASH if record.gpu_hashed else 0),
         record.generation,
         record.ns,
         record.key,
@@ -88,7 +100,7 @@ def unpack(raw) -> tuple[ShardRecord | None, str]:
         return None, "empty"
     if tp_size < 1 or rank >= tp_size:
         return None, "torn"
-    return ShardRecord(ns, key, rank, tp_size, length, hashed, generation), ""
+    return ShardRecord(ns, key, rank, tp_size, length, hashed, generation, bool(flags & FLAG_GPU_HASH)), ""
 
 
 def ns_digest(identity: tuple) -> bytes:

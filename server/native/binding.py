@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvdepot.server.host import shard_hash
 from kvdepot.server.native import build
 
 c_u8p = ctypes.POINTER(ctypes.c_uint8)
@@ -59,14 +60,20 @@ CUDA_ENTRY_POINTS = (
 )
 
 
+class KernelConfig(ctypes.Structure):
+    _fields_ = [
+        ("function", ctypes.c_uint64), ("block", ctypes.c_uint32), ("shared", ctypes.c_uint32),
+        ("programs", ctypes.c_uint32), ("n_params", ctypes.c_uint32), ("param_sizes", ctypes.c_uint32 * 32),
+    ]
+
+
 class CudaStreamConfig(ctypes.Structure):
     _fields_ = [
         ("stream", ctypes.c_uint64), ("kernels", ctypes.c_uint64), ("buffers", ctypes.c_uint64 * 2),
         ("rows", ctypes.c_uint64), ("filled", ctypes.c_uint64 * 2), ("drained", ctypes.c_uint64 * 2),
         ("ring_host", ctypes.c_uint64), ("ring_gpu", ctypes.c_uint64), ("ring_entries", ctypes.c_uint64),
-        ("positions", ctypes.c_uint64), ("function", ctypes.c_uint64), ("block", ctypes.c_uint32),
-        ("shared", ctypes.c_uint32), ("programs", ctypes.c_uint32), ("n_params", ctypes.c_uint32),
-        ("param_sizes", ctypes.c_uint32 * 32),
+        ("positions", ctypes.c_uint64), ("copy", KernelConfig), ("hash_blocks", KernelConfig),
+        ("hash_rows", KernelConfig), ("hash_keys", ctypes.c_uint64), ("hash_scratch", ctypes.c_uint64 * 2),
     ]
 
 
@@ -78,15 +85,22 @@ class CudaDeviceConfig(ctypes.Structure):
     ]
 
 
+def _kernel_config(k) -> KernelConfig:
+    if k is None:
+        return KernelConfig()
+    if len(k.param_sizes) > 32:
+        raise ValueError(f"a kernel of {len(k.param_sizes)} parameters; the lane packs at most 32")
+    return KernelConfig(function=k.function, block=k.block, shared=k.shared, programs=k.programs,
+                        n_params=len(k.param_sizes), param_sizes=(ctypes.c_uint32 * 32)(*k.param_sizes))
+
+
 def _stream_config(s) -> CudaStreamConfig:
-    if len(s.param_sizes) > 32:
-        raise ValueError(f"the copy kernel has {len(s.param_sizes)} parameters; the lane packs at most 32")
     return CudaStreamConfig(
         stream=s.stream, kernels=s.kernels, buffers=(ctypes.c_uint64 * 2)(*s.buffers), rows=s.rows,
         filled=(ctypes.c_uint64 * 2)(*s.filled), drained=(ctypes.c_uint64 * 2)(*s.drained), ring_host=s.ring_host,
-        ring_gpu=s.ring_gpu, ring_entries=s.ring_entries, positions=s.positions, function=s.function, block=s.block,
-        shared=s.shared, programs=s.programs, n_params=len(s.param_sizes),
-        param_sizes=(ctypes.c_uint32 * 32)(*s.param_sizes))
+        ring_gpu=s.ring_gpu, ring_entries=s.ring_entries, positions=s.positions, copy=_kernel_config(s.copy),
+        hash_blocks=_kernel_config(s.hash_blocks), hash_rows=_kernel_config(s.hash_rows), hash_keys=s.hash_keys,
+        hash_scratch=(ctypes.c_uint64 * 2)(*s.hash_scratch))
 
 
 def device_config(device) -> CudaDeviceConfig:
@@ -142,6 +156,7 @@ _SIGNATURES = {
     "kvd_verify": ([_P], ctypes.c_char_p),
     "kvd_decode_frame": ([ctypes.c_char_p, ctypes.c_size_t], ctypes.c_char_p),
     "kvd_test_hold_copies": ([_P, ctypes.c_char_p], None),
+    "kvd_gpu_hash": ([ctypes.c_void_p, ctypes.c_size_t], _U64),
     "kvd_cuda_init": ([_P, ctypes.POINTER(CudaApi)], None),
     "kvd_cuda_has_device": ([_P, _INT], _INT),
     "kvd_cuda_device": ([_P, ctypes.POINTER(CudaDeviceConfig)], None),
@@ -162,6 +177,7 @@ def load(path: Path | None = None) -> ctypes.CDLL:
         function.restype = restype
     if lib.kvd_build_id().decode() != build.build_id():
         raise OSError(f"{path.name} was built from other sources")
+    shard_hash.use_native(lib.kvd_gpu_hash)  # records the GPU sealed, checked at adoption
     return lib
 
 

@@ -25,7 +25,15 @@ from kvdepot.kept_pools import read_header
 from kvdepot.server.core.requests import NamespaceSpec
 from kvdepot.server.core.tiers import KeptBlock, Tier, TierStats
 from kvdepot.server.host.pool import HostPool, huge_page_bytes, pool_file_bytes
-from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES, ShardRecord, data_hash, pack, unpack
+from kvdepot.server.host.shard_record import (
+    FORMAT_VERSION,
+    RECORD_BYTES,
+    ShardRecord,
+    data_hash,
+    hash_of,
+    pack,
+    unpack,
+)
 from kvdepot.server.tiers.catalog import IDENTITY_FIELDS, Catalog
 from kvdepot.thread_names import name_os_thread
 
@@ -318,4 +326,4 @@ class WarmPool(Tier):
         view = self.pool.slot_view
         workers = threads or min(16, os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(workers) as executor:
-            return list(executor.map(lambda s: data_hash(view(s[0], s[1].length)), shards, chunksize=64))
+            return list(executor.map(lambda s: hash_of(s[1], view(s[0], s[1].length)), shards, chunksize=64))

@@ -28,13 +28,14 @@ from kvdepot.server.core.transport import (
     FinishMany,
     GpuStats,
     LaneDevice,
+    LaneKernel,
     LaneStream,
     LaneWorker,
     Transport,
     one_by_one,
 )
 from kvdepot.server.host import numa
-from kvdepot.server.transports import copy_kernel, cuda_calls, gpu_memory
+from kvdepot.server.transports import copy_kernel, cuda_calls, gpu_memory, hash_kernel
 from kvdepot.server.transports.cuda_jobs import JobQueue
 from kvdepot.server.transports.cuda_streams import RING_ENTRIES, ComputeGate, CopyStream, completed
 
@@ -142,6 +143,8 @@ class CudaTransport(Transport):
         self._native = native
         self._gate = None if native else ComputeGate(self._loop, self._gate_opened, self._gate_failed)
         self._lane_devices: dict[int, LaneDevice] = {}
+        # GPU memory the lane's store hashes use, kept for the daemon's life.
+        self._hash_memory: dict[int, tuple] = {}
         self._held_at_gate = 0
         # The pool as rows of slots, for the copy engines: registered with CUDA,
         # so torch copies it asynchronously.
@@ -310,15 +313,28 @@ class CudaTransport(Transport):
     def _lane_stream(self, device: _Device, stream: CopyStream, to_host: bool) -> LaneStream:
         slot = self._pool.slot_bytes
         launch = copy_kernel.prepared(stream.positions, stream.buffer_addresses[0], slot, to_host, self._chunk_bytes)
-        if launch is None:
-            raise FailedPrecondition("the native lane cannot launch this Triton's copy kernel by its handle: "
+        hashing = hash_kernel.prepared(device.index) if to_host else None
+        if launch is None or (to_host and hashing is None):
+            raise FailedPrecondition("the native lane cannot launch this Triton's kernels by their handles: "
                                      "start kvdepotd with --lane python")
         ring = stream.ring
+        copy = LaneKernel(launch.function, launch.block, launch.shared, launch.param_sizes,
+                          self._programs or copy_kernel.staging_programs(device.index))
+        hashes = {}
+        if hashing is not None:
+            # A store's rows are hashed on the GPU for their records: no CPU reads them to seal.
+            blocks, rows, keys = hashing
+            scratch = [torch.empty(stream.rows * hash_kernel.blocks_per_row(slot), dtype=torch.int64,
+                                   device=stream.positions.device) for _ in stream.buffers]
+            self._hash_memory[device.index] = (keys, scratch)
+            hashes = dict(
+                hash_blocks=LaneKernel(blocks.function, blocks.block, blocks.shared, blocks.param_sizes),
+                hash_rows=LaneKernel(rows.function, rows.block, rows.shared, rows.param_sizes),
+                hash_keys=keys.data_ptr(), hash_scratch=tuple(t.data_ptr() for t in scratch))
         return LaneStream(
             stream.handle, stream.kernels_handle, tuple(stream.buffer_addresses), stream.rows,
             tuple(stream.filled_handles), tuple(stream.drained_handles), ring.host_address, ring.gpu_address,
-            len(ring.host), stream.positions.data_ptr(), launch.function, launch.block, launch.shared,
-            self._programs or copy_kernel.staging_programs(device.index), launch.param_sizes)
+            len(ring.host), stream.positions.data_ptr(), copy, **hashes)
 
     # ------------------------------------------------------------ jobs
 

@@ -12,8 +12,9 @@
 
 extern "C" {
 
-// Kernel "functions": which way the copy goes.
-const uintptr_t GATHER = 0x1000, SCATTER = 0x2000;
+// Kernel "functions": which way the copy goes, and the two of the shard hash
+// (server/transports/hash_kernel.py, host/shard_hash.py).
+const uintptr_t GATHER = 0x1000, SCATTER = 0x2000, HASH_BLOCKS = 0x3000, HASH_ROWS = 0x4000;
 // Compute events whose handle starts with this byte complete only once released.
 std::atomic<int> compute_done{1};
 std::atomic<int> launches{0}, copies{0};
@@ -51,10 +52,49 @@ int fake_ipc_open_event(void** event, Handle handle) {
 int fake_stream_synchronize(void*) { return 0; }
 const char* fake_error_string(int) { return "fake error"; }
 
-int fake_launch_kernel(void* function, unsigned grid, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+static uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+int fake_launch_kernel(void* function, unsigned grid, unsigned grid_y, unsigned, unsigned, unsigned, unsigned, unsigned,
                        void*, void** params, void**) {
   auto u64 = [&](int i) { return *reinterpret_cast<uint64_t*>(params[i]); };
   auto u32 = [&](int i) { return (uint64_t)*reinterpret_cast<uint32_t*>(params[i]); };
+  if ((uintptr_t)function == HASH_BLOCKS) {  // (buffer, slot_bytes, length, keys, out, blocks_per_row)
+    const uint8_t* buffer = reinterpret_cast<const uint8_t*>(u64(0));
+    uint64_t slot_bytes = u64(1), length = u64(2), per_row = u32(5);
+    const uint32_t* keys = reinterpret_cast<const uint32_t*>(u64(3));
+    uint64_t* out = reinterpret_cast<uint64_t*>(u64(4));
+    if (grid != per_row) return 9;
+    for (uint64_t r = 0; r < grid_y; r++)
+      for (uint64_t j = 0; j < per_row; j++) {
+        uint64_t a = 0, b = 0;
+        for (uint64_t i = 0; i < 512 && (j * 512 + i) * 8 < length; i++) {
+          uint64_t w;
+          std::memcpy(&w, buffer + r * slot_bytes + (j * 512 + i) * 8, 8);
+          uint32_t lo = (uint32_t)w, hi = (uint32_t)(w >> 32);
+          a += (uint64_t)(uint32_t)(lo + keys[i]) * (uint32_t)(hi + keys[512 + i]);
+          b += (uint64_t)(uint32_t)(lo + keys[1024 + i]) * (uint32_t)(hi + keys[1536 + i]);
+        }
+        out[r * per_row + j] = mix(a ^ mix(b + j + 1));
+      }
+    launches++;
+    return 0;
+  }
+  if ((uintptr_t)function == HASH_ROWS) {  // (out, length, blocks_per_row, dest)
+    const uint64_t* out = reinterpret_cast<const uint64_t*>(u64(0));
+    uint64_t length = u64(1), per_row = u32(2);
+    uint64_t* dest = reinterpret_cast<uint64_t*>(u64(3));
+    for (uint64_t r = 0; r < grid; r++) {
+      uint64_t total = 0;
+      for (uint64_t j = 0; j < per_row; j++) total += out[r * per_row + j];
+      dest[r] = mix(total + length);
+    }
+    launches++;
+    return 0;
+  }
   const int64_t* ids = reinterpret_cast<const int64_t*>(u64(0));
   const int64_t* rows = reinterpret_cast<const int64_t*>(u64(1));
   const int64_t* page_gpu = reinterpret_cast<const int64_t*>(u64(2));

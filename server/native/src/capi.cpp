@@ -39,6 +39,9 @@ void put_counters(const Counters& c, uint64_t* out) { std::memcpy(out, c.v, size
 
 extern "C" {
 
+// host/shard_hash.py's hash on the CPU (checking records the GPU sealed, at adoption); no lane needed.
+KVD_API uint64_t kvd_gpu_hash(const uint8_t* data, size_t length) { return kvd::gpu_hash(data, length); }
+
 // A source digest compiled in, so that Python can tell a stale build (build.py).
 KVD_API const char* kvd_build_id() { return KVD_BUILD_ID; }
 

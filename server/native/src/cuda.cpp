@@ -9,6 +9,7 @@
 // worker killed mid-compute stalls no stream).
 #include "cuda.h"
 
+#include <sys/prctl.h>
 #include <unistd.h>
 
 namespace kvd {
@@ -16,10 +17,23 @@ namespace kvd {
 namespace {
 constexpr int MEMCPY_DEFAULT = 4;  // the direction from the addresses (UVA)
 constexpr int NOT_READY = 600;     // cudaErrorNotReady
-constexpr unsigned EVENT_BLOCKING_SYNC = 0x01, EVENT_DISABLE_TIMING = 0x02;
+constexpr unsigned EVENT_DISABLE_TIMING = 0x02;
 constexpr size_t MAX_EVENTS_PER_WORKER = 1024;
 constexpr uint64_t TAIL_CHUNK_SHARE = 8;
+// A job of at most this many bytes, one chunk, runs on the copy stream alone:
+// its gather (or scatter) and its transfers need no event between them, about
+// half the calls of a small job. A bigger job's kernels run on their own
+// stream, beside the previous job's transfers: on one stream they would take
+// turns, and the bus would idle while each gather runs.
+constexpr uint64_t ONE_STREAM_BYTES = 1 << 20;
+// Who touched a staging buffer last.
+enum Owner : uint8_t { NOBODY = 0, COPY_STREAM = 1, KERNEL_STREAM = 2 };
 constexpr int GATE_POLL_US = 20;
+// A stream's jobs are expected to move at this many bytes a nanosecond (the
+// PCIe 5 x16 rate the benchmarks see), plus this long each; past it their
+// events are asked, first after FIRST_POLL_NS, then twice as long each time.
+constexpr double NOMINAL_BYTES_PER_NS = 50.0;
+constexpr int64_t JOB_NS = 10000, FIRST_POLL_NS = 5000, LAST_POLL_NS = 200000, SPIN_NS = 50000;
 // Stage stamps (server/native/binding.py STAGES).
 enum Stage : uint8_t { LAUNCH = 2, IDS_UP = 3, KERNEL = 4, TRANSFERS = 5, FIRST_CHUNK = 6, QUEUED = 7, GPU_DONE = 8 };
 
@@ -88,10 +102,13 @@ void Spans::give_back(int64_t start, int64_t end) {
 
 struct Tracked {
   void* event;
-  bool blocking;
   Job* job;
   int64_t fence_index;  // -1: no fence to check
   uint64_t fence_seq;
+  int64_t expected_ns;  // when it should end, had the bus its nominal rate
+  bool spin;            // a small job that found the stream idle: polled closely
+  int64_t hash_index;   // where the GPU wrote its rows' hashes in the ring; -1: none
+  uint64_t rows;
 };
 
 struct CopyStream {
@@ -101,36 +118,42 @@ struct CopyStream {
   Completions* completions = nullptr;
   Spans spans;
   int next_buffer = 0;
-  bool used[2] = {false, false};
+  uint8_t owner[2] = {NOBODY, NOBODY};
   std::deque<Job*> waiting;  // for room in the ring, in order (the lane's thread's)
+  int64_t expected_end_ns = 0;  // the lane's thread's: when its last job queued should end
   std::atomic<uint64_t> tracked{0}, done{0};
   std::mutex mutex;
   std::condition_variable wake;
   std::deque<Tracked> pending;
   bool stopping = false;
   std::mutex spare_mutex;
-  std::vector<void*> spare[2];  // ended events for reuse: [spinning, blocking]
+  std::vector<void*> spare;  // ended events, for reuse
   std::thread thread;
 
   explicit CopyStream(const CudaStreamConfig& c) : config(c), spans(c.ring_entries) {}
   bool idle() const { return tracked.load() == done.load(); }
   void* stream() const { return reinterpret_cast<void*>(config.stream); }
   void* kernels() const { return reinterpret_cast<void*>(config.kernels); }
-  Ended wait(Tracked& item);
+  void* of(uint8_t owner) const { return owner == KERNEL_STREAM ? kernels() : stream(); }
+  Ended ended(Tracked& item, int rc);
+  void wait_for(const Tracked& item);
   void run();
 };
 
-Ended CopyStream::wait(Tracked& item) {
-  int rc = api->event_synchronize(item.event);
+Ended CopyStream::ended(Tracked& item, int rc) {
   Job* job = item.job;
   stamp(*job, GPU_DONE);
   if (rc) return Ended{job, false, format("copy failed on the GPU: %s (CUDA error %d)", api->error_string(rc), rc)};
   {
     std::lock_guard<std::mutex> lock(spare_mutex);
-    spare[item.blocking].push_back(item.event);
+    spare.push_back(item.event);
+  }
+  volatile int64_t* ring = reinterpret_cast<volatile int64_t*>(config.ring_host);
+  if (item.hash_index >= 0) {
+    job->hashes.resize(item.rows);
+    for (uint64_t i = 0; i < item.rows; i++) job->hashes[i] = (uint64_t)ring[item.hash_index + (int64_t)i];
   }
   if (item.fence_index >= 0) {
-    volatile int64_t* ring = reinterpret_cast<volatile int64_t*>(config.ring_host);
     if ((uint64_t)ring[item.fence_index] < item.fence_seq)
       // The event fired but the worker never wrote its fence: it died before
       // its compute ended, and the blocks hold no valid data.
@@ -139,28 +162,44 @@ Ended CopyStream::wait(Tracked& item) {
   return Ended{job, true, ""};
 }
 
+void CopyStream::wait_for(const Tracked& item) {
+  // Asleep until the job should have ended, then asking its event: a few
+  // queries a job instead of a wake-up by the driver's event thread for each
+  // (cudaEventBlockingSync) or a core spinning. A small job that had the
+  // stream to itself is asked closely for a while, so that it is not late.
+  int64_t now = now_ns();
+  if (item.expected_ns > now + 2000) std::this_thread::sleep_for(std::chrono::nanoseconds(item.expected_ns - now));
+  int64_t spin_until = item.spin ? now_ns() + SPIN_NS : 0;
+  int64_t backoff = FIRST_POLL_NS;
+  while (api->event_query(item.event) == NOT_READY) {
+    if (now_ns() < spin_until) continue;
+    std::this_thread::sleep_for(std::chrono::nanoseconds(backoff));
+    backoff = std::min(backoff * 2, LAST_POLL_NS);
+  }
+}
+
 void CopyStream::run() {
   api->set_device(device);
+  prctl(PR_SET_TIMERSLACK, 1000);  // its sleeps are tens of microseconds: not the default 50 us slack
   std::unique_lock<std::mutex> lock(mutex);
   for (;;) {
     wake.wait(lock, [this] { return stopping || !pending.empty(); });
     if (pending.empty()) return;  // stopping
-    Tracked item = pending.front();
-    pending.pop_front();
+    Tracked first = pending.front();
     lock.unlock();
-    // Jobs that end together go to the loop together: one wake-up however many.
-    std::vector<Ended> ended{wait(item)};
-    for (;;) {
-      lock.lock();
-      bool more = !pending.empty() && api->event_query(pending.front().event) != NOT_READY;
-      if (more) {
-        item = pending.front();
-        pending.pop_front();
-      }
-      lock.unlock();
-      if (!more) break;
-      ended.push_back(wait(item));
+    wait_for(first);
+    // It, and every job after it that has ended too, go to the loop together.
+    std::vector<Tracked> items;
+    lock.lock();
+    items.push_back(pending.front());
+    pending.pop_front();
+    while (!pending.empty() && api->event_query(pending.front().event) != NOT_READY) {
+      items.push_back(pending.front());
+      pending.pop_front();
     }
+    lock.unlock();
+    std::vector<Ended> ended;
+    for (Tracked& item : items) ended.push_back(this->ended(item, api->event_query(item.event)));
     done += ended.size();
     completions->push(std::move(ended));
     lock.lock();
@@ -197,12 +236,19 @@ CudaTransport::~CudaTransport() {
       }
       s->wake.notify_all();
       s->thread.join();
-      for (auto& spare : s->spare)
-        for (void* event : spare) api_.event_destroy(event);
+      for (void* event : s->spare) api_.event_destroy(event);
     }
 }
 
 bool CudaTransport::has_device(int index) const { return devices_.count(index) != 0; }
+
+bool CudaTransport::hashing(const CopyStream& stream, bool to_host) { return to_host && stream.config.hash_blocks.function; }
+
+uint64_t CudaTransport::entries(const Job& job, const CopyStream& stream) {
+  // Its block ids, then a store's fence readback, then its rows' hashes where the GPU hashes them.
+  uint64_t n = job.slots.size();
+  return n + 1 + (hashing(stream, job.kind == JobKind::STORE) ? n : 0);
+}
 
 void CudaTransport::add_device(const CudaDeviceConfig& config) {
   auto device = std::make_unique<Device>();
@@ -231,6 +277,20 @@ void CudaTransport::open_worker(Worker& worker, int device, const uint64_t table
   worker.pages_per_block = pages_per_block;
   worker.max_page_bytes = max_page_bytes;
   worker.fence_address = fence;
+}
+
+void CudaTransport::launch_kernel(const KernelConfig& k, unsigned gx, unsigned gy, std::initializer_list<uint64_t> args,
+                                  void* on) {
+  uint64_t values[32] = {};
+  void* params[32];
+  const uint64_t* given = args.begin();
+  for (uint32_t i = 0; i < k.n_params && i < 32; i++) {
+    values[i] = i < args.size() ? given[i] : 0;  // past the kernel's own: Triton's scratch pointers, null
+    if (k.param_sizes[i] == 4) values[i] &= 0xFFFFFFFFull;  // its low half, little-endian
+    params[i] = &values[i];
+  }
+  check(api_.launch_kernel(reinterpret_cast<void*>(k.function), gx, gy, 1, k.block, 1, 1, k.shared, on, params, nullptr),
+        "cuLaunchKernel");
 }
 
 void CudaTransport::check(int code, const char* what) const {
@@ -309,6 +369,7 @@ void CudaTransport::forget(Worker& worker) {
 void CudaTransport::fail(Job& job, const std::string& reason) { completions_.push(Ended{&job, false, reason}); }
 
 void CudaTransport::gate_run() {
+  prctl(PR_SET_TIMERSLACK, 1000);
   std::vector<Job*> waiting;
   std::unique_lock<std::mutex> lock(gate_mutex_);
   for (;;) {
@@ -365,7 +426,7 @@ void CudaTransport::launch(Job& job) {
   bool to_host = job.kind == JobKind::STORE;
   Device& device = *devices_.at(job.worker->device_index);
   CopyStream& stream = to_host ? *device.store : *device.load;
-  if (!stream.waiting.empty() || !stream.spans.take(job.slots.size() + 1, &job.span_start, &job.span_end)) {
+  if (!stream.waiting.empty() || !stream.spans.take(entries(job, stream), &job.span_start, &job.span_end)) {
     stream.waiting.push_back(&job);  // its turn comes as earlier jobs give their entries back
     return;
   }
@@ -393,7 +454,7 @@ void CudaTransport::ended(Job& job) {
       fail(*next, "the client went away before its copy started");
       continue;
     }
-    if (!stream.spans.take(next->slots.size() + 1, &next->span_start, &next->span_end)) break;
+    if (!stream.spans.take(entries(*next, stream), &next->span_start, &next->span_end)) break;
     stream.waiting.pop_front();
     try {
       enqueue(*next, stream, next->kind == JobKind::STORE);
@@ -411,7 +472,7 @@ void CudaTransport::enqueue(Job& job, CopyStream& stream, bool to_host) {
   set_device(config.index);
   int64_t* host = reinterpret_cast<int64_t*>(stream.config.ring_host);
   for (uint64_t i = 0; i < n; i++) host[job.span_start + i] = job.block_ids[i];
-  copy_via_staging(job, stream, to_host);
+  uint8_t kernel_side = copy_via_staging(job, stream, to_host);
   int64_t fence_index = -1;
   if (job.event) {
     // The fence the worker's compute wrote, read back after the copy.
@@ -420,74 +481,87 @@ void CudaTransport::enqueue(Job& job, CopyStream& stream, bool to_host) {
                             reinterpret_cast<void*>(job.worker->fence_address), 8, MEMCPY_DEFAULT, stream.stream()),
           "cudaMemcpyAsync");
   }
-  // A small job on an idle stream is waited for by spinning (the driver's
-  // default): waking a thread that sleeps in the driver costs such a job a
-  // noticeable part of its time. Behind others, or a big job, it sleeps.
-  bool blocking = !(stream.idle() && n * slot_bytes_ <= config.spin_bytes);
+  // A small job on an idle stream is asked for closely once it should have
+  // ended (a sleeping thread would make it late); others are asked less often.
+  bool spin = stream.idle() && n * slot_bytes_ <= config.spin_bytes;
+  int64_t now = now_ns();
+  stream.expected_end_ns = std::max(stream.expected_end_ns, now) + JOB_NS +
+                           (int64_t)((double)(n * slot_bytes_) / NOMINAL_BYTES_PER_NS);
   void* event = nullptr;
   {
     std::lock_guard<std::mutex> lock(stream.spare_mutex);
-    if (!stream.spare[blocking].empty()) {
-      event = stream.spare[blocking].back();
-      stream.spare[blocking].pop_back();
+    if (!stream.spare.empty()) {
+      event = stream.spare.back();
+      stream.spare.pop_back();
     }
   }
-  if (!event)
-    check(api_.event_create(&event, EVENT_DISABLE_TIMING | (blocking ? EVENT_BLOCKING_SYNC : 0)), "cudaEventCreate");
+  if (!event) check(api_.event_create(&event, EVENT_DISABLE_TIMING), "cudaEventCreate");
   // A store ends with its last transfer, a load with its last scatter.
-  check(api_.event_record(event, to_host ? stream.stream() : stream.kernels()), "cudaEventRecord");
+  check(api_.event_record(event, to_host ? stream.stream() : stream.of(kernel_side)), "cudaEventRecord");
   stamp(job, QUEUED);
   stream.tracked++;
   {
     std::lock_guard<std::mutex> lock(stream.mutex);
-    stream.pending.push_back(Tracked{event, blocking, &job, fence_index, job.fence_seq});
+    int64_t hash_index = hashing(stream, to_host) ? job.span_start + (int64_t)n + 1 : -1;
+    stream.pending.push_back(
+        Tracked{event, &job, fence_index, job.fence_seq, stream.expected_end_ns, spin, hash_index, n});
   }
   stream.wake.notify_one();
 }
 
-void CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_host) {
+uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_host) {
   const CudaDeviceConfig& device = devices_.at(job.worker->device_index)->config;
   const CudaStreamConfig& c = stream.config;
   const Worker& w = *job.worker;
   uint64_t n = job.slots.size();
   void* transfers = stream.stream();
-  void* kernels = stream.kernels();
   bool uploaded = false;
-  auto upload = [&] {
+  auto upload = [&](void* on) {
     if (uploaded) return;
     uint64_t at = 8 * (uint64_t)job.span_start;
     check(api_.memcpy_async(reinterpret_cast<void*>(c.ring_gpu + at), reinterpret_cast<void*>(c.ring_host + at), 8 * n,
-                            MEMCPY_DEFAULT, kernels),
+                            MEMCPY_DEFAULT, on),
           "cudaMemcpyAsync");
     uploaded = true;
     stamp(job, IDS_UP);
   };
-  auto launch = [&](uint64_t first, uint64_t count, uint64_t buffer) {
+  auto launch = [&](uint64_t first, uint64_t count, uint64_t buffer, void* on) {
     uint64_t chunks = (w.max_page_bytes + device.chunk_bytes - 1) / device.chunk_bytes;
     uint64_t work = count * w.pages_per_block * chunks;
     if (work >= (1ull << 31) - (1ull << 20)) throw std::runtime_error("a job too large for one launch of the copy kernel");
-    uint64_t args[11] = {c.ring_gpu + 8 * ((uint64_t)job.span_start + first), c.positions, w.table[0], w.table[1],
-                         w.table[2], w.table[3], buffer, slot_bytes_, w.pages_per_block, chunks, work};
-    uint64_t values[32] = {};
-    void* params[32];
-    for (uint32_t i = 0; i < c.n_params; i++) {
-      values[i] = i < 11 ? args[i] : 0;  // Triton's own scratch pointers: null
-      if (c.param_sizes[i] == 4) values[i] &= 0xFFFFFFFFull;  // its low half, little-endian
-      params[i] = &values[i];
-    }
-    unsigned grid = (unsigned)std::min<uint64_t>(work, c.programs);
-    check(api_.launch_kernel(reinterpret_cast<void*>(c.function), grid, 1, 1, c.block, 1, 1, c.shared, kernels, params,
-                             nullptr),
-          "cuLaunchKernel");
+    launch_kernel(c.copy, (unsigned)std::min<uint64_t>(work, c.copy.programs), 1,
+                  {c.ring_gpu + 8 * ((uint64_t)job.span_start + first), c.positions, w.table[0], w.table[1], w.table[2],
+                   w.table[3], buffer, slot_bytes_, w.pages_per_block, chunks, work},
+                  on);
     stamp(job, KERNEL);
   };
-  for (auto& chunk : staging_chunks(n, c.rows, !to_host && stream.idle())) {
+  // A store's rows hashed where they are, for their records (hash_kernel.py):
+  // into the ring's entries after the fence.
+  auto hash = [&](uint64_t first, uint64_t count, int b, void* on) {
+    uint64_t length = w.block_bytes, per_row = (length + 4095) / 4096;
+    launch_kernel(c.hash_blocks, (unsigned)per_row, (unsigned)count,
+                  {c.buffers[b], slot_bytes_, length, c.hash_keys, c.hash_scratch[b], per_row}, on);
+    launch_kernel(c.hash_rows, (unsigned)count, 1,
+                  {c.hash_scratch[b], length, per_row, c.ring_host + 8 * ((uint64_t)job.span_start + n + 1 + first)}, on);
+  };
+  // Before `on` touches buffer b: the stream that touched it last hands it
+  // over (an event there, a wait on `on`); the same stream needs nothing.
+  auto take_buffer = [&](int b, uint8_t on) {
+    uint8_t last = stream.owner[b];
+    if (last != NOBODY && last != on) {
+      void* event = reinterpret_cast<void*>(last == KERNEL_STREAM ? c.filled[b] : c.drained[b]);
+      check(api_.event_record(event, stream.of(last)), "cudaEventRecord");
+      check(api_.stream_wait_event(stream.of(on), event, 0), "cudaStreamWaitEvent");
+    }
+    stream.owner[b] = on;
+  };
+  bool one_stream = n * slot_bytes_ <= ONE_STREAM_BYTES && n <= c.rows;
+  uint8_t kernel_side = one_stream ? COPY_STREAM : KERNEL_STREAM;
+  for (auto& chunk : staging_chunks(n, c.rows, !one_stream && !to_host && stream.idle())) {
     uint64_t first = chunk.first, count = chunk.second;
     int b = stream.next_buffer;
     stream.next_buffer = (b + 1) % 2;
     uint64_t buffer = c.buffers[b];
-    void* filled = reinterpret_cast<void*>(c.filled[b]);
-    void* drained = reinterpret_cast<void*>(c.drained[b]);
     // Runs of consecutive slots inside one CUDA registration of the pool (a DMA copy cannot cross two).
     struct Run {
       int64_t slot;
@@ -502,34 +576,34 @@ void CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_host)
       else
         runs.push_back({slot, row, 1});
     }
+    auto transfer_runs = [&] {
+      for (Run& r : runs) {
+        uint8_t* pool = pool_ + (uint64_t)r.slot * slot_bytes_;
+        void* rows = reinterpret_cast<void*>(buffer + r.row * slot_bytes_);
+        check(to_host ? api_.memcpy_async(pool, rows, r.count * slot_bytes_, MEMCPY_DEFAULT, transfers)
+                      : api_.memcpy_async(rows, pool, r.count * slot_bytes_, MEMCPY_DEFAULT, transfers),
+              "cudaMemcpyAsync");
+      }
+    };
     if (to_host) {
-      upload();
-      if (stream.used[b]) check(api_.stream_wait_event(kernels, drained, 0), "cudaStreamWaitEvent");
-      launch(first, count, buffer);
-      check(api_.event_record(filled, kernels), "cudaEventRecord");
-      check(api_.stream_wait_event(transfers, filled, 0), "cudaStreamWaitEvent");
-      for (Run& r : runs)
-        check(api_.memcpy_async(pool_ + (uint64_t)r.slot * slot_bytes_, reinterpret_cast<void*>(buffer + r.row * slot_bytes_),
-                                r.count * slot_bytes_, MEMCPY_DEFAULT, transfers),
-              "cudaMemcpyAsync");
-      check(api_.event_record(drained, transfers), "cudaEventRecord");
+      take_buffer(b, kernel_side);
+      upload(stream.of(kernel_side));
+      launch(first, count, buffer, stream.of(kernel_side));
+      if (hashing(stream, true)) hash(first, count, b, stream.of(kernel_side));
+      take_buffer(b, COPY_STREAM);
+      transfer_runs();
     } else {
-      if (stream.used[b]) check(api_.stream_wait_event(transfers, drained, 0), "cudaStreamWaitEvent");
-      for (Run& r : runs)
-        check(api_.memcpy_async(reinterpret_cast<void*>(buffer + r.row * slot_bytes_), pool_ + (uint64_t)r.slot * slot_bytes_,
-                                r.count * slot_bytes_, MEMCPY_DEFAULT, transfers),
-              "cudaMemcpyAsync");
-      check(api_.event_record(filled, transfers), "cudaEventRecord");
+      take_buffer(b, COPY_STREAM);
+      transfer_runs();
       stamp(job, TRANSFERS);
       // Only now: the load's first transfer is queued already, and the copy engine does not wait for the upload.
-      upload();
-      check(api_.stream_wait_event(kernels, filled, 0), "cudaStreamWaitEvent");
-      launch(first, count, buffer);
-      check(api_.event_record(drained, kernels), "cudaEventRecord");
+      upload(stream.of(kernel_side));
+      take_buffer(b, kernel_side);
+      launch(first, count, buffer, stream.of(kernel_side));
     }
-    stream.used[b] = true;
     stamp(job, FIRST_CHUNK);
   }
+  return kernel_side;
 }
 
 void CudaTransport::synchronize() {

@@ -47,8 +47,13 @@ class CudaTransport : public Transport {
   struct Device;
   void launch(Job& job);
   void enqueue(Job& job, CopyStream& stream, bool to_host);
-  void copy_via_staging(Job& job, CopyStream& stream, bool to_host);
+  // Queues the job's chunks; returns the stream its kernels ran on (Owner).
+  uint8_t copy_via_staging(Job& job, CopyStream& stream, bool to_host);
   void fail(Job& job, const std::string& reason);
+  void launch_kernel(const KernelConfig& kernel, unsigned gx, unsigned gy, std::initializer_list<uint64_t> args,
+                     void* on);
+  static bool hashing(const CopyStream& stream, bool to_host);
+  static uint64_t entries(const Job& job, const CopyStream& stream);
   void check(int code, const char* what) const;
   void set_device(int index);
   void gate_run();

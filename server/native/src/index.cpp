@@ -190,9 +190,10 @@ Index::Reservation Index::reserve_store(Namespace& ns, uint32_t rank, const Key*
   return r;
 }
 
-void Index::finish_stores(const std::vector<uint32_t>& blocks, uint32_t rank, bool ok, uint64_t length) {
+void Index::finish_stores(const std::vector<uint32_t>& blocks, uint32_t rank, bool ok, uint64_t length,
+                          const std::vector<uint64_t>* hashes) {
   for (uint32_t b : blocks) finish_shard(b, rank, ok);
-  if (ok && !blocks.empty()) hooks_.committed(*ns(blocks_[blocks[0]].ik.ns), rank, blocks, length);
+  if (ok && !blocks.empty()) hooks_.committed(*ns(blocks_[blocks[0]].ik.ns), rank, blocks, length, hashes);
 }
 
 void Index::finish_shard(uint32_t b, uint32_t rank, bool ok) {

@@ -45,8 +45,10 @@ class IndexHooks {
   virtual ~IndexHooks() = default;
   virtual void changed(const Namespace& ns, const Key& key, Change state) = 0;
   virtual void evicted(Namespace& ns) = 0;
-  // Rank `rank` shards of `blocks` (of `length` bytes) were committed.
-  virtual void committed(Namespace& ns, uint32_t rank, const std::vector<uint32_t>& blocks, uint64_t length) = 0;
+  // Rank `rank` shards of `blocks` (of `length` bytes) were committed; `hashes`:
+  // their bytes' hashes where the GPU computed them (host/shard_hash.py), else null.
+  virtual void committed(Namespace& ns, uint32_t rank, const std::vector<uint32_t>& blocks, uint64_t length,
+                         const std::vector<uint64_t>* hashes) = 0;
 };
 
 class Index {
@@ -66,7 +68,8 @@ class Index {
     uint32_t not_stored = 0;
   };
   Reservation reserve_store(Namespace& ns, uint32_t rank, const Key* keys, size_t n, uint64_t job, int32_t node);
-  void finish_stores(const std::vector<uint32_t>& blocks, uint32_t rank, bool ok, uint64_t length);
+  void finish_stores(const std::vector<uint32_t>& blocks, uint32_t rank, bool ok, uint64_t length,
+                     const std::vector<uint64_t>* hashes = nullptr);
 
   // ------------------------------------------------ loads
   std::vector<uint32_t> reserve_load(Namespace& ns, const Key* keys, size_t n, uint32_t rank, uint64_t block_bytes);

@@ -385,7 +385,8 @@ void Jobs::settle(Ended& e) {
   uint64_t n = job->blocks.size(), nbytes = n * worker.block_bytes;
   int64_t now = now_ns();
   if (job->kind == JobKind::STORE) {
-    index_.finish_stores(job->blocks, worker.rank, e.ok, worker.block_bytes);
+    index_.finish_stores(job->blocks, worker.rank, e.ok, worker.block_bytes,
+                         job->hashes.size() == job->blocks.size() && !job->hashes.empty() ? &job->hashes : nullptr);
     if (e.ok) {
       count(&session, ns, STORED_BLOCKS, n);
       count(&session, ns, STORED_BYTES, nbytes);

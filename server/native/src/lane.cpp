@@ -131,8 +131,9 @@ void Lane::evicted(Namespace& ns) {
   ns.counters.add(EVICTED_BLOCKS, 1);
 }
 
-void Lane::committed(Namespace& ns, uint32_t rank, const std::vector<uint32_t>& blocks, uint64_t length) {
-  sealer->seal(*index, ns, rank, blocks, length);
+void Lane::committed(Namespace& ns, uint32_t rank, const std::vector<uint32_t>& blocks, uint64_t length,
+                     const std::vector<uint64_t>* hashes) {
+  sealer->seal(*index, ns, rank, blocks, length, hashes);
   if (demote_events) {
     std::vector<uint64_t> handles;
     std::vector<Key> keys;

@@ -233,6 +233,8 @@ struct Job {
   bool at_gate = false;
   // A store's keys left out (already stored) and not stored, for its JobDone.
   uint32_t already = 0, not_stored = 0;
+  // A store's shard hashes, where its GPU computed them (hash_kernel.py), in block order.
+  std::vector<uint64_t> hashes;
   // Stage stamps (jobtrace), when tracing.
   std::vector<std::pair<uint8_t, int64_t>> trace;
 };

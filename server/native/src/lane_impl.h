@@ -47,7 +47,8 @@ class Lane : public IndexHooks, public Replies {
 
   void changed(const Namespace& ns, const Key& key, Change state) override;
   void evicted(Namespace& ns) override;
-  void committed(Namespace& ns, uint32_t rank, const std::vector<uint32_t>& blocks, uint64_t length) override;
+  void committed(Namespace& ns, uint32_t rank, const std::vector<uint32_t>& blocks, uint64_t length,
+                 const std::vector<uint64_t>* hashes) override;
   bool job_done(Session& session, uint64_t job, bool ok, const std::string& error, const Submitted& counts) override {
     return conns->job_done(session, job, ok, error, counts);
   }

@@ -15,7 +15,7 @@ namespace {
 // shard_record.py: magic, format, flags, generation, namespace digest, key,
 // rank, tp_size, length, data hash (96 bytes); then the hash of those.
 constexpr uint32_t FORMAT_VERSION = 1;
-constexpr uint32_t FLAG_SEALED = 1;
+constexpr uint32_t FLAG_SEALED = 1, FLAG_GPU_HASH = 2;
 constexpr size_t FIELDS_BYTES = 96;
 // Shards waiting to be sealed, at most, beyond the pool's slots (warm.py MAX_UNSEALED).
 constexpr uint64_t MAX_UNSEALED = 1 << 16;
@@ -30,13 +30,13 @@ uint8_t* put(uint8_t* at, T value) {
 uint64_t data_hash(const uint8_t* data, size_t length) { return XXH3_64bits(data, length); }
 
 void pack_record(uint8_t out[RECORD_BYTES], const std::string& ns_digest, const Key& key, uint32_t rank, uint32_t tp,
-                 uint64_t length, uint64_t hash, uint64_t generation) {
+                 uint64_t length, uint64_t hash, uint64_t generation, bool gpu_hashed) {
   std::memset(out, 0, RECORD_BYTES);
   uint8_t* at = out;
   std::memcpy(at, "KVDSHRD1", 8);
   at += 8;
   at = put(at, FORMAT_VERSION);
-  at = put(at, FLAG_SEALED);
+  at = put(at, gpu_hashed ? FLAG_SEALED | FLAG_GPU_HASH : FLAG_SEALED);
   at = put(at, generation);
   std::memcpy(at, ns_digest.data(), std::min<size_t>(16, ns_digest.size()));
   at += 16;
@@ -70,8 +70,23 @@ Sealer::~Sealer() {
 }
 
 void Sealer::seal(Index& index, const Namespace& ns, uint32_t rank, const std::vector<uint32_t>& blocks,
-                  uint64_t length) {
-  if (unsealed_ + blocks.size() > max_unsealed_ || ns.digest.empty()) {
+                  uint64_t length, const std::vector<uint64_t>* hashes) {
+  if (ns.digest.empty()) {
+    skipped += blocks.size();
+    return;
+  }
+  if (hashes) {
+    // The GPU hashed the bytes as it stored them: the records go in now (their
+    // slots are this commit's, on this thread: no epoch can have moved).
+    for (size_t i = 0; i < blocks.size(); i++) {
+      const Block& block = index.block(blocks[i]);
+      pack_record(slots_.record(block.shards[rank].slot), ns.digest, block.ik.key, rank, ns.tp, length, (*hashes)[i],
+                  ++generation, true);
+      sealed++;
+    }
+    return;
+  }
+  if (unsealed_ + blocks.size() > max_unsealed_) {
     // Stores outrun the hashing: these are not kept across a restart, rather
     // than the backlog growing.
     skipped += blocks.size();
@@ -133,6 +148,60 @@ void Sealer::write_sealed() {
     std::memcpy(slots_.record(item.slot), item.record, RECORD_BYTES);
     sealed++;
   }
+}
+
+}  // namespace kvd
+
+namespace kvd {
+
+namespace {
+constexpr size_t HASH_BLOCK_WORDS = 512;  // host/shard_hash.py BLOCK_WORDS
+constexpr uint64_t HASH_SEED = 0x6B766465706F7421ull;
+
+uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+struct HashKeys {
+  uint32_t k[4][HASH_BLOCK_WORDS];
+  HashKeys() {
+    uint64_t x = HASH_SEED;
+    for (auto& row : k)
+      for (uint32_t& value : row) {
+        x += 0x9E3779B97F4A7C15ull;
+        value = (uint32_t)mix(x);
+      }
+  }
+};
+
+// One block's two sums; compiled for AVX2 too where the CPU has it.
+__attribute__((target_clones("avx2", "default"))) void block_sums(const uint8_t* data, size_t words, const HashKeys& keys,
+                                                                  uint64_t* a, uint64_t* b) {
+  uint64_t sa = 0, sb = 0;
+  for (size_t i = 0; i < words; i++) {
+    uint64_t w;
+    std::memcpy(&w, data + 8 * i, 8);
+    uint32_t lo = (uint32_t)w, hi = (uint32_t)(w >> 32);
+    sa += (uint64_t)(uint32_t)(lo + keys.k[0][i]) * (uint32_t)(hi + keys.k[1][i]);
+    sb += (uint64_t)(uint32_t)(lo + keys.k[2][i]) * (uint32_t)(hi + keys.k[3][i]);
+  }
+  *a = sa;
+  *b = sb;
+}
+}  // namespace
+
+uint64_t gpu_hash(const uint8_t* data, size_t length) {
+  static const HashKeys keys;
+  size_t words = length / 8;
+  uint64_t total = 0;
+  for (size_t j = 0, start = 0; start < words; j++, start += HASH_BLOCK_WORDS) {
+    uint64_t a, b;
+    block_sums(data + 8 * start, std::min(HASH_BLOCK_WORDS, words - start), keys, &a, &b);
+    total += mix(a ^ mix(b + j + 1));
+  }
+  return mix(total + length);
 }
 
 }  // namespace kvd

@@ -13,8 +13,11 @@ class Sealer {
  public:
   Sealer(Slots& slots, const uint8_t* pool, uint64_t slot_bytes, Completions& wake);
   ~Sealer();
-  // On the loop: rank `rank` of `blocks` were committed with `length` bytes.
-  void seal(Index& index, const Namespace& ns, uint32_t rank, const std::vector<uint32_t>& blocks, uint64_t length);
+  // On the lane's thread: rank `rank` of `blocks` were committed with `length`
+  // bytes. With `hashes` (the GPU's, host/shard_hash.py) their records are
+  // written now; else their bytes are hashed (xxh3) on the sealer's thread.
+  void seal(Index& index, const Namespace& ns, uint32_t rank, const std::vector<uint32_t>& blocks, uint64_t length,
+            const std::vector<uint64_t>* hashes = nullptr);
   // On the loop: the records hashed since, written where their slot is still theirs.
   void write_sealed();
   uint64_t unsealed() const { return unsealed_; }
@@ -45,9 +48,12 @@ class Sealer {
   std::thread thread_;
 };
 
-// The record of one shard (host/shard_record.py pack), its data hash given.
+// The record of one shard (host/shard_record.py pack), its data hash given;
+// `gpu_hashed`: the hash is host/shard_hash.py's, not xxh3.
 void pack_record(uint8_t out[RECORD_BYTES], const std::string& ns_digest, const Key& key, uint32_t rank, uint32_t tp,
-                 uint64_t length, uint64_t data_hash, uint64_t generation);
+                 uint64_t length, uint64_t data_hash, uint64_t generation, bool gpu_hashed = false);
 uint64_t data_hash(const uint8_t* data, size_t length);
+// host/shard_hash.py's hash, on the CPU (to check records the GPU sealed).
+uint64_t gpu_hash(const uint8_t* data, size_t length);
 
 }  // namespace kvd

@@ -30,18 +30,26 @@ struct CudaApi {
                        unsigned shared, void* stream, void** params, void** extra);
 };
 
+// A compiled kernel, launched by its handle (cuda_calls.py KernelLaunch).
+struct KernelConfig {
+  uint64_t function;  // 0: none
+  uint32_t block, shared, programs, n_params;
+  uint32_t param_sizes[32];
+};
+
 // One direction of one GPU, as Python set it up (transports/cuda_streams.py CopyStream).
 struct CudaStreamConfig {
   uint64_t stream, kernels;  // cudaStream_t: transfers, gather/scatter kernels
   uint64_t buffers[2];       // staging buffers, `rows` slots each
   uint64_t rows;
   uint64_t filled[2], drained[2];  // cudaEvent_t of each buffer
-  uint64_t ring_host, ring_gpu, ring_entries;  // int64 block ids (and fence readbacks)
+  uint64_t ring_host, ring_gpu, ring_entries;  // int64 block ids, a store's fence readback and row hashes
   uint64_t positions;                          // int64 0..rows-1 on the GPU
-  // The compiled copy kernel (copy_kernel.py), launched by its handle.
-  uint64_t function;
-  uint32_t block, shared, programs, n_params;
-  uint32_t param_sizes[32];
+  KernelConfig copy;                           // copy_kernel.py, for the gather or scatter
+  // A store's row hashes (hash_kernel.py), their keys and a scratch array per buffer.
+  KernelConfig hash_blocks, hash_rows;
+  uint64_t hash_keys;
+  uint64_t hash_scratch[2];
 };
 
 struct CudaDeviceConfig {

@@ -1,0 +1,68 @@
+"""The hash a GPU takes of a shard it stores (host/shard_hash.py): what
+changes it, the compiled version agrees with the definition, and a record
+says which hash it carries, so that adoption checks each the right way."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+
+from kvdepot.server.host import shard_hash
+from kvdepot.server.host.shard_record import ShardRecord, data_hash, hash_of, pack, unpack
+
+
+@pytest.fixture
+def no_native():
+    saved = shard_hash._native
+    shard_hash.use_native(None)
+    yield
+    shard_hash.use_native(saved)
+
+
+def test_a_changed_word_swapped_blocks_and_another_length_change_the_hash(no_native):
+    data = bytearray(os.urandom(5 * 4096 + 64))
+    h = shard_hash.gpu_hash(bytes(data))
+    for at in (0, 7, 4095, 4096 + 8, len(data) - 1):
+        changed = bytearray(data)
+        changed[at] ^= 0x10
+        assert shard_hash.gpu_hash(bytes(changed)) != h
+    swapped = bytearray(data)
+    swapped[0:4096], swapped[4096:8192] = data[4096:8192], data[0:4096]
+    assert shard_hash.gpu_hash(bytes(swapped)) != h
+    zeros = bytes(8192)
+    assert len({shard_hash.gpu_hash(zeros, n) for n in (8, 16, 4096, 4104, 8192)}) == 5
+    with pytest.raises(ValueError, match="whole 8-byte words"):
+        shard_hash.gpu_hash(bytes(12))
+
+
+def test_the_compiled_hash_is_the_definitions():
+    binding = pytest.importorskip("kvdepot.server.native.binding")
+    try:
+        lib = binding.load()
+    except OSError as e:
+        pytest.skip(f"the native lane is not built ({e})")
+    memory = mmap.mmap(-1, 3 << 20)
+    memory[:] = os.urandom(3 << 20)
+    view = memoryview(memory)
+    for length in (8, 4096, 4104, 18432, 2 << 20, 3 << 20):
+        shard_hash.use_native(lib.kvd_gpu_hash)
+        fast = shard_hash.gpu_hash(view, length)
+        shard_hash.use_native(None)
+        assert fast == shard_hash.gpu_hash(view, length), length
+    shard_hash.use_native(lib.kvd_gpu_hash)
+    view.release()
+    memory.close()
+
+
+def test_a_record_says_which_hash_it_carries():
+    data = os.urandom(8192)
+    gpu = ShardRecord(b"n" * 16, b"k" * 32, 0, 1, len(data), shard_hash.gpu_hash(data), 5, gpu_hashed=True)
+    cpu = ShardRecord(b"n" * 16, b"k" * 32, 0, 1, len(data), data_hash(data), 6)
+    for record in (gpu, cpu):
+        back, why = unpack(pack(record))
+        assert why == "" and back == record
+        assert hash_of(back, data) == back.data_hash
+    # A record of one hash read as the other never holds.
+    assert hash_of(gpu._replace(gpu_hashed=False), data) != gpu.data_hash
