@@ -25,6 +25,8 @@ RUN python3 -m pip install --no-cache-dir --no-deps /opt/kvdepot-src \
         "uvloop>=0.19" \
         "xxhash>=3.0" \
     && rm -rf /opt/kvdepot-src \
+    && (python3 -m kvdepot.server.native.build --quiet \
+        || echo "kvdepot: the native lane did not build; the daemon will run the Python lane") \
     && kvdepotd --help > /dev/null
 
 ENTRYPOINT ["kvdepotd"]
