@@ -52,6 +52,8 @@ def test_sigterm_drains_jobs_in_flight_then_exits_0(start_held_daemon, client_fa
     tensors, block_dim = make_kv_cache("per_layer", seed=11)
     worker = client.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim)
     client.submit_store(worker, 1, prompt_keys(4, prompt=50), [0, 1, 2, 3])
+    # A submit returns once the job is on the socket; SIGTERM is sent once the daemon holds it.
+    wait_until(lambda: client.stats().pinned_slots == 4, what="the store in flight")
     daemon.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: "draining 1 job(s)" in daemon.log(), what="the daemon draining")
     time.sleep(0.5)

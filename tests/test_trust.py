@@ -113,9 +113,19 @@ def test_another_tenant_cannot_bring_a_tenants_blocks_up_from_disk(open_folder, 
     worker, engine, tensors = attach_worker(victim, seed=41)
     store_and_check(victim, worker, tensors, prompt=410)
     saved = [t.clone() for t in tensors]
+
+    def written_to_disk(shards: int):
+        # A block the disk writer has not reached when it is evicted is dropped, not
+        # kept: each round waits for the writer so that prompt 410 goes to disk.
+        [disk] = [t for t in victim.stats().tiers if t.name == "disk"]
+        return disk.written_shards >= shards
+
+    wait_until(lambda: written_to_disk(4), what="the victim's blocks written to disk")
     for round_ in range(3):  # 384 blocks through a pool of 256: prompt 410 leaves DRAM
         job = victim.submit_store(worker, 10 + round_, prompt_keys(128, prompt=420 + round_), list(range(128)))
         assert victim.wait([job], 10)[job].ok
+        if round_ == 0:
+            wait_until(lambda: written_to_disk(132), what="the first round written to disk")
     keys = prompt_keys(4, prompt=410)
     wait_until(lambda: keys[0] in engine.lower, what="the victim's blocks on disk only")
 
