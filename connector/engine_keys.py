@@ -18,8 +18,8 @@ import logging
 from dataclasses import dataclass
 
 from kvdepot.connector import vllm_compat
-from kvdepot.connector.model_identity import model_identity
 from kvdepot.keys import chain_key, chain_plain
+from kvdepot.model_identity import model_identity
 from kvdepot.proto import kvdepot_pb2 as pb
 
 log = logging.getLogger("kvdepot.connector")

@@ -26,6 +26,9 @@ FOREIGN_FLAGS = {
     "--build-arg", "--shm-size",
     "--no-deps", "--only-binary", "--python-version", "--platform", "--no-index", "--target",
     "--now", "--from-literal",
+    # sglang.launch_server's (tests/test_sglang_backend.py checks them against SGLang's own fields)
+    "--model-path", "--enable-hierarchical-cache", "--hicache-mem-layout", "--hicache-storage-backend",
+    "--hicache-storage-backend-extra-config", "--hicache-io-backend",
 }  # fmt: skip
 # Daemon options that the upgrade notes name as removed.
 REMOVED_FLAGS = {"--pool-uids", "--job-deadline"}

@@ -11,7 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 # Folder of the checkout -> the package it installs as.
 PACKAGES = {"kvdepot": "kvdepot", "proto": "kvdepot.proto", "server": "kvdepot.server",
-            "client": "kvdepot.client", "connector": "kvdepot.connector"}
+            "client": "kvdepot.client", "connector": "kvdepot.connector",
+            "sglang_backend": "kvdepot.sglang_backend"}
 GENERATED = {"proto/kvdepot_pb2.py", "proto/kvdepot_pb2_grpc.py"}
 MAX_LINES = 460
 

@@ -5,7 +5,8 @@ vLLM was given says nothing about that: two models under one path (a
 container's fixed mount point, weights rewritten in place) must not share,
 and one model given by a relative and an absolute path must. So:
 
-- `model_id` in kv_connector_extra_config: the operator names the weights;
+- `model_id` in the engine's kvdepot settings (vLLM's kv_connector_extra_config,
+  SGLang's hicache-storage-backend-extra-config): the operator names the weights;
   engines with the same model_id share, whatever their paths.
 - A local folder: a fingerprint of its weight files and its config.json.
   Per weight file its path inside the folder, size, modification time, and
@@ -52,9 +53,16 @@ class ModelIdentity:
     source: str
 
 
-def model_identity(model: str, revision: str | None, load_format: str, model_id: str | None = None) -> ModelIdentity:
+def model_identity(
+    model: str,
+    revision: str | None,
+    load_format: str,
+    model_id: str | None = None,
+    setting: str = "kv_connector_extra_config.model_id",
+) -> ModelIdentity:
+    """`setting`: where the engine's operator sets model_id, for the log and warnings."""
     if model_id:
-        return ModelIdentity(model_id, "", "kv_connector_extra_config.model_id")
+        return ModelIdentity(model_id, "", setting)
     if os.path.isdir(model):
         folder = os.path.realpath(model)
         digest, _ = folder_fingerprint(folder, weights=load_format != "dummy")
@@ -64,9 +72,10 @@ def model_identity(model: str, revision: str | None, load_format: str, model_id:
         return ModelIdentity(model, commit, "the hub snapshot vLLM loaded")
     log.warning(
         "kvdepot: no local snapshot of %s found; its blocks are named after revision %r, which can move: "
-        "set kv_connector_extra_config.model_id to name the weights",
+        "set %s to name the weights",
         model,
         revision or "main",
+        setting,
     )
     return ModelIdentity(model, revision or "main", "the revision as given")
 

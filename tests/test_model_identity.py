@@ -7,13 +7,10 @@ import shutil
 
 import pytest
 
-# kvdepot.connector imports vLLM when it is imported.
-pytestmark = pytest.mark.vllm
-
 
 @pytest.fixture
 def mi():
-    from kvdepot.connector import model_identity
+    from kvdepot import model_identity
 
     model_identity.folder_fingerprint.cache_clear()
     return model_identity
