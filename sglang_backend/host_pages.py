@@ -32,15 +32,18 @@ from kvdepot.errors import InvalidArgument
 
 # Where the token or page dimension of kv_buffer is, by (MLA, layout):
 # ("tokens", d) is a token dimension, ("pages", d) already a page dimension.
+# The third item is kv_buffer's number of dimensions in that layout.
 _PAGE_DIMS = {
-    (False, "layer_first"): ("tokens", 2),
-    (False, "page_first"): ("tokens", 1),
-    (False, "page_first_direct"): ("pages", 1),
-    (False, "page_head"): ("pages", 1),
-    (True, "layer_first"): ("tokens", 1),
-    (True, "page_first"): ("tokens", 0),
-    (True, "page_first_direct"): ("pages", 0),
+    (False, "layer_first"): ("tokens", 2, 5),
+    (False, "page_first"): ("tokens", 1, 5),
+    (False, "page_first_direct"): ("pages", 1, 6),
+    (False, "page_head"): ("pages", 1, 6),
+    (True, "layer_first"): ("tokens", 1, 4),
+    (True, "page_first"): ("tokens", 0, 4),
+    (True, "page_first_direct"): ("pages", 0, 5),
 }
+# Pages compared with the pool's own get_data_page at registration.
+CHECKED_PAGES = 3
 SUPPORTED_LAYOUTS = sorted({layout for _, layout in _PAGE_DIMS})
 
 
@@ -85,9 +88,12 @@ def host_pages(host_pool, mla: bool) -> HostPages:
         raise InvalidArgument(f"the host pool's kv_buffer is on {buffer.device}, not in host memory")
     if page_size < 1:
         raise InvalidArgument(f"the host pool's page_size is {page_size}")
-    what, dim = _PAGE_DIMS[(mla, layout)]
-    if buffer.dim() <= dim:
-        raise InvalidArgument(f"the host pool's kv_buffer has shape {tuple(buffer.shape)}, not SGLang's {layout}")
+    what, dim, ndim = _PAGE_DIMS[(mla, layout)]
+    if buffer.dim() != ndim:
+        raise InvalidArgument(
+            f"this SGLang host pool ({type(host_pool).__name__}) has a kv_buffer of shape {tuple(buffer.shape)}, "
+            f"not the {ndim} dimensions of SGLang's {kind} {layout}: kvdepot cannot serve it"
+        )
     shape, strides = list(buffer.shape), list(buffer.stride())
     if what == "tokens":
         num_pages = shape[dim] // page_size
@@ -99,7 +105,32 @@ def host_pages(host_pool, mla: bool) -> HostPages:
     else:
         num_pages = shape[dim]
         tensor = buffer
-    return HostPages(tensor, dim, page_size, num_pages, layout, mla)
+    pages = HostPages(tensor, dim, page_size, num_pages, layout, mla)
+    _check_against_pool(pages, host_pool)
+    return pages
+
+
+def _check_against_pool(pages: HostPages, host_pool) -> None:
+    """The view's pages are the pool's own (`get_data_page`), same memory and bytes, or the
+    pool is refused: a pool class with another layout under a known name (extra scale
+    buffers, packed rows) would otherwise be stored as wrong bytes under real keys."""
+    name = type(host_pool).__name__
+    for index in sorted({0, min(1, pages.num_pages - 1), pages.num_pages - 1})[:CHECKED_PAGES]:
+        try:
+            theirs = host_pool.get_data_page(index * pages.page_size, flat=False)
+        except Exception as e:
+            raise InvalidArgument(f"this SGLang host pool ({name}) gives no data page: {e}") from None
+        ours = pages.page(index)
+        if (
+            not isinstance(theirs, torch.Tensor)
+            or theirs.data_ptr() != ours.data_ptr()
+            or theirs.numel() != ours.numel()
+            or not torch.equal(theirs.flatten(), ours.flatten())
+        ):
+            raise InvalidArgument(
+                f"this SGLang host pool ({name}) lays its pages out otherwise than SGLang's {pages.layout}: "
+                "kvdepot cannot serve it"
+            )
 
 
 def page_ids(host_indices: torch.Tensor, count: int, page_size: int, num_pages: int) -> list[int] | None:

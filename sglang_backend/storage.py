@@ -7,16 +7,17 @@ pool as a kvdepot worker (the shared-memory transport: the client copies
 pages between the pool and a staging memfd, the daemon between that and its
 pool) and an engine of the same namespace for lookups.
 
-SGLang's threads call it synchronously (prefetch, backup) and a `None` or an
-exception where a result is expected ends SGLang's thread for the life of the
-process, so every call here answers: a failure, a dead daemon or a timeout is
-a miss (False, 0, None where the interface says None means "not found").
+SGLang's threads call it synchronously (prefetch, backup), so every call here
+answers, and soon: a failure, a dead daemon or a timeout is a miss (False, 0,
+None where the interface says None means "not found"), never an exception or a
+result of the wrong type for SGLang to handle.
 
 Settings, in the extra config beside backend_name/module_path/class_name:
 `socket` (the daemon's, default kvdepot's default), `model_id` (names the
 weights instead of the model path's fingerprint), `connect_timeout` (seconds
 the first attach may take before the backend starts answering misses; default
-5) and `job_timeout` (seconds a batch may take; default 30).
+5) and `job_timeout` (seconds a batch may take before it is a miss; default 5:
+SGLang's prefetch thread waits on it, and its own prefetch timeout is about 1 s).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,14 +67,14 @@ class KVDepotStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
         extra = dict(storage_config.extra_config or {})
         self.config = storage_config
-        self.job_timeout = float(extra.get("job_timeout", 30.0))
+        self.job_timeout = float(extra.get("job_timeout", 5.0))
         self.mla = bool(storage_config.is_mla_model)
         if storage_config.dcp_size > 1:
             raise InvalidArgument("kvdepot does not serve SGLang's decode context parallelism (dcp_size > 1) yet")
-        identity = model_identity(
-            storage_config.model_name or "unnamed", None, "auto", extra.get("model_id") or None, SETTING
+        self._model = engine_model(storage_config.model_name, extra.get("model_id") or None)
+        self._identity = model_identity(
+            self._model.path, self._model.revision, self._model.load_format, extra.get("model_id") or None, SETTING
         )
-        self._identity = identity
         self.client = KVDepotClient(extra.get("socket") or None, name=f"sglang-tp{storage_config.tp_rank}")
         self._pages: HostPages | None = None
         self._scratch_worker = None
@@ -94,17 +96,23 @@ class KVDepotStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         pages = host_pages(mem_pool_host, self.mla)
         config = self.config
+        stored = str(pages.tensor.dtype).removeprefix("torch.")
+        page_shape = [n for d, n in enumerate(pages.tensor.shape) if d != pages.block_dim]
         namespace = {
             "model": self._identity.label,
             "revision": self._identity.revision,
-            "kv_dtype": str(pages.tensor.dtype).removeprefix("torch."),
+            # SGLang keeps every fp8 format as uint8: the engine's KV dtype tells them apart.
+            "kv_dtype": self._model.kv_cache_dtype or stored,
             "block_size": pages.page_size,
             "layout": pages.namespace_layout,
             # MLA's KV is the same on every TP rank: one shard, written by one rank.
             "tp_size": 1 if self.mla else config.tp_size,
+            # The page's shape (layers, with any draft layers packed in; heads; head size):
+            # another shape is another model's pages, not a layout conflict.
             "extra": (
                 f"sglang-page-keys;pp={config.pp_rank}/{config.pp_size};"
-                f"cp={config.attn_cp_rank}/{config.attn_cp_size}"
+                f"cp={config.attn_cp_rank}/{config.attn_cp_size};"
+                f"stored={stored};page={'x'.join(map(str, page_shape))}"
             ),
         }
         rank = 0 if self.mla else config.tp_rank
@@ -220,6 +228,11 @@ class KVDepotStorage(HiCacheStorage):
         if not result.ok:
             self._warn_once(f"{kind}:{result.error}", "kvdepot: a %s of SGLang pages failed: %s", kind, result.error)
             return False
+        if result.not_stored:
+            # Every slot was pinned by jobs in flight: these pages are not backed up.
+            self._warn_once("not_stored", "kvdepot: the daemon's pool was full of pages in flight; "
+                            "a batch of SGLang pages was not stored")
+            return False
         self._stats.add(kind, len(block_ids), len(block_ids) * worker.layout.block_bytes,
                         time.perf_counter() - started)
         return True
@@ -235,8 +248,12 @@ class KVDepotStorage(HiCacheStorage):
             return None
 
     def batch_get(self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None):
-        targets = target_locations or [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, targets)]
+        try:
+            targets = [None] * len(keys) if target_locations is None else list(target_locations)
+            return [self.get(k, t) for k, t in zip(keys, targets)] + [None] * (len(keys) - len(targets))
+        except Exception:
+            log.exception("kvdepot: batch_get failed; answering misses")
+            return [None] * len(keys)
 
     def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
             target_sizes: Any | None = None) -> bool:
@@ -248,7 +265,12 @@ class KVDepotStorage(HiCacheStorage):
 
     def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
                   target_sizes: Any | None = None) -> bool:
-        return all([self.set(k, v) for k, v in zip(keys, values or [None] * len(keys))])
+        try:
+            values = [None] * len(keys) if values is None else list(values)
+            return len(values) == len(keys) and all([self.set(k, v) for k, v in zip(keys, values)])
+        except Exception:
+            log.exception("kvdepot: batch_set failed; the pages are not stored")
+            return False
 
     def _get_flat(self, key: str, target):
         if self._pages is None or target is None or self._ready([key]) != 1:
@@ -317,6 +339,35 @@ class KVDepotStorage(HiCacheStorage):
         if cause not in self._warned:
             self._warned.add(cause)
             log.warning(message, *args)
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    path: str
+    revision: str | None
+    load_format: str
+    # The engine's KV-cache dtype as SGLang names it ("fp8_e4m3", ...); None: the pool's.
+    kv_cache_dtype: str | None
+
+
+def engine_model(served_name: str | None, model_id: str | None) -> EngineModel:
+    """The weights the engine runs, from SGLang's published model settings: the
+    storage config's model_name is the *served* name (`--served-model-name`),
+    which two different models may share."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        model = get_model()
+        dtype = str(model.kv_cache_dtype)
+        return EngineModel(str(model.model_path), model.revision or None, str(model.load_format or "auto"),
+                           None if dtype in ("", "auto", "None") else dtype)
+    except Exception:
+        if not model_id:
+            log.warning(
+                "kvdepot: SGLang's model settings are not published in this process; the namespace names the "
+                "model by its served name %r: set %s to name the weights", served_name, SETTING,
+            )
+        return EngineModel(served_name or "unnamed", None, "auto", None)
 
 
 def identity_text(identity) -> str:

@@ -17,6 +17,7 @@ usage: sglang_instance.py SOCKET EXTRA_CONFIG_JSON {store,load,store_generic,loa
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -74,7 +75,20 @@ def page_bytes(prompt: int, page: int, like: torch.Tensor) -> torch.Tensor:
     return torch.randn(like.shape, generator=g).to(like.dtype)
 
 
+def publish_model(settings: dict) -> None:
+    """SGLang's model settings as a launched server publishes them (runtime_context.get_model());
+    building its real ServerArgs here would need transformers and its model configs."""
+    import types
+
+    from sglang.srt import runtime_context
+
+    bag = types.SimpleNamespace(**{"revision": None, "load_format": "auto", "kv_cache_dtype": "auto", **settings})
+    runtime_context.get_model = lambda: bag
+
+
 def main() -> None:
+    if os.environ.get("KVDEPOT_TEST_SGLANG_MODEL"):
+        publish_model(json.loads(os.environ["KVDEPOT_TEST_SGLANG_MODEL"]))
     socket, extra_json, mode, layout, mla, prompt, pages = sys.argv[1:8]
     tp_rank, tp_size = (int(sys.argv[8]), int(sys.argv[9])) if len(sys.argv) > 9 else (0, 1)
     mla, prompt, pages = mla == "1", int(prompt), int(pages)

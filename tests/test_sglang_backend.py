@@ -44,10 +44,14 @@ def readme_command() -> tuple[str, dict]:
 
 
 def instance(daemon_socket: str, mode: str, layout: str = "page_first", prompt: int = 1, pages: int = 6,
-             mla: bool = False, tp: tuple[int, int] = (0, 1), as_uid: int | None = None) -> dict:
+             mla: bool = False, tp: tuple[int, int] = (0, 1), as_uid: int | None = None,
+             model: dict | None = None) -> dict:
+    """`model`: SGLang's published model settings (model_path, kv_cache_dtype, ...)."""
     _, extra = readme_command()
     prefix = ["setpriv", f"--reuid={as_uid}", f"--regid={as_uid}", "--clear-groups", "--"] if as_uid else []
     env = subprocess_env()
+    if model:
+        env["KVDEPOT_TEST_SGLANG_MODEL"] = json.dumps(model)
     if as_uid:
         home = Path(tempfile.mkdtemp(prefix="kvdepot-sglang-home-"))
         home.chmod(0o777)  # torch writes its caches under $HOME
@@ -136,6 +140,25 @@ def test_pages_of_another_layout_model_shape_or_tp_size_are_never_served(start_d
 
 
 @needs_sglang
+def test_the_namespace_names_the_weights_and_kv_format_not_the_served_name(start_daemon, tmp_path):
+    """SGLang's storage config names the model by --served-model-name and keeps every fp8
+    format as uint8: the backend names the weights and the KV dtype from SGLang's model settings."""
+    daemon = start_daemon()
+    weights = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        (tmp_path / name / "model.safetensors").write_bytes(os.urandom(4096))
+        weights[name] = {"model_path": str(tmp_path / name), "kv_cache_dtype": "fp8_e4m3"}
+    assert instance(daemon.socket, "store", prompt=45, model=weights["a"])["set"] == [True] * 6
+    assert instance(daemon.socket, "load", prompt=45, model=weights["a"])["equal"] == [True] * 6
+    # Other weights served under the same name, and the same weights with another fp8 format.
+    assert instance(daemon.socket, "exists", prompt=45, model=weights["b"])["exists"] == 0
+    e5m2 = {**weights["a"], "kv_cache_dtype": "fp8_e5m2"}
+    assert instance(daemon.socket, "exists", prompt=45, model=e5m2)["exists"] == 0
+
+
+@needs_sglang
 def test_clear_empties_the_instances_pages(start_daemon):
     daemon = start_daemon()
     instance(daemon.socket, "store", prompt=51)
@@ -187,6 +210,10 @@ def test_a_host_pools_pages_are_viewed_in_sglangs_flat_page_order():
     class Pool:
         page_size = 4
 
+        def get_data_page(self, index, flat=True):
+            page = self.page_of(self.kv_buffer, index // 4)
+            return page.flatten() if flat else page
+
     for layout, dims, page_of in [
         ("layer_first", (2, 3, 32, 2, 8), lambda b, i: b[:, :, i * 4 : i * 4 + 4]),
         ("page_first", (2, 32, 3, 2, 8), lambda b, i: b[:, i * 4 : i * 4 + 4]),
@@ -194,6 +221,7 @@ def test_a_host_pools_pages_are_viewed_in_sglangs_flat_page_order():
     ]:
         pool = Pool()
         pool.layout, pool.kv_buffer = layout, torch.arange(torch.Size(dims).numel(), dtype=torch.float32).view(dims)
+        pool.page_of = page_of
         pages = host_pages(pool, mla=False)
         assert pages.num_pages == 8
         for i in (0, 5, 7):
@@ -214,6 +242,14 @@ def test_layouts_and_indices_kvdepot_cannot_serve_are_refused_with_the_reason():
         host_pages(Pool(), mla=False)
     Pool.layout, Pool.kv_buffer = "page_first", [torch.zeros(1)]
     with pytest.raises(InvalidArgument, match="not one tensor"):
+        host_pages(Pool(), mla=False)
+    # A pool of another class under a known layout name: refused, not stored as wrong bytes.
+    Pool.layout, Pool.kv_buffer = "layer_first", torch.zeros(3, 8, 4 * 2 * 8)  # [layers, pages, row bytes]
+    with pytest.raises(InvalidArgument, match="not the 5 dimensions"):
+        host_pages(Pool(), mla=False)
+    Pool.kv_buffer = torch.zeros(2, 3, 32, 2, 8)
+    Pool.get_data_page = lambda self, index, flat=True: self.kv_buffer[:, :, index + 1 : index + 5]
+    with pytest.raises(InvalidArgument, match="lays its pages out otherwise"):
         host_pages(Pool(), mla=False)
     pages = torch.arange(8, 16)
     assert page_ids(pages, 2, 4, 8) == [2, 3]
