@@ -157,8 +157,13 @@ def test_the_disk_tier_survives_a_restart_within_its_size(start_daemon, client_f
     daemon = start(start_daemon, tmp_path, size="8MiB")
     client = client_factory(daemon, backoff_max=0.5)
     worker, engine, tensors = attach_worker(client, seed=5)
-    saved = [fill_round(client, worker, tensors, r, 1 + r) for r in range(4)]
-    wait_until(lambda: disk(client.stats()).written_shards >= 3 * NUM_BLOCKS, what="the blocks on disk")
+    saved = []
+    for r in range(4):
+        saved.append(fill_round(client, worker, tensors, r, 1 + r))
+        # A block evicted from DRAM before the disk writer reaches it is dropped, not
+        # kept: each round waits for the writer, so that every round reaches the disk.
+        wait_until(lambda r=r: disk(client.stats()).written_shards >= (r + 1) * NUM_BLOCKS,
+                   what=f"round {r} on disk")
     used_before = disk(client.stats()).bytes
     assert daemon.stop() == 0
     for pool in daemon.folder.glob("*.pool"):

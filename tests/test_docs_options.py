@@ -28,7 +28,7 @@ FOREIGN_FLAGS = {
     "--now", "--from-literal",
     # sglang.launch_server's (tests/test_sglang_backend.py checks them against SGLang's own fields)
     "--model-path", "--enable-hierarchical-cache", "--hicache-mem-layout", "--hicache-storage-backend",
-    "--hicache-storage-backend-extra-config", "--hicache-io-backend",
+    "--hicache-storage-backend-extra-config", "--hicache-io-backend", "--kv-cache-dtype", "--served-model-name",
 }  # fmt: skip
 # Daemon options that the upgrade notes name as removed.
 REMOVED_FLAGS = {"--pool-uids", "--job-deadline"}
