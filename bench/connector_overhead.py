@@ -358,13 +358,15 @@ def run_one(n: int, args, socket: str, log) -> dict:
     elif args.connector == "vllm-offloading":
         # vLLM's own CPU offloading, for comparison (1 GiB of CPU blocks).
         conn_cfg = vh.make_vllm_config(
-            "connector_overhead", "InstantOffloadingConnector", {"cpu_bytes_to_use": 1 << 30}, block_size=BLOCK_SIZE, **common
+            "connector_overhead", "InstantOffloadingConnector", {"cpu_bytes_to_use": 1 << 30},
+            block_size=BLOCK_SIZE, **common,
         )
     else:
         conn_cfg = vh.make_vllm_config("kvdepot.connector", "KVDepotConnector", extra, block_size=BLOCK_SIZE, **common)
     plain_cfg = vh.make_vllm_config(None, None, block_size=BLOCK_SIZE, **common)
     engines = {
-        name: Engine(name, cfg, num_blocks, n, args.compute, seed=n, forward_ms=args.forward_ms, forward_read_mb=args.forward_read_mb)
+        name: Engine(name, cfg, num_blocks, n, args.compute, seed=n, forward_ms=args.forward_ms,
+                     forward_read_mb=args.forward_read_mb)
         for name, cfg in (("conn", conn_cfg), ("plain", plain_cfg))
     }
     try:

@@ -149,9 +149,12 @@ class KVDepotStorage(HiCacheStorage):
     # ------------------------------------------------------------ lookups
 
     def _ready(self, keys: list[str]) -> int:
-        if self.engine is None or not keys:
+        return self._ready_blocks([page_key(k) for k in keys])
+
+    def _ready_blocks(self, block_keys: list[bytes]) -> int:
+        if self.engine is None or not block_keys:
             return 0
-        return self.client.cached_lookup(self.engine, [page_key(k) for k in keys]).ready_blocks
+        return self.client.cached_lookup(self.engine, block_keys).ready_blocks
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         try:
@@ -205,12 +208,13 @@ class KVDepotStorage(HiCacheStorage):
         if ids is None:
             self._warn_once("indices", "kvdepot: host indices that are not whole pages of the host pool; refused")
             return [False] * len(keys)
+        block_keys = [page_key(k) for k in keys]
         count = len(keys)
         if kind == "load":
-            count = self._ready(keys)  # a load of a missing page would fail the whole batch
+            count = self._ready_blocks(block_keys)  # a load of a missing page would fail the whole batch
             if count == 0:
                 return [False] * len(keys)
-        ok = self._run(kind, self.worker, [page_key(k) for k in keys[:count]], ids[:count])
+        ok = self._run(kind, self.worker, block_keys[:count], ids[:count])
         return [ok] * count + [False] * (len(keys) - count)
 
     def _run(self, kind: str, worker, block_keys: list, block_ids: list) -> bool:

@@ -198,3 +198,14 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: s
             return value
         time.sleep(interval)
     raise AssertionError(f"{what} not reached within {timeout} s")
+
+
+@pytest.fixture
+def open_folder():
+    """A daemon folder every uid can reach (pytest's own are root's alone), for
+    tests that attack from a second uid. Requested before start_daemon, so it is
+    removed after the daemons stop."""
+    folder = Path(tempfile.mkdtemp(prefix="kvdepot-open-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

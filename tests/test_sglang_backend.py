@@ -179,14 +179,6 @@ def test_a_dead_daemon_is_a_miss_never_an_exception(start_daemon, tmp_path):
     assert instance(daemon.socket, "store", prompt=63)["set"] == [False] * 6
 
 
-@pytest.fixture
-def open_folder():
-    folder = Path(tempfile.mkdtemp(prefix="kvdepot-sglang-"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 @needs_sglang
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
 def test_an_instance_of_another_uid_shares_nothing(open_folder, start_daemon):

@@ -11,13 +11,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-
 from conftest import subprocess_env, wait_until
 from kvcache import attach_worker, block_of, prompt_keys
 from raw_client import RawSession
@@ -32,16 +30,6 @@ needs_second_uid = pytest.mark.skipif(
 
 def as_uid(uid: int) -> list[str]:
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-
-
-@pytest.fixture
-def open_folder():
-    """A daemon folder every uid can reach (pytest's own are root's alone).
-    Requested before start_daemon, so it is removed after the daemons stop."""
-    folder = Path(tempfile.mkdtemp(prefix="kvdepot-trust-"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def start_shared(start_daemon, folder: Path, **options):
@@ -362,8 +350,9 @@ def test_sessions_are_bounded_per_user_and_before_hello(start_daemon):
 
 
 def test_one_tenant_cannot_take_every_namespace(start_daemon):
-    from kvdepot.proto import kvdepot_pb2 as pb
     from kvcache import namespace
+
+    from kvdepot.proto import kvdepot_pb2 as pb
 
     daemon = start_daemon(max_namespaces_per_tenant=3)
     session = RawSession(daemon.socket)
