@@ -15,7 +15,6 @@ from conftest import subprocess_env, wait_until
 from kvcache import NUM_BLOCKS, attach_worker, prompt_keys
 from test_disk_tier_daemon import disk, fill_rounds, wait_ready
 from test_trust import NOBODY, as_uid, needs_second_uid, start_shared
-from test_trust import open_folder as open_folder  # a fixture of test_trust's
 
 from kvdepot.server.core.shares import ScopedEviction
 from kvdepot.server.host.shard_record import ShardRecord, data_hash

@@ -23,7 +23,7 @@ from kvcache import attach_worker, make_kv_cache, namespace
 from raw_client import RawSession
 from test_limits_connections import ATTACKER, store_and_check
 from test_staging import daemon_staging_maps, memfd, offer, refused
-from test_trust import NOBODY, as_uid, needs_second_uid, open_folder, start_shared  # noqa: F401 (a fixture)
+from test_trust import NOBODY, as_uid, needs_second_uid, start_shared
 
 from kvdepot.client.tensors import tensor_layout, tensor_spec
 from kvdepot.layout import WorkerLayout
@@ -73,7 +73,7 @@ def victim_stores(daemon, client_factory, seed: int) -> None:
 
 @needs_second_uid
 def test_sparse_memfds_of_one_uid_stop_at_its_budget_and_another_uids_worker_registers(
-    open_folder, start_daemon, client_factory  # noqa: F811
+    open_folder, start_daemon, client_factory
 ):
     daemon = start_shared(start_daemon, open_folder, max_staging_bytes_per_uid="256GiB",
                           max_staging_bytes="320GiB")
@@ -207,7 +207,7 @@ def test_grpc_connections_that_never_finish_the_handshake_or_never_call_are_clos
 
 @needs_second_uid
 def test_one_uids_idle_grpc_connections_are_cut_to_its_cap_and_another_uid_attaches_and_stores(
-    open_folder, start_daemon, client_factory  # noqa: F811
+    open_folder, start_daemon, client_factory
 ):
     daemon = start_shared(start_daemon, open_folder, max_grpc_connections_per_uid=20)
     attacker, report = attack_as_nobody("grpc-idle", daemon.socket, "200:20")
