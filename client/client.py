@@ -210,6 +210,13 @@ class KVDepotClient:
             self._promoter.ask(engine, keys[start + ready :])
         return LookupResult(ready_blocks=ready, not_yet=not_yet)
 
+    def ask_ahead(self, engine: EngineHandle, keys: Sequence[bytes]) -> None:
+        """A request arrived with these keys: where the daemon shares the
+        namespace through a remote store, it starts looking for the keys the
+        copy does not have now (no wait here), and lookups say "not yet" until
+        it answers."""
+        self._promoter.ask_ahead(engine, keys)
+
     def report_lookups(self, engine: EngineHandle, lookups: int, hit_blocks: int, miss_blocks: int) -> bool:
         """Adds cached lookups to the daemon's stats; False when it could not be told."""
         connection, engine_id = self._session.connection, engine.engine_id

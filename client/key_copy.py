@@ -32,10 +32,14 @@ class EngineHandle:
     namespace_name: str = ""
     ready: set = field(default_factory=set)
     storing: set = field(default_factory=set)
-    # Held by the daemon's disk tier only (promote.py), and those of them
-    # this client has asked the daemon to bring up.
+    # Held by the daemon's disk tier only (promote.py), and the keys this
+    # client has asked the daemon to bring up (from its disk, or to look for
+    # in its remote store) whose answer has not come yet.
     lower: set = field(default_factory=set)
     asked: set = field(default_factory=set)
+    # Whether the daemon shares the namespace through a remote store: keys
+    # the copy does not list are worth asking for (Promoter.ask_ahead).
+    remote: bool = False
     # Keys that were ready and are gone (evicted, cleared, daemon lost) since
     # the last take_removed(); kept only when asked for (track_removed), so
     # that nobody's list grows without a reader.
@@ -48,12 +52,12 @@ class EngineHandle:
 
     def lookup(self, keys: Sequence[bytes], start: int) -> tuple[int, bool]:
         """(leading ready keys from `start`, whether the next one is being
-        stored or is on the daemon's disk: worth waiting for)."""
+        stored, is on the daemon's disk or is being asked for: worth waiting for)."""
         ready = self.ready
         n, end = start, len(keys)
         while n < end and keys[n] in ready:
             n += 1
-        return n - start, n < end and (keys[n] in self.storing or keys[n] in self.lower)
+        return n - start, n < end and (keys[n] in self.storing or keys[n] in self.lower or keys[n] in self.asked)
 
     def _apply(self, message: pb.BlocksChanged) -> None:
         ready, storing, lower, asked = self.ready, self.storing, self.lower, self.asked
@@ -112,7 +116,9 @@ class EngineCopies:
         with self._lock:
             self._session_id = session_id
 
-    def registered(self, engine: EngineHandle, session_id: str, engine_id: int, namespace_name: str) -> None:
+    def registered(
+        self, engine: EngineHandle, session_id: str, engine_id: int, namespace_name: str, remote: bool = False
+    ) -> None:
         with self._lock:
             if session_id != self._session_id:
                 return  # the answer of a session that has ended: registered again with the next
@@ -120,6 +126,7 @@ class EngineCopies:
                 self._engines.pop(engine.engine_id, None)
             engine.engine_id = engine_id
             engine.namespace_name = namespace_name
+            engine.remote = remote
             self._engines[engine_id] = engine
             # The namespace's snapshot may have come in before the answer.
             for message in self._early.pop((session_id, engine_id), []):

@@ -1,4 +1,4 @@
-"""Asks the daemon to bring blocks up from its disk tier, off the caller's path.
+"""Asks the daemon to bring blocks up from its lower tiers, off the caller's path.
 
 An engine's copy of its namespace lists blocks the disk holds (`lower`). A
 lookup answered from the copy that reaches one cannot load it yet: it says
@@ -7,6 +7,12 @@ here, where a thread makes the Lookup call that starts their promotion. The
 copy then follows the blocks to storing and ready (or dropped), so the
 engine's next lookup finds them. Each key is asked for once while it stays
 lower.
+
+A remote store's blocks are not in the copy: where the daemon shares a
+namespace through one (`engine.remote`), a request's keys past the copy's
+are asked for when the request arrives (`ask_ahead`), before its first
+lookup; until the answer comes its lookups say "not yet", and the blocks the
+store has are on their way into DRAM by then.
 """
 
 from __future__ import annotations
@@ -53,6 +59,26 @@ class Promoter:
             return
         self._ensure_thread()
 
+    def ask_ahead(self, engine, keys) -> None:
+        """Asks for the run of `keys` from the first the copy neither has ready
+        nor is getting, on a namespace shared through a remote store."""
+        if not engine.remote or engine.engine_id is None:
+            return
+        ready, storing, asked = engine.ready, engine.storing, engine.asked
+        n = 0
+        while n < len(keys) and keys[n] in ready:
+            n += 1
+        run = [k for k in keys[n : n + MAX_KEYS_PER_ASK] if k not in storing and k not in asked]
+        if not run:
+            return
+        asked.update(run)
+        try:
+            self._queue.put_nowait((engine, run))
+        except queue.Full:
+            asked.difference_update(run)
+            return
+        self._ensure_thread()
+
     def _ensure_thread(self) -> None:
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
@@ -72,8 +98,11 @@ class Promoter:
                     log.warning("asking for blocks on disk failed", exc_info=True)
                 engine.asked.difference_update(keys)
                 continue
-            # Keys past those ready or being promoted now were not started (the
-            # daemon was at its limit of promotions): a later lookup asks again.
+            # Keys past those ready or being promoted now were not started (not
+            # held below DRAM, or the daemon at its limit of promotions): a
+            # later lookup misses them or asks again. Those being promoted
+            # leave `asked` as the copy learns where they are.
+            engine.asked.difference_update(keys[: answer.ready_blocks])
             engine.asked.difference_update(keys[answer.ready_blocks + answer.storing_blocks :])
 
     def close(self) -> None:

@@ -137,7 +137,9 @@ class Session:
         if isinstance(handle, EngineHandle):
             request = pb.RegisterEngineRequest(session_id=connection.session_id, namespace=handle.namespace)
             response = self.call(connection, "RegisterEngine", request)
-            self._copies.registered(handle, connection.session_id, response.engine_id, response.namespace_name)
+            self._copies.registered(
+                handle, connection.session_id, response.engine_id, response.namespace_name, response.remote_tier
+            )
             return
         staging_id = 0
         if handle.copier is not None:

@@ -70,11 +70,17 @@ class Lookup:
         self._reporter.start()
 
     def on_new_request(self, request) -> None:
-        """Hashes the prompt when the request arrives, outside the scheduling step."""
+        """Hashes the prompt when the request arrives, outside the scheduling
+        step, and asks the daemon to look for its blocks in a remote store
+        (where it shares the namespace through one): they come up into DRAM
+        while the request waits to be scheduled."""
         st = self._state_of(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks > 0 and st.policy.load:
             st.keys.extend(max_blocks)
+            keys = st.keys.upto(max_blocks)
+            for engine in self.engines:
+                self.client.ask_ahead(engine, keys)
 
     # ------------------------------------------------------------ lookups
 

@@ -112,12 +112,14 @@ class RegisterEngineRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
-    __slots__ = ("engine_id", "namespace_name")
+    __slots__ = ("engine_id", "namespace_name", "remote_tier")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_NAME_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
     engine_id: int
     namespace_name: str
-    def __init__(self, engine_id: _Optional[int] = ..., namespace_name: _Optional[str] = ...) -> None: ...
+    remote_tier: bool
+    def __init__(self, engine_id: _Optional[int] = ..., namespace_name: _Optional[str] = ..., remote_tier: _Optional[bool] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "strides", "byte_offset", "storage_bytes", "block_dim", "page_bytes")
@@ -396,7 +398,7 @@ class Counters(_message.Message):
     def __init__(self, lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., failed_jobs: _Optional[int] = ..., store_gbps: _Optional[float] = ..., load_gbps: _Optional[float] = ..., disk_hit_blocks: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "shards", "bytes", "capacity_bytes", "written_shards", "written_bytes", "read_shards", "read_bytes", "promotions", "failed_promotions", "evicted_shards", "recovered_shards", "discarded", "direct_io", "write_errors")
+    __slots__ = ("name", "shards", "bytes", "capacity_bytes", "written_shards", "written_bytes", "read_shards", "read_bytes", "promotions", "failed_promotions", "evicted_shards", "recovered_shards", "discarded", "direct_io", "write_errors", "misses", "dropped_writes", "circuit", "fetch_bounds", "fetch_counts", "fetch_seconds")
     class DiscardedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +421,12 @@ class TierStats(_message.Message):
     DISCARDED_FIELD_NUMBER: _ClassVar[int]
     DIRECT_IO_FIELD_NUMBER: _ClassVar[int]
     WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    CIRCUIT_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     shards: int
     bytes: int
@@ -434,7 +442,13 @@ class TierStats(_message.Message):
     discarded: _containers.ScalarMap[str, int]
     direct_io: bool
     write_errors: int
-    def __init__(self, name: _Optional[str] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., written_shards: _Optional[int] = ..., written_bytes: _Optional[int] = ..., read_shards: _Optional[int] = ..., read_bytes: _Optional[int] = ..., promotions: _Optional[int] = ..., failed_promotions: _Optional[int] = ..., evicted_shards: _Optional[int] = ..., recovered_shards: _Optional[int] = ..., discarded: _Optional[_Mapping[str, int]] = ..., direct_io: _Optional[bool] = ..., write_errors: _Optional[int] = ...) -> None: ...
+    misses: int
+    dropped_writes: int
+    circuit: str
+    fetch_bounds: _containers.RepeatedScalarFieldContainer[float]
+    fetch_counts: _containers.RepeatedScalarFieldContainer[int]
+    fetch_seconds: float
+    def __init__(self, name: _Optional[str] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., written_shards: _Optional[int] = ..., written_bytes: _Optional[int] = ..., read_shards: _Optional[int] = ..., read_bytes: _Optional[int] = ..., promotions: _Optional[int] = ..., failed_promotions: _Optional[int] = ..., evicted_shards: _Optional[int] = ..., recovered_shards: _Optional[int] = ..., discarded: _Optional[_Mapping[str, int]] = ..., direct_io: _Optional[bool] = ..., write_errors: _Optional[int] = ..., misses: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., circuit: _Optional[str] = ..., fetch_bounds: _Optional[_Iterable[float]] = ..., fetch_counts: _Optional[_Iterable[int]] = ..., fetch_seconds: _Optional[float] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("name", "counters", "ready_blocks", "used_slots")

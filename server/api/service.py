@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 
 import grpc
@@ -70,7 +71,8 @@ def _unary(method):
             self._check_caller(request, context)
             if isinstance(request, Undecodable):
                 raise request.error
-            return method(self, request, context)
+            answer = method(self, request, context)
+            return await answer if inspect.isawaitable(answer) else answer
         except KVDepotError as e:
             await self._refuse(e, context)
         except Exception:
@@ -185,7 +187,9 @@ class KVDepotService(pb_grpc.KVDepotServicer):
     @_unary
     def RegisterEngine(self, request, context):
         engine_id, ns = self.depot.register_engine(request.session_id, parse.namespace_spec(request.namespace))
-        return pb.RegisterEngineResponse(engine_id=engine_id, namespace_name=ns.name)
+        return pb.RegisterEngineResponse(
+            engine_id=engine_id, namespace_name=ns.name, remote_tier=self.depot.index.tiers.may_find(ns)
+        )
 
     @_unary
     def RegisterWorker(self, request, context):
@@ -201,8 +205,8 @@ class KVDepotService(pb_grpc.KVDepotServicer):
         )
 
     @_unary
-    def Lookup(self, request, context):
-        return answers.lookup(self.depot.lookup(request.session_id, request.engine_id, request.keys))
+    async def Lookup(self, request, context):
+        return answers.lookup(await self.depot.lookup_asking(request.session_id, request.engine_id, request.keys))
 
     @_unary
     def ReportLookups(self, request, context):

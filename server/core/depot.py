@@ -250,12 +250,25 @@ class Depot(JobPath):
             raise NotFound(f"unknown engine {engine_id} in this session: register it first")
         return ns
 
+    async def lookup_asking(self, session_id: str, engine_id: int, keys) -> LookupResult:
+        """`lookup`, but where DRAM and the tiers that know their blocks miss,
+        a tier that must ask (the remote store) is asked first (the event loop
+        serves others meanwhile): the blocks it has then start their promotion."""
+        ns = self._engine(self.session(session_id), engine_id)
+        tiers = self.index.tiers
+        if tiers.may_find(ns):
+            checked = check_keys(keys)
+            result = self.index.lookup(ns, checked)
+            if result.status is LookupStatus.READY and result.ready < len(checked):
+                await tiers.find(ns, checked[result.ready :])
+        # The session or its engine may have ended while the store answered.
+        return self.lookup(session_id, engine_id, keys)
+
     def lookup(self, session_id: str, engine_id: int, keys) -> LookupResult:
         session = self.session(session_id)
         ns = self._engine(session, engine_id)
         keys = check_keys(keys)
         result = self.index.lookup(ns, keys)
-        # Promotions it started, and blocks their slots evicted, go to engines now.
         self.changes.send()
         if result.status is LookupStatus.READY:
             self._count(session, ns, lookups=1, hit_blocks=result.ready, miss_blocks=len(keys) - result.ready)

@@ -13,6 +13,8 @@ client says. An operator maps identities to tenants in the configuration file:
     share = "llama-fleet"    # optional sharing group: tenants naming the same one share blocks
     quota = "40%"            # optional: the most of the pool its scope may hold ("40%" or "16GiB")
     admin = false            # may see every tenant's stats and clear everything
+    remote_secret_file = "/etc/kvdepot/llama-fleet.secret"  # optional: shares through --remote
+    remote_old_secret_files = ["/etc/kvdepot/llama-fleet.old"]  # still read while rotating
 
 A unix peer that no entry names is a tenant of its own, "uid-UID". A tenant's
 namespaces belong to its scope (its sharing group, else itself): a client sees,
@@ -24,14 +26,19 @@ from __future__ import annotations
 import hmac
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvdepot import defaults
 from kvdepot.server.host.peer import Peer
 from kvdepot.settings import parse_size
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-_KEYS = {"name", "uids", "gids", "token_file", "cert_names", "share", "quota", "admin"}
+_KEYS = {
+    "name", "uids", "gids", "token_file", "cert_names", "share", "quota", "admin",
+    "remote_secret_file", "remote_old_secret_files",
+}
+# The remote tier's HMAC is only as strong as its secret.
+MIN_REMOTE_SECRET_BYTES = 16
 _QUOTA = re.compile(r"\s*(\d+(?:\.\d+)?)\s*%\s*")
 
 
@@ -52,6 +59,10 @@ class TenantSpec:
     quota: str | None = None
     # Common names or subject alternative names of TCP clients' certificates.
     cert_names: frozenset[str] = frozenset()
+    # The remote tier's secret for the scope's values (none: the tenant never
+    # publishes or fetches), and old ones still accepted while rotating.
+    remote_secret: bytes | None = field(default=None, repr=False)
+    remote_old_secrets: tuple[bytes, ...] = field(default=(), repr=False)
 
     @property
     def scope(self) -> str:
@@ -181,8 +192,10 @@ def parse_tenants(entries, source: str) -> list[TenantSpec]:
         if quota is not None:
             quota = str(quota)
             _quota_bytes(quota, 1, where)  # the format, before the pool's size is known
+        secret, old_secrets = _remote_secrets(entry, where)
         specs.append(
-            TenantSpec(name, frozenset(uids), frozenset(gids), token, share, admin, quota, frozenset(cert_names))
+            TenantSpec(name, frozenset(uids), frozenset(gids), token, share, admin, quota, frozenset(cert_names),
+                       secret, old_secrets)
         )
     tokens = [s.token for s in specs if s.token is not None]
     if len(tokens) != len(set(tokens)):
@@ -198,6 +211,52 @@ def parse_tenants(entries, source: str) -> list[TenantSpec]:
     if len(names) != len(set(names)):
         raise TenantConfigError(f"{source}: a certificate name is given to two tenants")
     return specs
+
+
+def _remote_secrets(entry: dict, where: str) -> tuple[bytes | None, tuple[bytes, ...]]:
+    old_files = entry.get("remote_old_secret_files", [])
+    if not isinstance(old_files, list) or not all(isinstance(p, str) and p for p in old_files):
+        raise TenantConfigError(f"{where}: remote_old_secret_files must be a list of files")
+    if "remote_secret_file" not in entry:
+        if old_files:
+            raise TenantConfigError(f"{where}: remote_old_secret_files needs remote_secret_file (the new secret)")
+        return None, ()
+    path = entry["remote_secret_file"]
+    if not isinstance(path, str) or not path:
+        raise TenantConfigError(f"{where}: remote_secret_file must be a file")
+    return _read_secret(path, where), tuple(_read_secret(p, where) for p in old_files)
+
+
+def _read_secret(path: str, where: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise TenantConfigError(f"{where}: cannot read the remote secret file {path}: {e.strerror}") from None
+    if len(secret) < MIN_REMOTE_SECRET_BYTES:
+        raise TenantConfigError(
+            f"{where}: the remote secret in {path} has {len(secret)} bytes; it needs at least "
+            f"{MIN_REMOTE_SECRET_BYTES} (e.g. head -c 32 /dev/urandom | base64 > {path})"
+        )
+    return secret
+
+
+def scope_remote_secrets(specs: list[TenantSpec]) -> dict[str, tuple[bytes, tuple[bytes, ...]]]:
+    """Each scope's remote secrets (current, old): tenants of one sharing group
+    seal and check one scope's values, so they must give the same secrets (or
+    one of them gives them)."""
+    secrets: dict[str, tuple[str, tuple]] = {}
+    for spec in specs:
+        if spec.remote_secret is None:
+            continue
+        mine = (spec.remote_secret, spec.remote_old_secrets)
+        known = secrets.get(spec.scope)
+        if known is not None and known[1] != mine:
+            raise TenantConfigError(
+                f"tenants {known[0]} and {spec.name} share {spec.scope} but give it different remote secrets"
+            )
+        secrets[spec.scope] = (spec.name, mine)
+    return {scope: mine for scope, (_, mine) in secrets.items()}
 
 
 def scope_quotas(specs: list[TenantSpec], pool_bytes: int, slot_bytes: int) -> dict[str, int]:

@@ -9,6 +9,8 @@ copy touches. A tier below it implements `Tier`:
 - `recover()`: at start, what the tier kept across the daemon's restart
   (the kept pool gives its blocks back to DRAM through `host.restore`).
 - `holds`, `keys_of`: look up.
+- `may_find`, `find`: a tier that learns what it holds only by asking (the
+  remote tier) is asked, off the index, before a lookup that misses.
 - `demote`: accept shards DRAM has just committed; DRAM keeps them, and the
   tier copies them in its own time, pinning them meanwhile.
 - `promotable`, `promote`: bring a block it holds into slots DRAM gives it,
@@ -52,18 +54,30 @@ class TierStats:
     write_errors: int = 0
     # Shards the tier would not serve, by reason.
     discarded: dict[str, int] = field(default_factory=dict)
+    # The remote tier: blocks asked for that the store did not hold whole,
+    # shards not published (queue full, store failing), the breaker's state,
+    # and the time from fetch to check of promoted blocks (a histogram: the
+    # counts at or below each bound, then above every bound, and their sum).
+    misses: int = 0
+    dropped_writes: int = 0
+    circuit: str = ""
+    fetch_bounds: tuple = ()
+    fetch_counts: tuple = ()
+    fetch_seconds: float = 0.0
 
     def merged(self, other: TierStats) -> TierStats:
         """This tier's counters with `other`'s added (two views of one tier)."""
         sums = {
             f.name: getattr(self, f.name) + getattr(other, f.name)
             for f in fields(self)
-            if f.name not in ("name", "direct_io", "discarded")
+            if f.name not in ("name", "direct_io", "discarded", "circuit", "fetch_bounds", "fetch_counts")
         }
         discarded = dict(self.discarded)
         for reason, count in other.discarded.items():
             discarded[reason] = discarded.get(reason, 0) + count
-        return replace(self, **sums, direct_io=self.direct_io or other.direct_io, discarded=discarded)
+        return replace(self, **sums, direct_io=self.direct_io or other.direct_io, discarded=discarded,
+                       circuit=self.circuit or other.circuit, fetch_bounds=self.fetch_bounds or other.fetch_bounds,
+                       fetch_counts=self.fetch_counts or other.fetch_counts)
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,16 @@ class Tier(ABC):
     def demote(self, ns, rank: int, blocks: Sequence, length: int) -> None:
         """DRAM committed the rank `rank` shards (`length` bytes) of `blocks`."""
 
+    def may_find(self, ns) -> bool:
+        """Whether `find` may learn of `ns`'s blocks (a tier that does not
+        know its blocks until it asks: the remote tier)."""
+        return False
+
+    async def find(self, ns, keys: list[bytes]) -> int:
+        """Asks what the tier holds of the run `keys` (DRAM's misses, in order);
+        how many leading keys it holds, as now known."""
+        return 0
+
     def promotable(self, ns, key: bytes) -> tuple | None:
         """Each rank's bytes, if the tier can promote `ns`'s block `key` now; else None."""
         return None
@@ -197,6 +221,17 @@ class TierStack:
         for tier in self.tiers:
             keys.update(dict.fromkeys(tier.keys_of(ns, exclude)))
         return list(keys)[-MAX_LOWER_KEYS:]
+
+    def may_find(self, ns) -> bool:
+        return any(tier.may_find(ns) for tier in self.tiers)
+
+    async def find(self, ns, keys: list[bytes]) -> bool:
+        """Asks the tiers that must (may_find) about `keys`; whether one now
+        knows it holds the first."""
+        for tier in self.tiers:
+            if tier.may_find(ns) and await tier.find(ns, keys):
+                return True
+        return False
 
     def committed(self, ns, rank: int, blocks: Sequence, length: int) -> None:
         for tier in self.tiers:

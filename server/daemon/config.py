@@ -5,16 +5,24 @@ defaults, read by the table of server/daemon/options.py into frozen groups
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field, replace
 
 from kvdepot import defaults
 from kvdepot.defaults import default_socket_path
 from kvdepot.server.core.limits import Limits
-from kvdepot.server.core.tenants import TenantConfigError, TenantSpec, parse_admin_uids, parse_tenants
+from kvdepot.server.core.tenants import (
+    TenantConfigError,
+    TenantSpec,
+    parse_admin_uids,
+    parse_tenants,
+    scope_remote_secrets,
+)
 from kvdepot.server.daemon.metrics import parse_listen
 from kvdepot.server.daemon.options import BY_KEY, COMPUTED, OPTIONS, Option, build_parser
 from kvdepot.server.host.numa import parse_node_list
+from kvdepot.server.tiers.remote_store import RemoteConfigError, remote_spec
 from kvdepot.settings import ConfigError, parse_duration, parse_size
 
 if sys.version_info >= (3, 11):
@@ -57,6 +65,12 @@ class Pool:
 class Tiers:
     disk_dir: str | None
     disk_size: int
+    remote: str | None
+    remote_user: str | None
+    remote_password_file: str | None
+    remote_ca_file: str | None
+    remote_prefix: str
+    remote_timeout: float
 
 
 @dataclass(frozen=True)
@@ -142,6 +156,7 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> D
     try:
         admins = parse_admin_uids(config.network.admin_uids)
         tenants = parse_tenants(from_file.get("tenant", []), config_file or "the configuration")
+        scope_remote_secrets(tenants)
     except TenantConfigError as e:
         raise ConfigError(str(e)) from None
     return replace(
@@ -242,11 +257,30 @@ def _check(config: DaemonConfig) -> None:
         raise ConfigError("copy_programs must be 0 (automatic) or more")
     if bool(config.tiers.disk_dir) != (config.tiers.disk_size > 0):
         raise ConfigError("disk_dir and disk_size go together: give both (a folder and its size) or neither")
+    _check_remote(config.tiers)
     _check_limits(config.limits)
     if copy.mode == "dma" and pool.pin != "off" and copy.staging_bytes < pool.slot_size:
         raise ConfigError(
             f"staging_bytes ({copy.staging_bytes}) must hold at least one pool slot ({pool.slot_size} bytes)"
         )
+
+
+def _check_remote(tiers: Tiers) -> None:
+    if not tiers.remote:
+        for key in ("remote_user", "remote_password_file", "remote_ca_file"):
+            if getattr(tiers, key):
+                raise ConfigError(f"{key} needs remote (the store's URL)")
+        return
+    try:
+        remote_spec(tiers)  # the URL parsed and the files read, before anything starts
+    except RemoteConfigError as e:
+        raise ConfigError(str(e)) from None
+    if not 0 < tiers.remote_timeout <= 60:
+        raise ConfigError(f"remote_timeout must be more than 0 and at most 60 seconds, not {tiers.remote_timeout}")
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", tiers.remote_prefix):
+        raise ConfigError("remote_prefix must be 1-64 letters, digits, '.', '_' or '-'")
+    if tiers.remote_user and not tiers.remote_password_file:
+        raise ConfigError("remote_user needs remote_password_file")
 
 
 # Limits that mean "automatic" at 0; every other integer limit is at least 1.

@@ -14,7 +14,7 @@ import sys
 import kvdepot
 from kvdepot.logsafe import EscapingFormatter
 from kvdepot.server.core.depot import Depot
-from kvdepot.server.core.tenants import Tenants, scope_quotas
+from kvdepot.server.core.tenants import Tenants, scope_quotas, scope_remote_secrets
 from kvdepot.server.core.tiers import Tier, TierStack
 from kvdepot.server.daemon import lanes, startup
 from kvdepot.server.daemon.config import ConfigError, Copy, DaemonConfig, describe, load_config
@@ -24,6 +24,9 @@ from kvdepot.server.host.pool import HostPool, choose_pool_dir, pool_folders
 from kvdepot.server.native.depot import NativeDepot
 from kvdepot.server.tiers.disk import DiskMover
 from kvdepot.server.tiers.disk_store import SEGMENT_BYTES, DiskTier
+from kvdepot.server.tiers.remote import RemoteTier
+from kvdepot.server.tiers.remote_format import Secrets
+from kvdepot.server.tiers.remote_store import RemoteStore, remote_spec
 from kvdepot.server.tiers.warm import WarmPool, pick_pool_file
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
@@ -165,7 +168,21 @@ def open_tiers(stack: contextlib.AsyncExitStack, config: DaemonConfig, pool: Hos
     if config.tiers.disk_dir:
         tiers.append(open_disk_tier(config, pool, loop))
         stack.push_async_callback(tiers[-1].close)
+    if config.tiers.remote:
+        tiers.append(open_remote_tier(config, pool, loop))
+        stack.push_async_callback(tiers[-1].close)
     return tiers
+
+
+def open_remote_tier(config: DaemonConfig, pool: HostPool, loop: asyncio.AbstractEventLoop) -> RemoteTier:
+    spec = remote_spec(config.tiers)  # load_config checked it
+    secrets = {
+        scope: Secrets(current, old) for scope, (current, old) in scope_remote_secrets(list(config.tenants)).items()
+    }
+    if not secrets:
+        log.warning("--remote is set but no tenant has a remote_secret_file: nothing is shared through it")
+    log.info("remote tier: %s, for %s", spec.describe(), ", ".join(sorted(secrets)) or "no tenant")
+    return RemoteTier(RemoteStore(spec), pool, loop, secrets.get, config.tiers.remote_prefix)
 
 
 def open_disk_tier(config: DaemonConfig, pool: HostPool, loop: asyncio.AbstractEventLoop) -> DiskMover:

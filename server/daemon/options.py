@@ -186,6 +186,28 @@ OPTIONS = [
         size=True,
     ),
     Option(
+        "remote", "tiers", None,
+        "A Valkey or Redis store the fleet's daemons share blocks through (off when unset): valkey://host:port "
+        "(redis:// too), valkeys:// or rediss:// over TLS, valkey://host1:port1,host2:port2 (or ?cluster=1) for a "
+        "cluster. Only tenants with a remote_secret_file publish and fetch. See docs/remote.md.",
+    ),
+    Option("remote_user", "tiers", None, "The ACL user of --remote (with --remote-password-file)."),
+    Option(
+        "remote_password_file", "tiers", None,
+        "A file holding the password of --remote (never on the command line, where ps shows it).",
+    ),
+    Option("remote_ca_file", "tiers", None, "PEM CA certificates that sign a TLS --remote store's certificate."),
+    Option(
+        "remote_prefix", "tiers", "kvdepot",
+        "What every key the daemon writes to --remote starts with (then ':' and the tenant's scope): what an "
+        "operator's ACL grants (~kvdepot:*).",
+    ),
+    Option(
+        "remote_timeout", "tiers", "0.5",
+        "Seconds each call to --remote may take; one that takes longer is a miss (and counts against the store).",
+        kind=float,
+    ),
+    Option(
         "copy_mode", "copy", "dma",
         "How CUDA copies cross PCIe: dma (a kernel gathers a job's pages into GPU staging buffers, or "
         "scatters them from there, and the copy engines move whole runs of slots) or kernel (a kernel "

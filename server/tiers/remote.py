@@ -1,0 +1,401 @@
+"""The remote tier: blocks shared by a fleet's daemons through one Valkey or
+Redis store, below DRAM and disk.
+
+Only tenants whose configuration names a remote secret use it (`secrets_of`
+answers None for the others): they neither publish nor fetch.
+
+Publishing: every shard DRAM commits is queued for the store once (however
+many engines store the block, and not again after a promotion), in a queue
+per scope bounded by the scope's share; a full queue drops the shard and
+counts it, so an engine never waits on the network. Publishers read the
+shard out of its slot while it is pinned, seal it (remote_format.py: header,
+own key, checksum, HMAC under the scope's secret) on a thread, and SET it NX.
+
+Fetching: a lookup that misses DRAM and the tiers above asks `find` for the
+run of keys after DRAM's, with one pipelined STRLEN per shard; what every
+rank of a block has is remembered (briefly, and the misses more briefly),
+and the lookup then promotes those blocks as from the disk: their slots are
+taken, the lookup answers NOT_YET, fetch tasks GET every rank, check each
+value on a thread before a byte reaches the slot, and the block turns ready
+(or, on any failure, is dropped: a miss, counted by cause and logged once).
+
+Failures: every call has a timeout, and a breaker (breaker.py) skips the
+store while it fails; local tiers serve throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import time
+
+from kvdepot.server.core.tiers import Tier, TierStats
+from kvdepot.server.tiers import remote_format as fmt
+from kvdepot.server.tiers.breaker import Breaker
+from kvdepot.thread_names import name_os_thread
+
+log = logging.getLogger("kvdepot.tiers")
+
+# Blocks one lookup asks the store about, at most (the leading run).
+MAX_FIND_RUN = 256
+# What the tier remembers the store holds, and for how long: a block the store
+# evicted under maxmemory since is a failed promotion, a miss.
+MAX_KNOWN = 1 << 16
+PRESENT_TTL_S = 60.0
+# A miss is remembered briefly: another node may publish the block soon.
+ABSENT_TTL_S = 1.0
+# Shards waiting to be published, at most (all scopes), and publishes and
+# fetches in flight at once.
+MAX_QUEUED = 4096
+MAX_PUBLISHING = 16
+MAX_FETCHING = 64
+# Shards published once are not published again while remembered here.
+MAX_PUBLISHED = 1 << 18
+CODEC_THREADS = 4
+# Seconds the fetch latency histogram's buckets end at.
+FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class RemoteTier(Tier):
+    name = "remote"
+
+    def __init__(self, store, pool, loop: asyncio.AbstractEventLoop, secrets_of, prefix: str):
+        self.store = store
+        self.pool = pool
+        self._loop = loop
+        self._secrets_of = secrets_of
+        self.prefix = prefix
+        self.breaker = Breaker(f"the remote store {store.spec.describe()}")
+        self._codec = concurrent.futures.ThreadPoolExecutor(
+            CODEC_THREADS, thread_name_prefix="kvdepot-remote", initializer=name_os_thread
+        )
+        self._present: collections.OrderedDict = collections.OrderedDict()  # (digest, key) -> (lengths, until)
+        self._absent: collections.OrderedDict = collections.OrderedDict()  # (digest, key) -> until
+        self._finding: dict[tuple, asyncio.Future] = {}
+        self._published: collections.OrderedDict = collections.OrderedDict()  # (digest, key, rank) -> None
+        self._queues: dict[str, collections.deque] = {}  # scope -> (block, rank, length, secrets)
+        self._queued = 0
+        self._publishing = 0
+        self._fetching: dict[str, int] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._logged: set[str] = set()
+        self.closing = False
+        self.counts = collections.Counter()
+        self.discarded: collections.Counter = collections.Counter()
+        self.fetch_buckets = [0] * (len(FETCH_BUCKETS) + 1)
+        self.fetch_seconds = 0.0
+
+    # ------------------------------------------------------------ keys and secrets
+
+    def _secrets(self, ns) -> fmt.Secrets | None:
+        return None if self.closing else self._secrets_of(ns.scope)
+
+    def store_key(self, ns, key: bytes, rank: int) -> bytes:
+        return fmt.store_key(f"{self.prefix}:{ns.scope}", ns.digest, key, rank)
+
+    def _overhead(self, store_key: bytes) -> int:
+        return fmt.HEADER.size + len(store_key) + fmt.MAC_BYTES
+
+    # ------------------------------------------------------------ lookups
+
+    def _known(self, ns, key: bytes) -> tuple | None:
+        entry = self._present.get((ns.digest, key))
+        if entry is None:
+            return None
+        if entry[1] < time.monotonic():
+            del self._present[(ns.digest, key)]
+            return None
+        return entry[0]
+
+    def _remember(self, index_key: tuple, lengths: tuple) -> None:
+        self._absent.pop(index_key, None)
+        self._present[index_key] = (lengths, time.monotonic() + PRESENT_TTL_S)
+        self._present.move_to_end(index_key)
+        while len(self._present) > MAX_KNOWN:
+            self._present.popitem(last=False)
+
+    def _forget(self, index_key: tuple, until: float) -> None:
+        self._present.pop(index_key, None)
+        self._absent[index_key] = until
+        self._absent.move_to_end(index_key)
+        while len(self._absent) > MAX_KNOWN:
+            self._absent.popitem(last=False)
+
+    def may_find(self, ns) -> bool:
+        return self._secrets(ns) is not None
+
+    async def find(self, ns, keys: list[bytes]) -> int:
+        """Asks the store which of the leading run of `keys` it holds whole
+        (every rank); returns how many leading keys it holds, as now known."""
+        if self._secrets(ns) is None:
+            return 0
+        now = time.monotonic()
+        asking, waiting = [], []
+        for key in keys[:MAX_FIND_RUN]:
+            index_key = (ns.digest, key)
+            if self._known(ns, key) is not None:
+                continue
+            if self._absent.get(index_key, 0) > now:
+                break
+            pending = self._finding.get(index_key)
+            if pending is not None:
+                waiting.append(pending)
+            else:
+                asking.append(key)
+        if asking and self.breaker.allows():
+            future = self._loop.create_future()
+            for key in asking:
+                self._finding[(ns.digest, key)] = future
+            try:
+                await self._probe(ns, asking)
+            finally:
+                for key in asking:
+                    self._finding.pop((ns.digest, key), None)
+                future.set_result(None)
+        if waiting:
+            await asyncio.gather(*waiting)
+        found = 0
+        for key in keys:
+            if self._known(ns, key) is None:
+                break
+            found += 1
+        return found
+
+    async def _probe(self, ns, keys: list[bytes]) -> None:
+        ranks = range(ns.tp_size)
+        store_keys = [self.store_key(ns, key, rank) for key in keys for rank in ranks]
+        try:
+            sizes = await self.store.lengths(store_keys)
+        except Exception as e:  # noqa: BLE001 - a store that fails is a miss
+            self._store_failed(e)
+            return
+        self.breaker.succeeded()
+        until = time.monotonic() + ABSENT_TTL_S
+        for i, key in enumerate(keys):
+            lengths = []
+            for rank in ranks:
+                at = i * ns.tp_size + rank
+                payload = sizes[at] - self._overhead(store_keys[at])
+                if not 0 < payload <= self.pool.slot_bytes:
+                    break
+                lengths.append(payload)
+            if len(lengths) == ns.tp_size:
+                self._remember((ns.digest, key), tuple(lengths))
+            else:
+                self.counts["misses"] += 1
+                self._forget((ns.digest, key), until)
+
+    def holds(self, ns, key: bytes) -> bool:
+        return self._secrets(ns) is not None and self._known(ns, key) is not None
+
+    def promotable(self, ns, key: bytes) -> tuple | None:
+        if self._secrets(ns) is None or not self.breaker.allows():
+            return None
+        lengths = self._known(ns, key)
+        if lengths is None or not self._fetch_room(ns):
+            return None
+        return lengths
+
+    def _fetch_room(self, ns) -> bool:
+        """A scope fetches at most its share of MAX_FETCHING blocks at once
+        among the scopes fetching, and at least one."""
+        taking = self._fetching.get(ns.scope, 0)
+        if not taking:
+            return sum(self._fetching.values()) < MAX_FETCHING
+        active = len(set(self._fetching) | {ns.scope})
+        return taking + 1 <= MAX_FETCHING * self.host.share(ns.scope, active)
+
+    def promote(self, ns, key: bytes, slots: list[int], done) -> None:
+        self._fetching[ns.scope] = self._fetching.get(ns.scope, 0) + 1
+        self._spawn(self._fetch(ns, key, self._known(ns, key), slots, done))
+
+    async def _fetch(self, ns, key: bytes, lengths: tuple | None, slots: list[int], done) -> None:
+        started = time.monotonic()
+        ok = False
+        try:
+            secrets = self._secrets(ns)
+            if secrets is None or lengths is None:
+                return
+            store_keys = [self.store_key(ns, key, rank) for rank in range(ns.tp_size)]
+            try:
+                values = await self.store.get(store_keys)
+            except Exception as e:  # noqa: BLE001 - a store that fails is a miss
+                self._store_failed(e)
+                return
+            self.breaker.succeeded()
+            cause = await self._loop.run_in_executor(
+                self._codec, self._unseal, values, store_keys, secrets, lengths, slots
+            )
+            if cause is None:
+                ok = True
+                self.counts["promotions"] += 1
+                self.counts["read_shards"] += ns.tp_size
+                self.counts["read_bytes"] += sum(lengths)
+                self._observe(time.monotonic() - started)
+            else:
+                self._rejected(cause)
+                self._forget((ns.digest, key), time.monotonic() + ABSENT_TTL_S)
+        finally:
+            left = self._fetching.pop(ns.scope, 0) - 1
+            if left > 0:
+                self._fetching[ns.scope] = left
+            if not ok:
+                self.counts["failed_promotions"] += 1
+            done(ok)
+
+    def _unseal(self, values, store_keys, secrets, lengths, slots) -> str | None:
+        """Checks every rank's value, then copies the payloads into the slots:
+        a block with one bad rank writes no slot. The cause of a refusal, or None."""
+        payloads = []
+        for value, store_key, length in zip(values, store_keys, lengths):
+            try:
+                payload = fmt.decode(value, store_key, secrets, self.pool.slot_bytes)
+            except fmt.Rejected as e:
+                return e.cause
+            if len(payload) != length:
+                return "bad_length"
+            payloads.append(payload)
+        for payload, slot in zip(payloads, slots):
+            self.pool.slot_view(slot, len(payload))[:] = payload
+        return None
+
+    # ------------------------------------------------------------ publishing
+
+    def demote(self, ns, rank: int, blocks, length: int) -> None:
+        secrets = self._secrets(ns)
+        if secrets is None:
+            return
+        queue = self._queues.get(ns.scope)
+        if queue is None:
+            queue = self._queues[ns.scope] = collections.deque()
+        room = max(16, int(MAX_QUEUED * self.host.share(ns.scope, len(self._queues))))
+        for block in blocks:
+            shard = (ns.digest, block.key, rank)
+            if shard in self._published:
+                continue
+            if len(queue) >= room or self._queued >= MAX_QUEUED or self.breaker.skipping():
+                self.counts["dropped_writes"] += 1
+                continue
+            self._mark_published(shard)
+            queue.append((block, rank, length, secrets))
+            self._queued += 1
+        while self._publishing < MAX_PUBLISHING and self._queued:
+            self._publishing += 1
+            self._spawn(self._publish_queued())
+
+    def _mark_published(self, shard: tuple) -> None:
+        self._published[shard] = None
+        while len(self._published) > MAX_PUBLISHED:
+            self._published.popitem(last=False)
+
+    def _next_shard(self):
+        """The next shard to publish, the scopes taking turns."""
+        for scope in list(self._queues):
+            queue = self._queues.pop(scope)
+            if queue:
+                item = queue.popleft()
+                self._queued -= 1
+                if queue:
+                    self._queues[scope] = queue  # to the back: the next scope goes first
+                return item
+        return None
+
+    async def _publish_queued(self) -> None:
+        try:
+            while not self.closing:
+                item = self._next_shard()
+                if item is None:
+                    return
+                await self._publish(*item)
+        finally:
+            self._publishing -= 1
+
+    async def _publish(self, block, rank: int, length: int, secrets) -> None:
+        host, ns = self.host, block.ns
+        slot = block.slots[rank]
+        if slot is None or not host.holds(block) or rank not in block.committed:
+            self.counts["not_published"] += 1
+            return
+        if not self.breaker.allows():
+            self.counts["dropped_writes"] += 1
+            self._published.pop((ns.digest, block.key, rank), None)
+            return
+        store_key = self.store_key(ns, block.key, rank)
+        host.hold(block)
+        try:
+            value = await self._loop.run_in_executor(self._codec, self._seal, store_key, slot, length, secrets)
+        finally:
+            host.let_go(block)
+        try:
+            await self.store.put(store_key, value)
+        except Exception as e:  # noqa: BLE001 - a store that fails drops the shard
+            self._published.pop((ns.digest, block.key, rank), None)
+            self.counts["dropped_writes"] += 1
+            self._store_failed(e)
+            return
+        self.breaker.succeeded()
+        self.counts["written_shards"] += 1
+        self.counts["written_bytes"] += length
+
+    def _seal(self, store_key: bytes, slot: int, length: int, secrets) -> bytes:
+        return b"".join(fmt.encode(store_key, self.pool.slot_view(slot, length), secrets))
+
+    # ------------------------------------------------------------ failures and counters
+
+    def _store_failed(self, error: BaseException) -> None:
+        self.counts["store_errors"] += 1
+        self.breaker.failed(error)
+
+    def _rejected(self, cause: str) -> None:
+        self.discarded[cause] += 1
+        if cause not in self._logged:
+            self._logged.add(cause)
+            log.warning("a value read from the remote store failed its check (%s): served as a miss; "
+                        "later ones of this cause are counted in the stats, not logged", cause)
+
+    def _observe(self, seconds: float) -> None:
+        self.fetch_seconds += seconds
+        for i, bound in enumerate(FETCH_BUCKETS):
+            if seconds <= bound:
+                self.fetch_buckets[i] += 1
+                return
+        self.fetch_buckets[-1] += 1
+
+    def _spawn(self, coroutine) -> None:
+        task = self._loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def clear(self, ns) -> None:
+        """This daemon forgets what it knew of the store for `ns`; the store's
+        values stay (other nodes share them) until its own eviction."""
+        for known in (self._present, self._absent, self._published):
+            for index_key in [k for k in known if ns is None or k[0] == ns.digest]:
+                del known[index_key]
+
+    def stats(self) -> TierStats:
+        c = self.counts
+        return TierStats(
+            name=self.name,
+            shards=len(self._present),
+            written_shards=c["written_shards"], written_bytes=c["written_bytes"],
+            read_shards=c["read_shards"], read_bytes=c["read_bytes"],
+            promotions=c["promotions"], failed_promotions=c["failed_promotions"],
+            write_errors=c["store_errors"],
+            discarded=dict(self.discarded),
+            misses=c["misses"], dropped_writes=c["dropped_writes"],
+            circuit=self.breaker.state,
+            fetch_bounds=FETCH_BUCKETS, fetch_counts=tuple(self.fetch_buckets), fetch_seconds=self.fetch_seconds,
+        )
+
+    async def close(self) -> None:
+        self.closing = True
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.store.spec.timeout_s * 4)
+        for task in tasks:
+            task.cancel()
+        await self.store.close()
+        self._codec.shutdown(wait=True)

