@@ -126,6 +126,16 @@ def _tier_line(tier: pb.TierStats) -> str:
     )
     if tier.name == "dram":
         line += f"; {tier.recovered_shards} adopted at start"
+    elif tier.circuit:  # the remote store: what it holds is not known here
+        fetched = sum(tier.fetch_counts)
+        mean = f", {tier.fetch_seconds / fetched * 1000:.1f} ms a fetch" if fetched else ""
+        line = (
+            f"{'tier ' + tier.name:<9} store {tier.circuit}; {tier.written_shards} published "
+            f"({_gib(tier.written_bytes)}, {tier.dropped_writes} dropped), {tier.promotions} hits "
+            f"({_gib(tier.read_bytes)}{mean}), {tier.misses} misses, {tier.failed_promotions} failed"
+        )
+        if tier.write_errors:
+            line += f", {tier.write_errors} store errors"
     else:
         line += (
             f", {'O_DIRECT' if tier.direct_io else 'buffered'}; {tier.written_shards} written, "

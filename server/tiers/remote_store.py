@@ -128,11 +128,16 @@ class RemoteStore:
             GlideClientConfiguration,
             GlideClusterClient,
             GlideClusterClientConfiguration,
+            Logger,
+            LogLevel,
             NodeAddress,
             ServerCredentials,
             TlsAdvancedConfiguration,
         )
 
+        # glide logs every failed connection attempt (one a request while a
+        # store refuses): the tier's breaker says it once instead.
+        Logger.set_logger_config(LogLevel.OFF)
         spec = self.spec
         credentials = ServerCredentials(password=spec.password, username=spec.user) if spec.password else None
         tls = TlsAdvancedConfiguration(root_pem_cacerts=spec.ca_pem) if spec.tls and spec.ca_pem else None
@@ -153,8 +158,20 @@ class RemoteStore:
         return await GlideClient.create(GlideClientConfiguration(**common, advanced_config=advanced))
 
     async def client(self):
+        """The one glide client, made by the first call that needs it (calls
+        at once wait for the same one: each would be a client left open)."""
         if self._client is None:
-            self._client = await asyncio.wait_for(self._connect(), self.spec.timeout_s * 4)
+            if self._connecting is None:
+                self._connecting = asyncio.ensure_future(self._connect())
+            connecting = self._connecting
+            try:
+                client = await asyncio.wait_for(asyncio.shield(connecting), self.spec.timeout_s * 4)
+            except BaseException:
+                if connecting.done() and self._connecting is connecting:
+                    self._connecting = None  # failed: the next call tries again
+                raise
+            if self._client is None:
+                self._client = client
         return self._client
 
     async def lengths(self, keys: list[bytes]) -> list[int]:
@@ -180,9 +197,11 @@ class RemoteStore:
         return await asyncio.wait_for(awaitable, self.spec.timeout_s * 4)
 
     async def close(self) -> None:
+        if self._connecting is not None and not self._connecting.done():
+            self._connecting.cancel()
         client, self._client = self._client, None
         if client is not None:
             try:
-                await client.close()
+                await asyncio.wait_for(client.close(), self.spec.timeout_s * 4)
             except Exception:  # noqa: BLE001 - closing a client whose store is gone
                 pass
