@@ -60,14 +60,19 @@ class Promoter:
         self._ensure_thread()
 
     def ask_ahead(self, engine, keys) -> None:
-        """Asks for the run of `keys` from the first the copy neither has ready
-        nor is getting, on a namespace shared through a remote store."""
-        if not engine.remote or engine.engine_id is None:
+        """Asks for the run of `keys` from the first the copy does not have
+        ready: the keys the copy lists lower, or, on a namespace shared through
+        a remote store, every one it is not getting already."""
+        if engine.engine_id is None:
             return
         ready, storing, asked = engine.ready, engine.storing, engine.asked
         n = 0
         while n < len(keys) and keys[n] in ready:
             n += 1
+        if not engine.remote:
+            if n < len(keys) and keys[n] in engine.lower:
+                self.ask(engine, keys[n:])
+            return
         run = [k for k in keys[n : n + MAX_KEYS_PER_ASK] if k not in storing and k not in asked]
         if not run:
             return

@@ -32,6 +32,7 @@ EXTRA_CONFIG_KEYS = (
     "socket", "daemon_uids", "auth_token_file", "tls_ca_file", "tls_cert_file", "tls_key_file", "mode", "store",
     "store_decode",
     "min_prompt_tokens", "max_defer_s", "call_timeout_s", "connect_timeout_s", "model_id", "sync_loads",
+    "promote_on_arrival",
 )  # fmt: skip
 
 
@@ -120,6 +121,9 @@ class ConnectorConfig:
     # Where the workers copy in host memory (CPU engines, one KV-cache group):
     # a hit loads in the step that computes the rest of its prompt (lookup.py).
     sync_loads: bool = True
+    # A request's blocks below DRAM (the daemon's disk, a remote store) are
+    # asked for when it arrives; False: at its first lookup (lookup.py).
+    promote_on_arrival: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -168,12 +172,13 @@ class ConnectorConfig:
                     f"kv_connector_extra_config.store_decode must be true or false, not {extra['store_decode']!r}"
                 )
             decode = extra["store_decode"]
-        if "sync_loads" in extra:
-            if not isinstance(extra["sync_loads"], bool):
-                raise ConfigError(
-                    f"kv_connector_extra_config.sync_loads must be true or false, not {extra['sync_loads']!r}"
-                )
-            fields["sync_loads"] = extra["sync_loads"]
+        for switch in ("sync_loads", "promote_on_arrival"):
+            if switch in extra:
+                if not isinstance(extra[switch], bool):
+                    raise ConfigError(
+                        f"kv_connector_extra_config.{switch} must be true or false, not {extra[switch]!r}"
+                    )
+                fields[switch] = extra[switch]
         fields["default_policy"] = StorePolicy(amount, decode)
         minimums = (("min_prompt_tokens", 0), ("max_defer_s", 0), ("call_timeout_s", 0.1), ("connect_timeout_s", 0))
         for key, minimum in minimums:

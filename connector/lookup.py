@@ -19,6 +19,11 @@ Rules:
   not ours).
 - A request whose next blocks some engine is still storing waits for them
   rather than computing them again.
+- A request's blocks below DRAM (on the daemon's disk, or, where the daemon
+  shares the namespace through a remote store, any the copy does not list)
+  are asked for when it arrives (`promote_on_arrival`; else at its first
+  lookup), and its lookups wait for the answer and the promotions: by the
+  time it is scheduled they are usually in DRAM.
 - A request whose own jobs are in flight (its load, or the stores a
   preemption flushes) waits for them before it is looked up again.
 - A request waits ("not yet", one step at a time) at most `max_defer_s`; then
@@ -78,9 +83,13 @@ class Lookup:
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks > 0 and st.policy.load:
             st.keys.extend(max_blocks)
-            keys = st.keys.upto(max_blocks)
-            for engine in self.engines:
-                self.client.ask_ahead(engine, keys)
+            if self.config.promote_on_arrival:
+                self._ask_below(st, st.keys.upto(max_blocks))
+
+    def _ask_below(self, st: RequestState, keys: list[bytes]) -> None:
+        st.asked_below = True
+        for engine in self.engines:
+            self.client.ask_ahead(engine, keys)
 
     # ------------------------------------------------------------ lookups
 
@@ -121,6 +130,8 @@ class Lookup:
         if start >= max_blocks:
             return self._answer(st, 0)
         keys = st.keys.upto(max_blocks)
+        if not st.asked_below:
+            self._ask_below(st, keys)
         hit, not_yet, available = self._lookup(keys, start)
         if not available:
             return self._answer(st, 0)

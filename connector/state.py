@@ -43,6 +43,8 @@ class RequestState:
     # Blocks past the GPU prefix hit that the last lookup asked about, until
     # vLLM schedules the request and the lookup counts (lookup.py).
     looked_up: int | None = None
+    # Its blocks below DRAM were asked for (lookup.py).
+    asked_below: bool = False
     finished: bool = False
 
 
