@@ -24,7 +24,8 @@ def test_a_traced_daemon_writes_the_stages_of_each_job_in_order(start_daemon, cl
     assert client.wait([2], timeout=30)[2].ok
 
     # A job's line is written after its JobDone (the client is told first): wait for the load's.
-    text = wait_until(lambda: trace.read_text().count("\n") == 2 and trace.read_text(), what="two trace lines")
+    text = wait_until(lambda: trace.exists() and trace.read_text().count("\n") == 2 and trace.read_text(),
+                      what="two trace lines")
     records = [json.loads(line) for line in text.splitlines()]
     session_id = client._session.connection.session_id
     tag = jobtrace.session_tag(session_id)
