@@ -380,3 +380,29 @@ def test_a_tls_store_with_an_acl_user_shares_and_an_untrusted_certificate_is_a_m
         assert remote(doubter.stats()).promotions == 0 and remote(doubter.stats()).write_errors >= 1
     finally:
         tls.stop()
+
+
+def test_a_store_node_killed_mid_run_leaves_every_lookup_answered(start_daemon, client_factory, tmp_path):
+    own = ValkeyCluster()  # this test breaks its cluster
+    try:
+        a = client_factory(node(start_daemon, tmp_path, own, "a"))
+        worker, engine, tensors = attach_worker(a, seed=1)
+        saved = store_prompt(a, worker, tensors, prompt=0, job_id=1)
+        published(a, NUM_BLOCKS)
+        b = client_factory(node(start_daemon, tmp_path, own, "b"))
+        worker_b, engine_b, tensors_b = attach_worker(b, seed=2)
+        keys = prompt_keys(NUM_BLOCKS, prompt=0)
+        assert ready_after_asking(b, engine_b, keys[:8]) == 8
+        own.procs[1].kill()
+        own.procs[1].wait()
+        for attempt in range(6):
+            started = time.monotonic()
+            ready = ready_after_asking(b, engine_b, keys)
+            assert 8 <= ready <= NUM_BLOCKS
+            assert time.monotonic() - started < 5
+        load_and_check(b, worker_b, tensors_b, keys, saved, job_id=100, lo=0, hi=ready)
+        # Node A still serves what it has.
+        assert a.lookup(engine, keys).ready_blocks == NUM_BLOCKS
+        load_and_check(a, worker, tensors, keys, saved, job_id=300, lo=0, hi=NUM_BLOCKS)
+    finally:
+        own.stop()
