@@ -17,7 +17,7 @@ tests/valkey_cluster.py) and two daemons of one fleet (tenant "fleet" with a rem
    the run, reserves slots, GETs and checks every value) until all are ready in its DRAM.
 
 Each round uses new keys; prints GB/s of block bytes each way, median of --rounds, the
-ratio tier / plain (the target is at least 0.8 both ways) and B's mean fetch latency.
+ratio tier / plain (the target is at least 0.8 both ways) B's mean fetch latency, and the daemons' CPU time a block (the store job's copy included in A's).
 """
 
 from __future__ import annotations
@@ -89,6 +89,12 @@ def attach(client, blocks: int, block_bytes: int, seed: int):
     return worker, client.register_engine(ns), tensor
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process `pid` and its threads so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def publish(client, worker, tensor, keys, round_: int) -> float:
     before = remote_stats(client).written_shards
     tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(round_)).to(tensor.dtype))
@@ -131,6 +137,7 @@ def main() -> None:
     pool = f"{(args.blocks * args.rounds + 8) * args.block_mib}MiB"
     nodes = [fleet_node(work / name, url, pool, f"{args.block_mib}MiB") for name in ("a", "b")]
     times = {"plain_set": [], "plain_get": [], "publish": [], "fetch": []}
+    cpu = {"publish": [], "fetch": []}
     try:
         a, b = (KVDepotClient(n.socket, name="bench").connect(30) for n in nodes)
         worker_a, _, tensor_a = attach(a, args.blocks, block_bytes, seed=1)
@@ -142,8 +149,12 @@ def main() -> None:
             keys = prompt_keys(args.blocks, prompt=1000 + r)
             times["plain_set"].append(set_s)
             times["plain_get"].append(get_s)
+            before = cpu_seconds(nodes[0].proc.pid)
             times["publish"].append(publish(a, worker_a, tensor_a, keys, r))
+            cpu["publish"].append(cpu_seconds(nodes[0].proc.pid) - before)
+            before = cpu_seconds(nodes[1].proc.pid)
             times["fetch"].append(fetch(b, engine_b, keys))
+            cpu["fetch"].append(cpu_seconds(nodes[1].proc.pid) - before)
         tier = remote_stats(b)
         fetched = sum(tier.fetch_counts)
         mean_fetch_ms = tier.fetch_seconds / fetched * 1000 if fetched else 0.0
@@ -159,12 +170,15 @@ def main() -> None:
         "gbps": rate, "publish_vs_set": rate["publish"] / rate["plain_set"],
         "fetch_vs_get": rate["fetch"] / rate["plain_get"], "mean_fetch_ms": mean_fetch_ms,
         "cpus": os.cpu_count(),
+        "daemon_cpu_ms_per_block": {k: statistics.median(v) / args.blocks * 1000 for k, v in cpu.items()},
     }
     print(f"{args.blocks} blocks of {args.block_mib} MiB, 3 Valkey masters on loopback, median of {args.rounds}")
     print(f"plain SET {rate['plain_set']:.2f} GB/s   tier publish {rate['publish']:.2f} GB/s   "
           f"ratio {result['publish_vs_set']:.2f}")
     print(f"plain GET {rate['plain_get']:.2f} GB/s   tier fetch   {rate['fetch']:.2f} GB/s   "
           f"ratio {result['fetch_vs_get']:.2f}   (mean fetch {mean_fetch_ms:.1f} ms a block, in flight at once)")
+    print("daemon CPU a block: publish {publish:.2f} ms, fetch {fetch:.2f} ms".format(
+        **result["daemon_cpu_ms_per_block"]))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

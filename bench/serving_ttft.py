@@ -318,7 +318,9 @@ def run_engine(args) -> int:
 
     kwargs = {}
     if args.config != "plain":
-        kwargs["kv_transfer_config"] = kvdepot_kv_transfer_config(socket=args.socket)
+        # More of the connector's settings, from a benchmark that runs this one (bench/remote_ttft.py).
+        extra = json.loads(os.environ.get("KVDEPOT_BENCH_CONNECTOR", "{}"))
+        kwargs["kv_transfer_config"] = kvdepot_kv_transfer_config(socket=args.socket, **extra)
     step_trace.install()  # off unless KVDEPOT_STEP_TRACE names a file
     t0 = time.monotonic()
     llm = LLM(

@@ -274,7 +274,7 @@ def server():
     valkey = ValkeyServer(("--requirepass", "admin-password"), password="admin-password")
     valkey.admin.execute_command(
         "ACL", "SETUSER", "fleet", "on", ">fleet-password", "resetkeys", "~kvdepot:fleet:*",
-        "+@connection", "+info", "+get", "+set", "+strlen", "+client",
+        "+@connection", "+info", "+getrange", "+set", "+strlen", "+client",
     )
     try:
         yield valkey
@@ -354,7 +354,7 @@ def test_a_tls_store_with_an_acl_user_shares_and_an_untrusted_certificate_is_a_m
     try:
         tls.admin.execute_command(
             "ACL", "SETUSER", "fleet", "on", ">fleet-password", "resetkeys", "~kvdepot:fleet:*",
-            "+@connection", "+info", "+get", "+set", "+strlen", "+client",
+            "+@connection", "+info", "+getrange", "+set", "+strlen", "+client",
         )
         store = f"valkeys://127.0.0.1:{tls.port}"
         secure = {"remote": store, "password": "fleet-password", "remote_user": "fleet",

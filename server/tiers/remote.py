@@ -219,8 +219,9 @@ class RemoteTier(Tier):
             if secrets is None or lengths is None:
                 return
             store_keys = [self.store_key(ns, key, rank) for rank in range(ns.tp_size)]
+            sizes = [self._overhead(k) + length for k, length in zip(store_keys, lengths)]
             try:
-                values = await self.store.get(store_keys)
+                values = await self.store.get(store_keys, sizes)
             except Exception as e:  # noqa: BLE001 - a store that fails is a miss
                 self._store_failed(e)
                 return

@@ -179,9 +179,13 @@ class RemoteStore:
         client = await self.client()
         return list(await self._bounded(asyncio.gather(*(client.strlen(k) for k in keys))))
 
-    async def get(self, keys: list[bytes]) -> list[bytes | None]:
+    async def get(self, keys: list[bytes], sizes: list[int]) -> list[bytes | None]:
+        """The first `sizes[i]` bytes of each key's value (GETRANGE: a value the
+        store or another client made larger since is not read whole, so what
+        one reply can make the daemon hold is bounded by what it expects)."""
         client = await self.client()
-        return list(await self._bounded(asyncio.gather(*(client.get(k) for k in keys))))
+        replies = await self._bounded(asyncio.gather(*(client.getrange(k, 0, n - 1) for k, n in zip(keys, sizes))))
+        return [reply or None for reply in replies]
 
     async def put(self, key: bytes, value) -> bool:
         """SET NX: a value another node wrote first stays (it holds the same block)."""
