@@ -17,7 +17,8 @@ tests/valkey_cluster.py) and two daemons of one fleet (tenant "fleet" with a rem
    the run, reserves slots, GETs and checks every value) until all are ready in its DRAM.
 
 Each round uses new keys; prints GB/s of block bytes each way, median of --rounds, the
-ratio tier / plain (the target is at least 0.8 both ways) B's mean fetch latency, and the daemons' CPU time a block (the store job's copy included in A's).
+ratio tier / plain (the target is at least 0.8 both ways), B's mean fetch latency, and the
+daemons' CPU time a block (the store job's copy included in A's).
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
-
 from bench_daemon import Daemon  # noqa: E402
 from kvcache import namespace, prompt_keys  # noqa: E402
+from valkey_cluster import ValkeyCluster  # noqa: E402
+
 from kvdepot.client import KVDepotClient  # noqa: E402
 from kvdepot.server.tiers import remote_format  # noqa: E402
-from valkey_cluster import ValkeyCluster  # noqa: E402
 
 SECRET = os.urandom(32).hex().encode()
 
