@@ -168,7 +168,9 @@ def main() -> int:
         summary[config] = row
         turns = " ".join(f"t{t}:{v:.0f}" for t, v in row["by_turn_p50_ms"].items())
         below = row["tier"]
-        promoted = below and f"{below.get('promotions', 0)} promoted ({below.get('failed_promotions', 0)} failed)"
+        promoted = ""
+        if below:
+            promoted = f"{below.get('promotions', 0)} promoted ({below.get('failed_promotions', 0)} failed)"
         print(f"{config:17} {row['p50_ms']:7.0f} {row['p90_ms']:7.0f}  {turns:28} {row['cached_tokens']:13}  "
               f"{promoted}")
     Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary,
