@@ -226,9 +226,13 @@ class RemoteTier(Tier):
                 self._store_failed(e)
                 return
             self.breaker.succeeded()
-            cause = await self._loop.run_in_executor(
-                self._codec, self._unseal, values, store_keys, secrets, lengths, slots
-            )
+            try:
+                cause = await self._loop.run_in_executor(
+                    self._codec, self._unseal, values, store_keys, secrets, lengths, slots
+                )
+            except Exception:  # noqa: BLE001 - a block that cannot be checked is a miss
+                log.exception("checking a block from the remote store failed")
+                return
             if cause is None:
                 ok = True
                 self.counts["promotions"] += 1
@@ -309,7 +313,11 @@ class RemoteTier(Tier):
                 item = self._next_shard()
                 if item is None:
                     return
-                await self._publish(*item)
+                try:
+                    await self._publish(*item)
+                except Exception:  # noqa: BLE001 - one shard's failure must not stop the publisher
+                    self.counts["dropped_writes"] += 1
+                    log.exception("publishing a shard to the remote store failed")
         finally:
             self._publishing -= 1
 
