@@ -27,15 +27,18 @@ log = logging.getLogger("kvdepot.client")
 
 # Keys one call asks for: the daemon promotes a run of them in one lookup.
 MAX_KEYS_PER_ASK = 1024
-# Asks waiting for the thread; past this, later lookups ask again.
+# Asks waiting for a thread; past this, later lookups ask again.
 MAX_WAITING = 256
+# Threads that make the calls: an ask the daemon answers only after its remote
+# store does must not hold back the asks of other requests behind it.
+ASKERS = 4
 
 
 class Promoter:
     def __init__(self, lookup):
         self._lookup = lookup  # KVDepotClient.lookup
         self._queue: queue.Queue = queue.Queue(MAX_WAITING)
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
 
     def ask(self, engine, keys) -> None:
@@ -86,9 +89,11 @@ class Promoter:
 
     def _ensure_thread(self) -> None:
         with self._start_lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="kvdepot-promote", daemon=True)
-                self._thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()]
+            while len(self._threads) < ASKERS:
+                thread = threading.Thread(target=self._run, name="kvdepot-promote", daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     def _run(self) -> None:
         while True:
@@ -100,7 +105,7 @@ class Promoter:
                 answer = self._lookup(engine, keys)
             except Exception as e:  # noqa: BLE001 - the thread must outlive any one call
                 if not isinstance(e, KVDepotError):
-                    log.warning("asking for blocks on disk failed", exc_info=True)
+                    log.warning("asking the daemon for blocks below its DRAM failed", exc_info=True)
                 engine.asked.difference_update(keys)
                 continue
             # Keys past those ready or being promoted now were not started (not
@@ -112,8 +117,9 @@ class Promoter:
 
     def close(self) -> None:
         with self._start_lock:
-            if self._thread is not None and self._thread.is_alive():
-                try:
-                    self._queue.put_nowait(None)
-                except queue.Full:
-                    pass
+            for thread in self._threads:
+                if thread.is_alive():
+                    try:
+                        self._queue.put_nowait(None)
+                    except queue.Full:
+                        pass
