@@ -445,3 +445,33 @@ def test_one_tenants_publishes_do_not_hold_back_anothers(start_daemon, client_fa
         assert first_small < 40, f"small's first block was write {first_small} of {len(sets)}"
     finally:
         server.stop()
+
+
+def test_after_a_master_fails_over_to_its_replica_node_b_gets_every_block(start_daemon, client_factory, tmp_path):
+    own = ValkeyCluster(replicas=1)  # this test kills a master
+    try:
+        a = client_factory(node(start_daemon, tmp_path, own, "a"))
+        worker, _, tensors = attach_worker(a, seed=1)
+        saved = store_prompt(a, worker, tensors, prompt=0, job_id=1)
+        published(a, NUM_BLOCKS)
+        masters = own.nodes[:3]
+        for master in masters:
+            master.execute_command("WAIT", 1, 5000)  # every write on its replica
+        b = client_factory(node(start_daemon, tmp_path, own, "b"))
+        worker_b, engine_b, tensors_b = attach_worker(b, seed=2)
+        keys = prompt_keys(NUM_BLOCKS, prompt=0)
+        assert ready_after_asking(b, engine_b, keys[:4]) == 4  # connected, topology known
+        own.procs[0].kill()
+        own.procs[0].wait()
+        # The replica takes over after the cluster's node timeout (2 s); meanwhile lookups miss.
+        deadline = time.monotonic() + 30
+        ready = 0
+        while ready < NUM_BLOCKS and time.monotonic() < deadline:
+            started = time.monotonic()
+            ready = ready_after_asking(b, engine_b, keys)
+            assert time.monotonic() - started < 5
+            time.sleep(0.2)
+        assert ready == NUM_BLOCKS, remote(b.stats())
+        load_and_check(b, worker_b, tensors_b, keys, saved, job_id=100, lo=0, hi=NUM_BLOCKS)
+    finally:
+        own.stop()

@@ -38,11 +38,15 @@ def server_binary() -> str:
 
 
 class ValkeyCluster:
-    def __init__(self, masters: int = 3, folder: Path | None = None, extra: tuple[str, ...] = ()):
+    """`masters` masters with the slots, and `replicas` replicas of each (the first
+    `masters` of `ports` and `procs` are the masters)."""
+
+    def __init__(self, masters: int = 3, folder: Path | None = None, extra: tuple[str, ...] = (),
+                 replicas: int = 0):
         import redis
 
         self.folder = Path(folder or tempfile.mkdtemp(prefix="kvdepot-valkey-"))
-        self.ports = [free_port() for _ in range(masters)]
+        self.ports = [free_port() for _ in range(masters * (1 + replicas))]
         self.procs: list[subprocess.Popen] = []
         binary = server_binary()
         for port in self.ports:
@@ -57,13 +61,21 @@ class ValkeyCluster:
         self.nodes = [redis.Redis("127.0.0.1", port, socket_timeout=5) for port in self.ports]
         self._wait(lambda: all(self._pings(n) for n in self.nodes), "the nodes to answer")
         per = SLOTS // masters
-        for i, node in enumerate(self.nodes):
+        for i, node in enumerate(self.nodes[:masters]):
             last = SLOTS - 1 if i == masters - 1 else (i + 1) * per - 1
             node.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
         for port in self.ports[1:]:
             self.nodes[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
         self._wait(lambda: all(b"cluster_state:ok" in n.execute_command("CLUSTER", "INFO") for n in self.nodes),
                    "cluster_state:ok")
+        if replicas:
+            ids = [n.execute_command("CLUSTER", "MYID") for n in self.nodes[:masters]]
+            self._wait(lambda: all(len(n.execute_command("CLUSTER", "NODES").splitlines()) == len(self.nodes)
+                                   for n in self.nodes), "every node to know every other")
+            for i, node in enumerate(self.nodes[masters:]):
+                node.execute_command("CLUSTER", "REPLICATE", ids[i % masters])
+            self._wait(lambda: all(n.info("replication").get("master_link_status") == "up"
+                                   for n in self.nodes[masters:]), "the replicas to follow their masters")
 
     @staticmethod
     def _pings(node) -> bool:

@@ -4,7 +4,9 @@ Closed: calls go through. After `failures` failures in a row it opens: calls
 are skipped (the tier is a miss, its publishes are dropped) for a cool-down
 that doubles on each failed retry up to `max_cooldown_s`. Then one call is let
 through (half open): its success closes the breaker, its failure opens it
-again. Each change of state is one log line, not one per request.
+again; a trial that never reports back (its caller made no call after all)
+is replaced by another after `trial_s`. Each change of state is one log line,
+not one per request.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
 class Breaker:
     def __init__(self, what: str, failures: int = 3, cooldown_s: float = 1.0, max_cooldown_s: float = 30.0,
-                 clock=time.monotonic):
+                 trial_s: float = 5.0, clock=time.monotonic):
         self.what = what
         self._threshold = failures
         self._base = cooldown_s
@@ -29,6 +31,8 @@ class Breaker:
         self._cooldown = cooldown_s
         self._opened_at = 0.0
         self._trying = False
+        self._trial_s = trial_s
+        self._trial_at = 0.0
         self.state = CLOSED
         self.opened = 0
 
@@ -36,10 +40,11 @@ class Breaker:
         """Whether a call may go to the store now (in half open: the one trial call)."""
         if self.state == CLOSED:
             return True
-        if self.state == OPEN and self._clock() - self._opened_at >= self._cooldown:
+        now = self._clock()
+        if self.state == OPEN and now - self._opened_at >= self._cooldown:
             self.state, self._trying = HALF_OPEN, False
-        if self.state == HALF_OPEN and not self._trying:
-            self._trying = True
+        if self.state == HALF_OPEN and (not self._trying or now - self._trial_at >= self._trial_s):
+            self._trying, self._trial_at = True, now
             return True
         return False
 

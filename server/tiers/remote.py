@@ -33,7 +33,7 @@ import time
 
 from kvdepot.server.core.tiers import Tier, TierStats
 from kvdepot.server.tiers import remote_format as fmt
-from kvdepot.server.tiers.breaker import Breaker
+from kvdepot.server.tiers.breaker import CLOSED, Breaker
 from kvdepot.thread_names import name_os_thread
 
 log = logging.getLogger("kvdepot.tiers")
@@ -144,6 +144,8 @@ class RemoteTier(Tier):
                 waiting.append(pending)
             else:
                 asking.append(key)
+        if not asking and keys and self.breaker.state != CLOSED:
+            asking = [keys[0]]  # the store must answer a trial before blocks are fetched again
         if asking and self.breaker.allows():
             future = self._loop.create_future()
             for key in asking:
@@ -191,7 +193,8 @@ class RemoteTier(Tier):
         return self._secrets(ns) is not None and self._known(ns, key) is not None
 
     def promotable(self, ns, key: bytes) -> tuple | None:
-        if self._secrets(ns) is None or not self.breaker.allows():
+        # Only while the store answers: a trial call is a probe or a publish.
+        if self._secrets(ns) is None or self.breaker.state != CLOSED:
             return None
         lengths = self._known(ns, key)
         if lengths is None or not self._fetch_room(ns):
