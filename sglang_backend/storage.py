@@ -45,6 +45,10 @@ from kvdepot.errors import InvalidArgument, KVDepotError
 from kvdepot.model_identity import model_identity
 from kvdepot.sglang_backend.host_pages import HostPages, host_pages, page_ids
 
+# The longest batch_exists waits for pages the daemon brings up from its disk
+# or its remote store (SGLang's prefetch then loads what is ready).
+BELOW_DRAM_WAIT_S = 1.0
+
 log = logging.getLogger("kvdepot.sglang")
 
 SETTING = "hicache-storage-backend-extra-config's model_id"
@@ -154,7 +158,24 @@ class KVDepotStorage(HiCacheStorage):
     def _ready_blocks(self, block_keys: list[bytes]) -> int:
         if self.engine is None or not block_keys:
             return 0
-        return self.client.cached_lookup(self.engine, block_keys).ready_blocks
+        engine = self.engine
+        ready = self.client.cached_lookup(engine, block_keys).ready_blocks
+        if ready < len(block_keys) and (engine.remote or block_keys[ready] in engine.lower):
+            # Below DRAM (the daemon's disk, or its remote store, which the copy
+            # does not list): SGLang asks from its prefetch thread, not its
+            # scheduler, so this waits, briefly, for the daemon to bring them up.
+            return self._brought_up(block_keys, ready)
+        return ready
+
+    def _brought_up(self, block_keys: list[bytes], ready: int) -> int:
+        deadline = time.monotonic() + min(self.job_timeout, BELOW_DRAM_WAIT_S)
+        while True:
+            answer = self.client.lookup(self.engine, block_keys)  # the daemon asks its tiers
+            if not answer.available:
+                return ready
+            if not answer.not_yet or time.monotonic() >= deadline:
+                return answer.ready_blocks
+            time.sleep(0.005)
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import subprocess_env
+from conftest import subprocess_env, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -249,3 +249,29 @@ def test_layouts_and_indices_kvdepot_cannot_serve_are_refused_with_the_reason():
     assert page_ids(torch.tensor([0, 1, 3, 2]), 1, 4, 8) is None  # not a page in order
     assert page_ids(torch.arange(32, 36), 1, 4, 8) is None  # past the pool
     assert page_ids(pages, 3, 4, 8) is None  # fewer indices than pages
+
+
+@needs_sglang
+def test_an_instance_on_another_node_gets_the_pages_through_the_remote_tier(start_daemon, tmp_path):
+    pytest.importorskip("glide", reason="the remote tier's client: pip install -e '.[remote]'")
+    from test_remote_tier import node, remote
+    from valkey_cluster import ValkeyCluster
+
+    from kvdepot.client import KVDepotClient
+
+    cluster = ValkeyCluster()
+    try:
+        node_a = node(start_daemon, tmp_path, cluster, "a")
+        assert instance(node_a.socket, "store", prompt=31)["set"] == [True] * 6
+        with KVDepotClient(node_a.socket, name="test") as a:
+            a.connect(10)
+            wait_until(lambda: remote(a.stats()).written_shards >= 6, what="node A's pages published")
+        node_b = node(start_daemon, tmp_path, cluster, "b")
+        loaded = instance(node_b.socket, "load", prompt=31)
+        assert loaded["exists"] == 6 and loaded["got"] == [True] * 6 and loaded["equal"] == [True] * 6
+        with KVDepotClient(node_b.socket, name="test") as b:
+            assert remote(b.connect(10).stats()).promotions == 6
+        # A prompt no node stored: a miss, no exception.
+        assert instance(node_b.socket, "load", prompt=32)["exists"] == 0
+    finally:
+        cluster.stop()
