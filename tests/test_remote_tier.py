@@ -475,3 +475,38 @@ def test_after_a_master_fails_over_to_its_replica_node_b_gets_every_block(start_
         load_and_check(b, worker_b, tensors_b, keys, saved, job_id=100, lo=0, hi=NUM_BLOCKS)
     finally:
         own.stop()
+
+
+def test_a_block_is_shared_with_every_tp_rank_or_not_at_all(start_daemon, client_factory, tmp_path, cluster):
+    from kvcache import make_kv_cache, namespace
+
+    def attach_ranks(client, seed: int):
+        ns = namespace("per_layer", tp_size=2)
+        ranks = []
+        for rank in range(2):
+            tensors, block_dim = make_kv_cache("per_layer", seed + rank)
+            ranks.append((client.register_worker(ns, rank=rank, tensors=tensors, block_dim=block_dim), tensors))
+        return ranks, client.register_engine(ns)
+
+    a = client_factory(node(start_daemon, tmp_path, cluster, "a"))
+    ranks_a, _ = attach_ranks(a, seed=1)
+    keys = prompt_keys(NUM_BLOCKS, prompt=0)
+    for job_id, (worker, _) in enumerate(ranks_a, start=1):
+        job = a.submit_store(worker, job_id, keys, list(range(NUM_BLOCKS)))
+        assert a.wait([job], 10)[job].ok
+    published(a, 2 * NUM_BLOCKS)
+    store = whole_cluster(cluster)
+    [rank1_of_block5] = [k for k in store.keys("kvdepot:*", target_nodes=store.ALL_NODES)
+                         if k.endswith(b":" + keys[5].hex().encode() + b":1")]
+    store.delete(rank1_of_block5)
+
+    b = client_factory(node(start_daemon, tmp_path, cluster, "b"))
+    ranks_b, engine_b = attach_ranks(b, seed=10)
+    assert ready_after_asking(b, engine_b, keys) == 5  # block 5 lacks rank 1: a miss, and the run ends
+    for rank, (worker, tensors) in enumerate(ranks_b):
+        job = b.submit_load(worker, 100 + rank, keys[:5], list(range(5)))
+        assert b.wait([job], 10)[job].ok
+        for i in range(5):
+            for want, got in zip(block_of(ranks_a[rank][1], "per_layer", i), block_of(tensors, "per_layer", i)):
+                assert torch.equal(want.view(torch.int16), got.view(torch.int16)), f"rank {rank} block {i}"
+    assert remote(b.stats()).promotions == 5
