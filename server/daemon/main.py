@@ -20,6 +20,7 @@ from kvdepot.server.daemon import lanes, startup
 from kvdepot.server.daemon.config import ConfigError, Copy, DaemonConfig, describe, load_config
 from kvdepot.server.daemon.metrics import MetricsServer
 from kvdepot.server.daemon.startup import StartupError, notify_systemd, startup_progress
+from kvdepot.server.host.malloc_tuning import keep_freed_memory
 from kvdepot.server.host.pool import HostPool, choose_pool_dir, pool_folders
 from kvdepot.server.native.depot import NativeDepot
 from kvdepot.server.tiers.disk import DiskMover
@@ -176,6 +177,7 @@ def open_tiers(stack: contextlib.AsyncExitStack, config: DaemonConfig, pool: Hos
 
 def open_remote_tier(config: DaemonConfig, pool: HostPool, loop: asyncio.AbstractEventLoop) -> RemoteTier:
     spec = remote_spec(config.tiers)  # load_config checked it
+    keep_freed_memory()  # the store's 2 MiB values, sent and received again and again
     secrets = {
         scope: Secrets(current, old) for scope, (current, old) in scope_remote_secrets(list(config.tenants)).items()
     }

@@ -78,6 +78,8 @@ class RemoteTier(Tier):
         self._queues: dict[str, collections.deque] = {}  # scope -> (block, rank, length, secrets)
         self._queued = 0
         self._publishing = 0
+        # Sealing buffers between publishes, at most one a publisher.
+        self._buffers: list[bytearray] = []
         self._fetching: dict[str, int] = {}
         self._tasks: set[asyncio.Task] = set()
         self._logged: set[str] = set()
@@ -335,9 +337,10 @@ class RemoteTier(Tier):
             self._published.pop((ns.digest, block.key, rank), None)
             return
         store_key = self.store_key(ns, block.key, rank)
+        buffer = self._buffer(fmt.sealed_size(store_key, length))
         host.hold(block)
         try:
-            value = await self._loop.run_in_executor(self._codec, self._seal, store_key, slot, length, secrets)
+            value = await self._loop.run_in_executor(self._codec, self._seal, buffer, store_key, slot, length, secrets)
         finally:
             host.let_go(block)
         try:
@@ -347,12 +350,26 @@ class RemoteTier(Tier):
             self.counts["dropped_writes"] += 1
             self._store_failed(e)
             return
+        finally:
+            value.release()
+            self._buffers.append(buffer)  # the client has copied it: the next shard's
         self.breaker.succeeded()
         self.counts["written_shards"] += 1
         self.counts["written_bytes"] += length
 
-    def _seal(self, store_key: bytes, slot: int, length: int, secrets) -> bytes:
-        return b"".join(fmt.encode(store_key, self.pool.slot_view(slot, length), secrets))
+    def _buffer(self, size: int) -> bytearray:
+        """A buffer of at least `size` bytes: one kept from an earlier publish
+        when one is large enough (fresh 2 MiB allocations cost the kernel more
+        to zero than the HMAC costs), else a new one."""
+        for i, buffer in enumerate(self._buffers):
+            if len(buffer) >= size:
+                return self._buffers.pop(i)
+        if len(self._buffers) >= MAX_PUBLISHING:
+            self._buffers.pop(0)  # too small for today's shards
+        return bytearray(size)
+
+    def _seal(self, buffer: bytearray, store_key: bytes, slot: int, length: int, secrets) -> memoryview:
+        return fmt.seal_into(buffer, store_key, self.pool.slot_view(slot, length), secrets)
 
     # ------------------------------------------------------------ failures and counters
 

@@ -90,6 +90,23 @@ def encode(key: bytes, payload, secrets: Secrets) -> list:
     return [header, key, view, mac.digest()]
 
 
+def sealed_size(key: bytes, length: int) -> int:
+    """Bytes of the value of a `length`-byte payload under `key`."""
+    return HEADER.size + len(key) + length + MAC_BYTES
+
+
+def seal_into(buffer, key: bytes, payload, secrets: Secrets) -> memoryview:
+    """The value written into `buffer` (at least sealed_size bytes: a buffer
+    reused value after value costs no fresh pages); returns the view of it."""
+    parts = encode(key, payload, secrets)
+    out = memoryview(buffer)[: sealed_size(key, len(parts[2]))]
+    at = 0
+    for part in parts:
+        out[at : at + len(part)] = part
+        at += len(part)
+    return out
+
+
 def decode(value, key: bytes, secrets: Secrets, max_length: int) -> memoryview:
     """The payload of `value` read under `key`, or Rejected with the cause."""
     if value is None:
