@@ -208,7 +208,7 @@ class RemoteTier(Tier):
         among the scopes fetching, and at least one."""
         taking = self._fetching.get(ns.scope, 0)
         if not taking:
-            return sum(self._fetching.values()) < MAX_FETCHING
+            return True  # another scope's fetches in flight never lock this one out
         active = len(set(self._fetching) | {ns.scope})
         return taking + 1 <= MAX_FETCHING * self.host.share(ns.scope, active)
 
