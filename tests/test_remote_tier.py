@@ -60,6 +60,7 @@ def node(start_daemon, tmp_path, cluster, name: str, secret: bytes | None = SECR
     lines = ["[[tenant]]", 'name = "fleet"', f"uids = [{os.getuid()}]"]
     if secret is not None:
         (folder / "secret").write_bytes(secret)
+        (folder / "secret").chmod(0o600)
         lines.append(f'remote_secret_file = "{folder / "secret"}"')
     (folder / "kvdepot.toml").write_text("\n".join(lines) + "\n")
     if password is not None:
@@ -510,3 +511,12 @@ def test_a_block_is_shared_with_every_tp_rank_or_not_at_all(start_daemon, client
             for want, got in zip(block_of(ranks_a[rank][1], "per_layer", i), block_of(tensors, "per_layer", i)):
                 assert torch.equal(want.view(torch.int16), got.view(torch.int16)), f"rank {rank} block {i}"
     assert remote(b.stats()).promotions == 5
+
+
+def test_a_secret_every_user_can_read_is_named_in_the_log(start_daemon, tmp_path, cluster):
+    daemon = node(start_daemon, tmp_path, cluster, "a")
+    assert "readable by every user" not in daemon.log()
+    (tmp_path / "a" / "secret").chmod(0o644)
+    daemon.stop()
+    daemon = start_daemon(folder=tmp_path / "a", config=str(tmp_path / "a" / "kvdepot.toml"), remote=url(cluster))
+    assert "the remote secret file" in daemon.log() and "readable by every user" in daemon.log()

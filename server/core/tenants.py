@@ -24,6 +24,7 @@ loads and clears the blocks of its scope only.
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 from kvdepot import defaults
 from kvdepot.server.host.peer import Peer
 from kvdepot.settings import parse_size
+
+log = logging.getLogger("kvdepot.tenants")
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _KEYS = {
@@ -231,8 +234,14 @@ def _read_secret(path: str, where: str) -> bytes:
     try:
         with open(path, "rb") as f:
             secret = f.read().strip()
+            mode = os.fstat(f.fileno()).st_mode
     except OSError as e:
         raise TenantConfigError(f"{where}: cannot read the remote secret file {path}: {e.strerror}") from None
+    if mode & 0o004:
+        # Not refused: container runtimes mount secrets 0644 by default, inside a
+        # container only the daemon's processes see.
+        log.warning("%s: the remote secret file %s is readable by every user of this machine, and whoever reads "
+                    "it can write blocks the fleet serves: chmod 0600 it", where, path)
     if len(secret) < MIN_REMOTE_SECRET_BYTES:
         raise TenantConfigError(
             f"{where}: the remote secret in {path} has {len(secret)} bytes; it needs at least "
