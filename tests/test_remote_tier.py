@@ -53,8 +53,10 @@ def url(cluster) -> str:
 
 
 def node(start_daemon, tmp_path, cluster, name: str, secret: bytes | None = SECRET, remote: str | None = None,
-         password: str | None = None, **options):
-    """A daemon of the fleet: this uid is tenant "fleet", sharing through the store under `secret`."""
+         password: str | None = None, timeout: str = "2", **options):
+    """A daemon of the fleet: this uid is tenant "fleet", sharing through the store under `secret`.
+    `timeout`: --remote-timeout (2 s: a busy CI machine is no failing store; the tests of a failing
+    store give the default 0.5 s)."""
     folder = tmp_path / name
     folder.mkdir()
     lines = ["[[tenant]]", 'name = "fleet"', f"uids = [{os.getuid()}]"]
@@ -67,7 +69,7 @@ def node(start_daemon, tmp_path, cluster, name: str, secret: bytes | None = SECR
         (folder / "password").write_text(password + "\n")
         options["remote_password_file"] = str(folder / "password")
     return start_daemon(folder=folder, config=str(folder / "kvdepot.toml"), remote=remote or url(cluster),
-                        remote_timeout="0.5", **options)
+                        remote_timeout=timeout, **options)
 
 
 def remote(stats):
@@ -234,7 +236,7 @@ def test_a_node_with_another_secret_neither_reads_nor_plants(start_daemon, clien
 
 
 def test_a_store_that_is_down_leaves_the_local_tiers_serving(start_daemon, client_factory, tmp_path, cluster):
-    down = client_factory(node(start_daemon, tmp_path, cluster, "down", remote="valkey://127.0.0.1:1"))
+    down = client_factory(node(start_daemon, tmp_path, cluster, "down", remote="valkey://127.0.0.1:1", timeout="0.5"))
     worker, engine, tensors = attach_worker(down, seed=1)
     saved = store_prompt(down, worker, tensors, prompt=0, job_id=1)
     keys = prompt_keys(NUM_BLOCKS, prompt=0)
@@ -249,7 +251,7 @@ def test_a_store_that_is_down_leaves_the_local_tiers_serving(start_daemon, clien
 
 
 def test_a_stopped_store_node_costs_lookups_a_timeout_then_nothing(start_daemon, client_factory, tmp_path, cluster):
-    a = client_factory(node(start_daemon, tmp_path, cluster, "a"))
+    a = client_factory(node(start_daemon, tmp_path, cluster, "a", timeout="0.5"))
     worker, engine, tensors = attach_worker(a, seed=1)
     saved = store_prompt(a, worker, tensors, prompt=0, job_id=1)
     published(a, NUM_BLOCKS)
@@ -392,7 +394,7 @@ def test_a_store_node_killed_mid_run_leaves_every_lookup_answered(start_daemon, 
         worker, engine, tensors = attach_worker(a, seed=1)
         saved = store_prompt(a, worker, tensors, prompt=0, job_id=1)
         published(a, NUM_BLOCKS)
-        b = client_factory(node(start_daemon, tmp_path, own, "b"))
+        b = client_factory(node(start_daemon, tmp_path, own, "b", timeout="0.5"))
         worker_b, engine_b, tensors_b = attach_worker(b, seed=2)
         keys = prompt_keys(NUM_BLOCKS, prompt=0)
         assert ready_after_asking(b, engine_b, keys[:8]) == 8
@@ -458,7 +460,7 @@ def test_after_a_master_fails_over_to_its_replica_node_b_gets_every_block(start_
         masters = own.nodes[:3]
         for master in masters:
             master.execute_command("WAIT", 1, 5000)  # every write on its replica
-        b = client_factory(node(start_daemon, tmp_path, own, "b"))
+        b = client_factory(node(start_daemon, tmp_path, own, "b", timeout="0.5"))
         worker_b, engine_b, tensors_b = attach_worker(b, seed=2)
         keys = prompt_keys(NUM_BLOCKS, prompt=0)
         assert ready_after_asking(b, engine_b, keys[:4]) == 4  # connected, topology known

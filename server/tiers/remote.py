@@ -89,6 +89,18 @@ class RemoteTier(Tier):
         self.fetch_buckets = [0] * (len(FETCH_BUCKETS) + 1)
         self.fetch_seconds = 0.0
 
+    def recover(self) -> None:
+        """At start: connect now, so that the first lookup does not pay for it."""
+        self._spawn(self._connect())
+
+    async def _connect(self) -> None:
+        try:
+            await self.store.ping()
+        except Exception as e:  # noqa: BLE001 - a store that is away at start is retried later
+            self._store_failed(e)
+            return
+        self.breaker.succeeded()
+
     # ------------------------------------------------------------ keys and secrets
 
     def _secrets(self, ns) -> fmt.Secrets | None:

@@ -174,6 +174,11 @@ class RemoteStore:
                 self._client = client
         return self._client
 
+    async def ping(self) -> None:
+        """Connects (the client is lazy) and checks the store answers."""
+        client = await self.client()
+        await self._bounded(client.ping())
+
     async def lengths(self, keys: list[bytes]) -> list[int]:
         """STRLEN of each key (0: absent), pipelined."""
         client = await self.client()
