@@ -87,7 +87,8 @@ class Lookup:
                 self._ask_below(st, st.keys.upto(max_blocks))
 
     def _ask_below(self, st: RequestState, keys: list[bytes]) -> None:
-        st.asked_below = True
+        # An engine not registered yet (the daemon was away) is asked at a later lookup.
+        st.asked_below = all(engine.registered for engine in self.engines)
         for engine in self.engines:
             self.client.ask_ahead(engine, keys)
 
