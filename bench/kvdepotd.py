@@ -32,7 +32,9 @@ class BenchDaemon:
         with open(self.log_path, "w") as log_file:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvdepot.server", "--listen", self.socket, "--pool-size", pool_size,
-                 "--slot-size", str(slot_bytes), "--pool-dir", pool_dir or self.folder, "--pin", pin, *extra],
+                 "--slot-size", str(slot_bytes), "--pool-dir", pool_dir or self.folder, "--pin", pin,
+                 # No metrics port: another daemon on the machine may hold the default one.
+                 "--metrics-listen", "none", *extra],
                 stderr=log_file, text=True, env=env)
         self.pid = self.proc.pid
 
