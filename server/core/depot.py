@@ -258,7 +258,8 @@ class Depot(JobPath):
         tiers = self.index.tiers
         if tiers.may_find(ns):
             checked = check_keys(keys)
-            result = self.index.lookup(ns, checked)
+            # Not yet "gone" to engines: the remote store has not been asked.
+            result = self.index.lookup(ns, checked, note_gone=False)
             if result.status is LookupStatus.READY and result.ready < len(checked):
                 await tiers.find(ns, checked[result.ready :])
         # The session or its engine may have ended while the store answered.

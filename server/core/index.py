@@ -114,7 +114,7 @@ class BlockIndex:
 
     # ------------------------------------------------------------ queries
 
-    def lookup(self, ns: Namespace, keys: list[bytes]) -> LookupResult:
+    def lookup(self, ns: Namespace, keys: list[bytes], note_gone: bool = True) -> LookupResult:
         """The ready prefix of `keys`; then the blocks after it that are being
         stored or promoted (NOT_YET: ask again when they are ready). A block
         that only a lower tier holds starts its promotion here."""
@@ -131,7 +131,7 @@ class BlockIndex:
                 if self.tiers.promote(ns, key):
                     storing += 1
                     continue
-                if self.tiers.on and not self.tiers.holds(ns, key):
+                if note_gone and self.tiers.on and not self.tiers.holds(ns, key):
                     # An engine's copy may still list it below DRAM (lower):
                     # it is gone, and the copy should say so. (One a tier
                     # holds but cannot promote now, at its limit of

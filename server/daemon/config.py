@@ -275,8 +275,9 @@ def _check_remote(tiers: Tiers) -> None:
         remote_spec(tiers)  # the URL parsed and the files read, before anything starts
     except RemoteConfigError as e:
         raise ConfigError(str(e)) from None
-    if not 0 < tiers.remote_timeout <= 60:
-        raise ConfigError(f"remote_timeout must be more than 0 and at most 60 seconds, not {tiers.remote_timeout}")
+    if not 0 < tiers.remote_timeout <= 10:
+        # A Lookup waits for the store: past 10 s engines' calls time out first.
+        raise ConfigError(f"remote_timeout must be more than 0 and at most 10 seconds, not {tiers.remote_timeout}")
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", tiers.remote_prefix):
         raise ConfigError("remote_prefix must be 1-64 letters, digits, '.', '_' or '-'")
     if tiers.remote_user and not tiers.remote_password_file:

@@ -59,7 +59,7 @@ class NativeIndex:
 
     # ------------------------------------------------------------ lookups and snapshots
 
-    def lookup(self, ns: Namespace, keys: list[bytes]) -> LookupResult:
+    def lookup(self, ns: Namespace, keys: list[bytes], note_gone: bool = True) -> LookupResult:
         """index.py BlockIndex.lookup, the tiers' part here: a block absent from
         DRAM that a tier holds starts its promotion."""
         blob, n = b"".join(keys), len(keys)
@@ -70,7 +70,7 @@ class NativeIndex:
                 kind, (_, _, more, at) = self.lane.lookup(ns.id, blob, n, at + 1, False)
                 storing += 1 + more
                 continue
-            if self.tiers.on and not self.tiers.holds(ns, key):
+            if note_gone and self.tiers.on and not self.tiers.holds(ns, key):
                 # An engine's copy may still list it below DRAM: it is gone.
                 self._note(ns, key, BlockState.DROPPED)
             break

@@ -1,26 +1,15 @@
 """The remote tier: blocks shared by a fleet's daemons through one Valkey or
-Redis store, below DRAM and disk.
+Redis store, below DRAM and disk (docs/remote.md). Only scopes with a remote
+secret (`secrets_of`) publish or fetch.
 
-Only tenants whose configuration names a remote secret use it (`secrets_of`
-answers None for the others): they neither publish nor fetch.
+Publishing: every shard DRAM commits is queued once (remote_queue.py), read
+out of its pinned slot, sealed on a thread (remote_format.py) and SET NX; a
+full queue drops it, so an engine never waits on the network.
 
-Publishing: every shard DRAM commits is queued for the store once (however
-many engines store the block, and not again after a promotion), in a queue
-per scope bounded by the scope's share; a full queue drops the shard and
-counts it, so an engine never waits on the network. Publishers read the
-shard out of its slot while it is pinned, seal it (remote_format.py: header,
-own key, checksum, HMAC under the scope's secret) on a thread, and SET it NX.
-
-Fetching: a lookup that misses DRAM and the tiers above asks `find` for the
-run of keys after DRAM's, with one pipelined STRLEN per shard; what every
-rank of a block has is remembered (briefly, and the misses more briefly),
-and the lookup then promotes those blocks as from the disk: their slots are
-taken, the lookup answers NOT_YET, fetch tasks GET every rank, check each
-value on a thread before a byte reaches the slot, and the block turns ready
-(or, on any failure, is dropped: a miss, counted by cause and logged once).
-
-Failures: every call has a timeout, and a breaker (breaker.py) skips the
-store while it fails; local tiers serve throughout.
+Fetching: a lookup that misses DRAM awaits `find` (STRLEN of every rank of the
+leading run); the index then promotes what the store has as from the disk:
+GETRANGE of every rank, each value checked on a thread before a byte reaches
+a slot, and any failure is a miss. A breaker (breaker.py) skips a failing store.
 """
 
 from __future__ import annotations
@@ -34,6 +23,7 @@ import time
 from kvdepot.server.core.tiers import Tier, TierStats
 from kvdepot.server.tiers import remote_format as fmt
 from kvdepot.server.tiers.breaker import CLOSED, Breaker
+from kvdepot.server.tiers.remote_queue import PublishQueue
 from kvdepot.thread_names import name_os_thread
 
 log = logging.getLogger("kvdepot.tiers")
@@ -46,13 +36,11 @@ MAX_KNOWN = 1 << 16
 PRESENT_TTL_S = 60.0
 # A miss is remembered briefly: another node may publish the block soon.
 ABSENT_TTL_S = 1.0
-# Shards waiting to be published, at most (all scopes), and publishes and
-# fetches in flight at once.
-MAX_QUEUED = 4096
+# A value that failed its checks longer: it stays in the store (SET NX keeps it).
+REJECTED_TTL_S = 60.0
+# Publishes and fetches in flight at once.
 MAX_PUBLISHING = 16
 MAX_FETCHING = 64
-# Shards published once are not published again while remembered here.
-MAX_PUBLISHED = 1 << 18
 CODEC_THREADS = 4
 # Seconds the fetch latency histogram's buckets end at.
 FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -74,9 +62,7 @@ class RemoteTier(Tier):
         self._present: collections.OrderedDict = collections.OrderedDict()  # (digest, key) -> (lengths, until)
         self._absent: collections.OrderedDict = collections.OrderedDict()  # (digest, key) -> until
         self._finding: dict[tuple, asyncio.Future] = {}
-        self._published: collections.OrderedDict = collections.OrderedDict()  # (digest, key, rank) -> None
-        self._queues: dict[str, collections.deque] = {}  # scope -> (block, rank, length, secrets)
-        self._queued = 0
+        self._queue: PublishQueue | None = None  # made at attach: it asks the host for shares
         self._publishing = 0
         # Sealing buffers between publishes, at most one a publisher.
         self._buffers: list[bytearray] = []
@@ -88,6 +74,10 @@ class RemoteTier(Tier):
         self.discarded: collections.Counter = collections.Counter()
         self.fetch_buckets = [0] * (len(FETCH_BUCKETS) + 1)
         self.fetch_seconds = 0.0
+
+    def attach(self, host) -> None:
+        super().attach(host)
+        self._queue = PublishQueue(host.share)
 
     def recover(self) -> None:
         """At start: connect now, so that the first lookup does not pay for it."""
@@ -162,16 +152,21 @@ class RemoteTier(Tier):
             asking = [keys[0]]  # the store must answer a trial before blocks are fetched again
         if asking and self.breaker.allows():
             future = self._loop.create_future()
-            for key in asking:
+            mine = [k for k in asking if (ns.digest, k) not in self._finding]
+            for key in mine:
                 self._finding[(ns.digest, key)] = future
             try:
                 await self._probe(ns, asking)
             finally:
-                for key in asking:
-                    self._finding.pop((ns.digest, key), None)
-                future.set_result(None)
+                for key in mine:
+                    if self._finding.get((ns.digest, key)) is future:
+                        del self._finding[(ns.digest, key)]
+                if not future.done():
+                    future.set_result(None)
         if waiting:
-            await asyncio.gather(*waiting)
+            # Shielded: a Lookup cancelled while it waits (its client's deadline)
+            # must not cancel the probe other Lookups wait for.
+            await asyncio.gather(*(asyncio.shield(f) for f in set(waiting)))
         found = 0
         for key in keys:
             if self._known(ns, key) is None:
@@ -180,15 +175,27 @@ class RemoteTier(Tier):
         return found
 
     async def _probe(self, ns, keys: list[bytes]) -> None:
+        """Asks in growing chunks (4, 16, 64...) and stops at the first block the
+        store lacks: only the leading run counts, and most runs of a new prompt
+        end at their first block."""
+        start, chunk = 0, 4
+        while start < len(keys):
+            if not await self._probe_chunk(ns, keys[start : start + chunk]):
+                return
+            start, chunk = start + chunk, chunk * 4
+
+    async def _probe_chunk(self, ns, keys: list[bytes]) -> bool:
+        """Whether the store holds every rank of every one of `keys`."""
         ranks = range(ns.tp_size)
         store_keys = [self.store_key(ns, key, rank) for key in keys for rank in ranks]
         try:
             sizes = await self.store.lengths(store_keys)
         except Exception as e:  # noqa: BLE001 - a store that fails is a miss
             self._store_failed(e)
-            return
+            return False
         self.breaker.succeeded()
         until = time.monotonic() + ABSENT_TTL_S
+        whole = True
         for i, key in enumerate(keys):
             lengths = []
             for rank in ranks:
@@ -200,8 +207,11 @@ class RemoteTier(Tier):
             if len(lengths) == ns.tp_size:
                 self._remember((ns.digest, key), tuple(lengths))
             else:
-                self.counts["misses"] += 1
+                if whole:
+                    self.counts["misses"] += 1  # the block that ends the run
+                whole = False
                 self._forget((ns.digest, key), until)
+        return whole
 
     def holds(self, ns, key: bytes) -> bool:
         return self._secrets(ns) is not None and self._known(ns, key) is not None
@@ -243,10 +253,13 @@ class RemoteTier(Tier):
                 self._store_failed(e)
                 return
             self.breaker.succeeded()
+            work = self._codec.submit(self._unseal, values, store_keys, secrets, lengths, slots)
             try:
-                cause = await self._loop.run_in_executor(
-                    self._codec, self._unseal, values, store_keys, secrets, lengths, slots
-                )
+                cause = await asyncio.wrap_future(work)
+            except asyncio.CancelledError:
+                # At shutdown: the slots are freed once the thread no longer writes them.
+                concurrent.futures.wait([work])
+                raise
             except Exception:  # noqa: BLE001 - a block that cannot be checked is a miss
                 log.exception("checking a block from the remote store failed")
                 return
@@ -258,7 +271,8 @@ class RemoteTier(Tier):
                 self._observe(time.monotonic() - started)
             else:
                 self._rejected(cause)
-                self._forget((ns.digest, key), time.monotonic() + ABSENT_TTL_S)
+                # Not fetched again soon: the bad value stays until the store evicts it.
+                self._forget((ns.digest, key), time.monotonic() + REJECTED_TTL_S)
         finally:
             left = self._fetching.pop(ns.scope, 0) - 1
             if left > 0:
@@ -289,45 +303,20 @@ class RemoteTier(Tier):
         secrets = self._secrets(ns)
         if secrets is None:
             return
-        queue = self._queues.get(ns.scope)
-        if queue is None:
-            queue = self._queues[ns.scope] = collections.deque()
-        room = max(16, int(MAX_QUEUED * self.host.share(ns.scope, len(self._queues))))
+        skipping = self.breaker.skipping()
         for block in blocks:
-            shard = (ns.digest, block.key, rank)
-            if shard in self._published:
-                continue
-            if len(queue) >= room or self._queued >= MAX_QUEUED or self.breaker.skipping():
+            queued = False if skipping else self._queue.offer(ns.scope, (ns.digest, block.key, rank),
+                                                               (block, rank, length, secrets))
+            if queued is False:
                 self.counts["dropped_writes"] += 1
-                continue
-            self._mark_published(shard)
-            queue.append((block, rank, length, secrets))
-            self._queued += 1
-        while self._publishing < MAX_PUBLISHING and self._queued:
+        while self._publishing < MAX_PUBLISHING and self._queue.queued:
             self._publishing += 1
             self._spawn(self._publish_queued())
-
-    def _mark_published(self, shard: tuple) -> None:
-        self._published[shard] = None
-        while len(self._published) > MAX_PUBLISHED:
-            self._published.popitem(last=False)
-
-    def _next_shard(self):
-        """The next shard to publish, the scopes taking turns."""
-        for scope in list(self._queues):
-            queue = self._queues.pop(scope)
-            if queue:
-                item = queue.popleft()
-                self._queued -= 1
-                if queue:
-                    self._queues[scope] = queue  # to the back: the next scope goes first
-                return item
-        return None
 
     async def _publish_queued(self) -> None:
         try:
             while not self.closing:
-                item = self._next_shard()
+                item = self._queue.next()
                 if item is None:
                     return
                 try:
@@ -340,34 +329,44 @@ class RemoteTier(Tier):
 
     async def _publish(self, block, rank: int, length: int, secrets) -> None:
         host, ns = self.host, block.ns
-        slot = block.slots[rank]
-        if slot is None or not host.holds(block) or rank not in block.committed:
-            self.counts["not_published"] += 1
-            return
-        if not self.breaker.allows():
-            self.counts["dropped_writes"] += 1
-            self._published.pop((ns.digest, block.key, rank), None)
+        shard = (ns.digest, block.key, rank)
+        if not host.holds(block) or not self.breaker.allows():
+            self._queue.unmark(shard)  # not sent: a later commit of it may be
+            self.counts["not_published" if self.breaker.state == CLOSED else "dropped_writes"] += 1
             return
         store_key = self.store_key(ns, block.key, rank)
         buffer = self._buffer(fmt.sealed_size(store_key, length))
+        # Pinned first, then checked: the native lane's thread may evict the
+        # block between two calls, and a gone block's hold pins nothing, so
+        # only a block still held after its hold is read (never a slot that
+        # may hold another block by now).
         host.hold(block)
         try:
+            slot = block.slots[rank]
+            if not host.holds(block) or slot is None or rank not in block.committed:
+                self._queue.unmark(shard)
+                self.counts["not_published"] += 1
+                self._buffers.append(buffer)
+                return
             value = await self._loop.run_in_executor(self._codec, self._seal, buffer, store_key, slot, length, secrets)
         finally:
             host.let_go(block)
         try:
-            await self.store.put(store_key, value)
+            stored = await self.store.put(store_key, value)
         except Exception as e:  # noqa: BLE001 - a store that fails drops the shard
-            self._published.pop((ns.digest, block.key, rank), None)
+            self._queue.unmark(shard)
             self.counts["dropped_writes"] += 1
-            self._store_failed(e)
+            self._write_failed(e)
             return
         finally:
             value.release()
             self._buffers.append(buffer)  # the client has copied it: the next shard's
         self.breaker.succeeded()
-        self.counts["written_shards"] += 1
-        self.counts["written_bytes"] += length
+        if stored:
+            self.counts["written_shards"] += 1
+            self.counts["written_bytes"] += length
+        else:
+            self.counts["already_stored"] += 1  # another node published it first
 
     def _buffer(self, size: int) -> bytearray:
         """A buffer of at least `size` bytes: one kept from an earlier publish
@@ -389,12 +388,27 @@ class RemoteTier(Tier):
         self.counts["store_errors"] += 1
         self.breaker.failed(error)
 
-    def _rejected(self, cause: str) -> None:
-        self.discarded[cause] += 1
+    def _write_failed(self, error: BaseException) -> None:
+        """A write the server refused (out of memory under noeviction, an ACL
+        without SET, a read-only replica) is a dropped shard, logged once: the
+        store still answers, and its reads go on. A timeout or a lost
+        connection counts against the store."""
+        if self.store.refused(error):
+            self.counts["store_errors"] += 1
+            self._log_once(f"refused:{type(error).__name__}", "the remote store refused a write (%s): shards are "
+                           "dropped while it does; reads go on", error)
+            return
+        self._store_failed(error)
+
+    def _log_once(self, cause: str, message: str, *args) -> None:
         if cause not in self._logged:
             self._logged.add(cause)
-            log.warning("a value read from the remote store failed its check (%s): served as a miss; "
-                        "later ones of this cause are counted in the stats, not logged", cause)
+            log.warning(message, *args)
+
+    def _rejected(self, cause: str) -> None:
+        self.discarded[cause] += 1
+        self._log_once(cause, "a value read from the remote store failed its check (%s): served as a miss; "
+                       "later ones of this cause are counted in the stats, not logged", cause)
 
     def _observe(self, seconds: float) -> None:
         self.fetch_seconds += seconds
@@ -412,9 +426,10 @@ class RemoteTier(Tier):
     def clear(self, ns) -> None:
         """This daemon forgets what it knew of the store for `ns`; the store's
         values stay (other nodes share them) until its own eviction."""
-        for known in (self._present, self._absent, self._published):
+        for known in (self._present, self._absent):
             for index_key in [k for k in known if ns is None or k[0] == ns.digest]:
                 del known[index_key]
+        self._queue.forget(None if ns is None else ns.digest)
 
     def stats(self) -> TierStats:
         c = self.counts

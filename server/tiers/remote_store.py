@@ -200,6 +200,18 @@ class RemoteStore:
         answer = await self._bounded(client.set(key, value, conditional_set=ConditionalChange.ONLY_IF_DOES_NOT_EXIST))
         return answer is not None
 
+    @staticmethod
+    def refused(error: BaseException) -> bool:
+        """Whether `error` is the server's refusal of a command (an error reply),
+        not a timeout or a lost connection."""
+        try:
+            from glide import ConnectionError as Lost
+            from glide import RequestError
+            from glide import TimeoutError as Late
+        except ImportError:
+            return False
+        return isinstance(error, RequestError) and not isinstance(error, (Lost, Late))
+
     async def _bounded(self, awaitable):
         # glide times each request out itself; this bounds a gather of many
         # and the wait for a connection.
