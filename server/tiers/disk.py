@@ -154,14 +154,19 @@ class DiskMover(Tier):
         host, disk = self.host, self.disk
         while self._queue and size < DEMOTE_BATCH_BYTES:
             block, rank, length = self._queue.popleft()
-            slot = block.slots[rank]
             key = (block.ns.digest, block.key, rank)
-            if slot is None or not host.holds(block) or rank not in block.committed:
+            if not host.holds(block) or disk.contains(key):
+                self.not_demoted += not host.holds(block)
+                continue
+            # Pinned first, then checked and read: the native lane's thread may
+            # evict the block between two calls, and a gone block's hold pins
+            # nothing, so only a block still held after its hold is written.
+            host.hold(block)
+            slot = block.slots[rank]
+            if not host.holds(block) or slot is None or rank not in block.committed:
+                host.let_go(block)
                 self.not_demoted += 1
                 continue
-            if disk.contains(key):
-                continue
-            host.hold(block)
             held.append(block)
             batch.append((key, block.ns.tp_size, slot, length))
             size += length
