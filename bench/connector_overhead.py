@@ -372,7 +372,7 @@ def run_one(n: int, args, socket: str, log) -> dict:
     try:
         started = time.monotonic()
         for e in engines.values():
-            for i in range(args.warmup):
+            for _ in range(args.warmup):
                 e.step()
             log(f"[N={n}] {e.name}: warmed up ({args.warmup} steps, {len(e.scheduler.running)} running)")
         for e in engines.values():

@@ -112,24 +112,12 @@ def main() -> int:
     args = ap.parse_args()
     args.concurrency = 1
 
-    import vllm_harness as vh
     from bench_daemon import Daemon
 
-    shape = dict(st.FULL, conversations=args.conversations, turns=args.turns)
-    spec = st.make_spec(shape, vh.TINY_MODEL_VOCAB, args.seed)
-    spec["system_prompts"], spec["questions"] = [], []
-    longest_blocks = -(-spec["longest"] // st.BLOCK_SIZE)
-    spec["max_model_len"] = st.BLOCK_SIZE * (longest_blocks + 1)
+    scratch = Path(tempfile.mkdtemp(prefix="kvdepot-hit-ttft-"))
+    shape, spec, model, spec_path = st.chat_only(args.conversations, args.turns, args.seed, scratch)
     spec["vllm_blocks"] = args.vllm_blocks
     slot = 1 << (st.block_bytes(shape) - 1).bit_length()
-    scratch = Path(tempfile.mkdtemp(prefix="kvdepot-hit-ttft-"))
-    positions = max(4096, spec["max_model_len"])
-    model_dir = Path(tempfile.gettempdir()) / ("kvdepot-bench-llama-{hidden}-{intermediate}-{layers}-{heads}-{kv_heads}"
-                                               "-{positions}".format(**shape, positions=positions))  # fmt: skip
-    model = vh.make_tiny_model(model_dir, hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-                               num_layers=shape["layers"], num_heads=shape["heads"], num_kv_heads=shape["kv_heads"],
-                               max_position_embeddings=positions)  # fmt: skip
-    spec_path = scratch / "spec.json"
     spec_path.write_text(json.dumps(spec))
     os.environ["KVDEPOT_METRICS_LISTEN"] = "none"
     configs = args.configs.split(",")

@@ -78,26 +78,14 @@ def main() -> int:
     ap.add_argument("--json", default="remote_ttft.json")
     args = ap.parse_args()
 
-    import vllm_harness as vh
     from valkey_cluster import ValkeyCluster
 
-    shape = dict(st.FULL, conversations=args.conversations, turns=args.turns)
-    spec = st.make_spec(shape, vh.TINY_MODEL_VOCAB, args.seed)
-    spec["system_prompts"], spec["questions"] = [], []
-    longest_blocks = -(-spec["longest"] // st.BLOCK_SIZE)
-    spec["max_model_len"] = st.BLOCK_SIZE * (longest_blocks + 1)
+    scratch = Path(tempfile.mkdtemp(prefix="kvdepot-remote-ttft-"))
+    shape, spec, model, spec_path = st.chat_only(args.conversations, args.turns, args.seed, scratch)
     # As serving_ttft.py: room for the requests in flight, so no history stays in vLLM's own cache.
-    spec["vllm_blocks"] = int(longest_blocks * (args.concurrency + 0.5))
+    spec["vllm_blocks"] = int(spec["longest_blocks"] * (args.concurrency + 0.5))
     slot = 1 << (st.block_bytes(shape) - 1).bit_length()
     ws_blocks = st.chat_blocks(spec)
-    scratch = Path(tempfile.mkdtemp(prefix="kvdepot-remote-ttft-"))
-    positions = max(4096, spec["max_model_len"])
-    model_dir = Path(tempfile.gettempdir()) / ("kvdepot-bench-llama-{hidden}-{intermediate}-{layers}-{heads}-{kv_heads}"
-                                               "-{positions}".format(**shape, positions=positions))  # fmt: skip
-    model = vh.make_tiny_model(model_dir, hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-                               num_layers=shape["layers"], num_heads=shape["heads"], num_kv_heads=shape["kv_heads"],
-                               max_position_embeddings=positions)  # fmt: skip
-    spec_path = scratch / "spec.json"
     spec_path.write_text(json.dumps(spec))
     os.environ["KVDEPOT_METRICS_LISTEN"] = "none"
     configs = args.configs.split(",")

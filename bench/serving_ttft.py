@@ -453,6 +453,27 @@ def check_outputs(runs: dict) -> int:
 # ---------------------------------------------------------------------------
 
 
+def chat_only(conversations: int, turns: int, seed: int, scratch: Path) -> tuple[dict, dict, str, Path]:
+    """(shape, spec, model dir, spec file) of the chat alone at FULL's shape, for the benchmarks
+    that serve only it (hit_ttft.py, remote_ttft.py); the caller sets spec["vllm_blocks"] before
+    writing the spec file."""
+    import vllm_harness as vh
+
+    shape = dict(FULL, conversations=conversations, turns=turns)
+    spec = make_spec(shape, vh.TINY_MODEL_VOCAB, seed)
+    spec["system_prompts"], spec["questions"] = [], []
+    longest_blocks = -(-spec["longest"] // BLOCK_SIZE)
+    spec["max_model_len"] = BLOCK_SIZE * (longest_blocks + 1)
+    spec["longest_blocks"] = longest_blocks
+    positions = max(4096, spec["max_model_len"])
+    model_dir = Path(tempfile.gettempdir()) / ("kvdepot-bench-llama-{hidden}-{intermediate}-{layers}-{heads}-{kv_heads}"
+                                               "-{positions}".format(**shape, positions=positions))  # fmt: skip
+    model = vh.make_tiny_model(model_dir, hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                               num_layers=shape["layers"], num_heads=shape["heads"], num_kv_heads=shape["kv_heads"],
+                               max_position_embeddings=positions)  # fmt: skip
+    return shape, spec, model, scratch / "spec.json"
+
+
 def chat_blocks(spec: dict) -> int:
     """The chat's working set in the daemon: the whole blocks of every conversation's final history
     (all its prompts and answers; an earlier turn's blocks are a prefix of it)."""

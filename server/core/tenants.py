@@ -254,35 +254,36 @@ def scope_remote_secrets(specs: list[TenantSpec]) -> dict[str, tuple[bytes, tupl
     """Each scope's remote secrets (current, old): tenants of one sharing group
     seal and check one scope's values, so they must give the same secrets (or
     one of them gives them)."""
-    secrets: dict[str, tuple[str, tuple]] = {}
-    for spec in specs:
-        if spec.remote_secret is None:
-            continue
-        mine = (spec.remote_secret, spec.remote_old_secrets)
-        known = secrets.get(spec.scope)
-        if known is not None and known[1] != mine:
-            raise TenantConfigError(
-                f"tenants {known[0]} and {spec.name} share {spec.scope} but give it different remote secrets"
-            )
-        secrets[spec.scope] = (spec.name, mine)
-    return {scope: mine for scope, (_, mine) in secrets.items()}
+    return _per_scope(specs, lambda s: None if s.remote_secret is None else (s.remote_secret, s.remote_old_secrets),
+                      "remote secrets")
 
 
 def scope_quotas(specs: list[TenantSpec], pool_bytes: int, slot_bytes: int) -> dict[str, int]:
     """Each scope's quota in slots. Tenants of one sharing group share one quota,
     so they must give the same one (or one of them gives it)."""
-    quotas: dict[str, tuple[str, int]] = {}
-    for spec in specs:
+    def slots(spec: TenantSpec) -> int | None:
         if spec.quota is None:
+            return None
+        return max(1, _quota_bytes(spec.quota, pool_bytes, f"tenant {spec.name}") // slot_bytes)
+
+    return _per_scope(specs, slots, "quotas")
+
+
+def _per_scope(specs: list[TenantSpec], value_of, what: str) -> dict:
+    """{scope: value} of the tenants that give one (`value_of` None: not given);
+    TenantConfigError when two tenants of one scope give different values."""
+    given: dict[str, tuple[str, object]] = {}
+    for spec in specs:
+        value = value_of(spec)
+        if value is None:
             continue
-        slots = max(1, _quota_bytes(spec.quota, pool_bytes, f"tenant {spec.name}") // slot_bytes)
-        known = quotas.get(spec.scope)
-        if known is not None and known[1] != slots:
+        known = given.get(spec.scope)
+        if known is not None and known[1] != value:
             raise TenantConfigError(
-                f"tenants {known[0]} and {spec.name} share {spec.scope} but give it different quotas"
+                f"tenants {known[0]} and {spec.name} share {spec.scope} but give it different {what}"
             )
-        quotas[spec.scope] = (spec.name, slots)
-    return {scope: slots for scope, (_, slots) in quotas.items()}
+        given[spec.scope] = (spec.name, value)
+    return {scope: value for scope, (_, value) in given.items()}
 
 
 def _quota_bytes(text: str, pool_bytes: int, where: str) -> int:
