@@ -29,10 +29,13 @@ constexpr uint64_t ONE_STREAM_BYTES = 1 << 20;
 // Who touched a staging buffer last.
 enum Owner : uint8_t { NOBODY = 0, COPY_STREAM = 1, KERNEL_STREAM = 2 };
 constexpr int GATE_POLL_US = 20;
-// A stream's jobs are expected to move at this many bytes a nanosecond (the
-// PCIe 5 x16 rate the benchmarks see), plus this long each; past it their
-// events are asked, first after FIRST_POLL_NS, then twice as long each time.
-constexpr double NOMINAL_BYTES_PER_NS = 50.0;
+// A job is expected to start when the one before it on its stream was seen
+// to end (or when it was queued, if later) and to move at this many bytes a
+// nanosecond, plus JOB_NS; past that its event is asked, first after
+// FIRST_POLL_NS, then twice as long each time. The rate is above what PCIe 5
+// x16 gives (about 55), so that the sleep ends before the copy does and a busy
+// stream's completions are never paced below the bus.
+constexpr double NOMINAL_BYTES_PER_NS = 64.0;
 constexpr int64_t JOB_NS = 10000, FIRST_POLL_NS = 5000, LAST_POLL_NS = 200000, SPIN_NS = 50000;
 // Stage stamps (server/native/binding.py STAGES).
 enum Stage : uint8_t { LAUNCH = 2, IDS_UP = 3, KERNEL = 4, TRANSFERS = 5, FIRST_CHUNK = 6, QUEUED = 7, GPU_DONE = 8 };
@@ -105,7 +108,8 @@ struct Tracked {
   Job* job;
   int64_t fence_index;  // -1: no fence to check
   uint64_t fence_seq;
-  int64_t expected_ns;  // when it should end, had the bus its nominal rate
+  int64_t queued_ns;    // when the lane's thread queued it
+  uint64_t bytes;       // what it moves
   bool spin;            // a small job that found the stream idle: polled closely
   int64_t hash_index;   // where the GPU wrote its rows' hashes in the ring; -1: none
   uint64_t rows;
@@ -120,7 +124,7 @@ struct CopyStream {
   int next_buffer = 0;
   uint8_t owner[2] = {NOBODY, NOBODY};
   std::deque<Job*> waiting;  // for room in the ring, in order (the lane's thread's)
-  int64_t expected_end_ns = 0;  // the lane's thread's: when its last job queued should end
+  int64_t last_end_ns = 0;  // the completion thread's: when it saw the last job end
   std::atomic<uint64_t> tracked{0}, done{0};
   std::mutex mutex;
   std::condition_variable wake;
@@ -167,8 +171,13 @@ void CopyStream::wait_for(const Tracked& item) {
   // queries a job instead of a wake-up by the driver's event thread for each
   // (cudaEventBlockingSync) or a core spinning. A small job that had the
   // stream to itself is asked closely for a while, so that it is not late.
+  // Predicted from the observed end of the job before it, not from that job's
+  // prediction: predictions chained at a nominal rate would pace a busy stream
+  // at that rate, whatever the bus does.
+  int64_t expected = std::max(last_end_ns, item.queued_ns) + JOB_NS +
+                     (int64_t)((double)item.bytes / NOMINAL_BYTES_PER_NS);
   int64_t now = now_ns();
-  if (item.expected_ns > now + 2000) std::this_thread::sleep_for(std::chrono::nanoseconds(item.expected_ns - now));
+  if (expected > now + 2000) std::this_thread::sleep_for(std::chrono::nanoseconds(expected - now));
   int64_t spin_until = item.spin ? now_ns() + SPIN_NS : 0;
   int64_t backoff = FIRST_POLL_NS;
   while (api->event_query(item.event) == NOT_READY) {
@@ -198,6 +207,7 @@ void CopyStream::run() {
       pending.pop_front();
     }
     lock.unlock();
+    last_end_ns = now_ns();
     std::vector<Ended> ended;
     for (Tracked& item : items) ended.push_back(this->ended(item, api->event_query(item.event)));
     done += ended.size();
@@ -484,9 +494,7 @@ void CudaTransport::enqueue(Job& job, CopyStream& stream, bool to_host) {
   // A small job on an idle stream is asked for closely once it should have
   // ended (a sleeping thread would make it late); others are asked less often.
   bool spin = stream.idle() && n * slot_bytes_ <= config.spin_bytes;
-  int64_t now = now_ns();
-  stream.expected_end_ns = std::max(stream.expected_end_ns, now) + JOB_NS +
-                           (int64_t)((double)(n * slot_bytes_) / NOMINAL_BYTES_PER_NS);
+  int64_t queued_ns = now_ns();
   void* event = nullptr;
   {
     std::lock_guard<std::mutex> lock(stream.spare_mutex);
@@ -504,7 +512,7 @@ void CudaTransport::enqueue(Job& job, CopyStream& stream, bool to_host) {
     std::lock_guard<std::mutex> lock(stream.mutex);
     int64_t hash_index = hashing(stream, to_host) ? job.span_start + (int64_t)n + 1 : -1;
     stream.pending.push_back(
-        Tracked{event, &job, fence_index, job.fence_seq, stream.expected_end_ns, spin, hash_index, n});
+        Tracked{event, &job, fence_index, job.fence_seq, queued_ns, n * slot_bytes_, spin, hash_index, n});
   }
   stream.wake.notify_one();
 }
