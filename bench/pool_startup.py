@@ -1,18 +1,20 @@
-"""How long kvdepotd takes to allocate and pin its pool, against torch's own
-pinned allocation of the same size measured in the same run.
+"""How long kvdepotd takes to serve, and to have its whole pool up, against
+torch's own pinned allocation of the same size measured in the same run.
 
-    python bench/pool_startup.py --size 16GiB
+    python bench/pool_startup.py --size 16GiB [--compare ../previous-checkout]
 
-Prints the daemon's allocate and pin times (from its log), its time to ready,
-and the ratio to `torch.empty(size, pin_memory=True)`. Without CUDA only the
-allocation is measured.
+Starts the real daemon with a pool of SIZE and times, from its process start,
+its "ready on" line (it serves) and the line saying the whole pool is up
+(faulted in, and pinned with CUDA). A daemon that brings its whole pool up
+before it serves (versions before the pool came up behind the start) has both
+at once. With --compare, the daemon of that source tree is timed first, in the
+same run. Without CUDA only faulting in is measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -25,32 +27,33 @@ sys.path.insert(0, str(REPO))
 from kvdepot.settings import parse_size  # noqa: E402
 
 
-def start_daemon(size: str, folder: str, threads: int) -> dict:
+def start_daemon(repo: Path, size: str, folder: str, threads: int) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
     socket_dir = tempfile.mkdtemp()  # a hugetlbfs pool folder cannot hold a socket
     args = [sys.executable, "-m", "kvdepot.server", "--listen", f"{socket_dir}/kvdepot.sock",
-            "--pool-size", size, "--pool-dir", folder, "--pin-threads", str(threads)]
+            "--pool-size", size, "--pool-dir", folder, "--pin-threads", str(threads), "--metrics-listen", "none"]
     started = time.monotonic()
-    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=env)
-    log = []
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=env, cwd=repo)
+    log, ready, up, behind = [], None, None, False
     for line in proc.stderr:
         log.append(line)
+        if "coming up behind" in line:
+            behind = True
         if "ready on" in line:
+            ready = time.monotonic() - started
+            if not behind:
+                up = ready
+        if "pool up: all" in line:
+            up = time.monotonic() - started
+        if ready is not None and up is not None:
             break
-    ready = time.monotonic() - started
     proc.terminate()
     proc.wait(60)
     text = "".join(log)
-    allocated = re.search(r"allocated in ([0-9.]+) s", text)
-    pinned = re.search(r"pool pinned in ([0-9.]+) s", text)
-    if not allocated:
-        raise SystemExit("the daemon did not start:\n" + text)
-    return {
-        "allocate_s": float(allocated.group(1)),
-        "pin_s": float(pinned.group(1)) if pinned else None,
-        "ready_s": ready,
-    }
+    if ready is None or up is None:
+        raise SystemExit("the daemon did not come up:\n" + text)
+    return {"ready_s": ready, "up_s": up, "log": text}
 
 
 def torch_pinned_baseline(nbytes: int) -> float | None:
@@ -71,21 +74,27 @@ def main() -> int:
     parser.add_argument("--size", default="4GiB")
     parser.add_argument("--threads", type=int, default=0, help="--pin-threads of the daemon (0: automatic)")
     parser.add_argument("--folder", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    parser.add_argument("--compare", type=Path, help="another source tree whose daemon is timed first")
+    parser.add_argument("--label", default="this", help="this tree's name in the table")
     args = parser.parse_args()
     nbytes = parse_size(args.size)
     gib = nbytes / 2**30
-    with tempfile.TemporaryDirectory(dir=args.folder) as folder:
-        daemon = start_daemon(args.size, folder, args.threads)
-    baseline = torch_pinned_baseline(nbytes)
-    print(f"pool size                      {gib:.1f} GiB")
-    print(f"daemon: allocate (populate)    {daemon['allocate_s']:.2f} s  ({daemon['allocate_s'] / gib:.3f} s/GiB)")
-    if daemon["pin_s"] is not None:
-        print(f"daemon: pin (cudaHostRegister) {daemon['pin_s']:.2f} s  ({daemon['pin_s'] / gib:.3f} s/GiB)")
-    print(f"daemon: start to ready         {daemon['ready_s']:.2f} s")
-    if baseline is not None and daemon["pin_s"] is not None:
-        total = daemon["allocate_s"] + daemon["pin_s"]
-        print(f"baseline: torch pin_memory     {baseline:.2f} s  ({baseline / gib:.3f} s/GiB)")
-        print(f"ratio daemon allocate+pin / baseline: {total / baseline:.2f} (lower is better)")
+    trees = ([("previous", args.compare.resolve())] if args.compare else []) + [(args.label, REPO)]
+    rows = []
+    for name, repo in trees:
+        with tempfile.TemporaryDirectory(dir=args.folder) as folder:
+            rows.append((name, start_daemon(repo, args.size, folder, args.threads)))
+    print(f"pool of {gib:.1f} GiB in {args.folder}, seconds from the process start")
+    print(f"{'version':<12} {'serving':>8} {'whole pool up':>14} {'GiB/s up':>9}")
+    for name, row in rows:
+        print(f"{name:<12} {row['ready_s']:>8.2f} {row['up_s']:>14.2f} {gib / row['up_s']:>9.2f}", flush=True)
+    try:
+        baseline = torch_pinned_baseline(nbytes)
+    except RuntimeError as e:  # torch cannot pin that much here
+        print(f"baseline: torch pin_memory of the same size failed: {str(e).splitlines()[0]}")
+        return 0
+    if baseline is not None:
+        print(f"baseline: torch pin_memory of the same size {baseline:.2f} s ({gib / baseline:.2f} GiB/s)")
     return 0
 
 

@@ -20,7 +20,7 @@ from kvdepot import kept_pools
 from kvdepot.client.daemon_identity import check_daemon, daemon_uids_setting, trusted_uids
 from kvdepot.client.job_socket import JobSocket
 from kvdepot.client.rpc import Tls, open_channel
-from kvdepot.client.watch import numa_lines
+from kvdepot.client.watch import block_size, holds_lines, numa_lines
 from kvdepot.defaults import PROTOCOL_VERSION, default_socket_path, grpc_target, read_token
 from kvdepot.errors import KVDepotError, Unavailable, from_rpc_error
 from kvdepot.proto import kvdepot_pb2 as pb
@@ -155,7 +155,9 @@ def format_stats(stats: pb.GetStatsResponse) -> str:
     lines = [
         f"kvdepotd {stats.daemon_version} (instance {stats.daemon_instance}), up {stats.uptime_seconds:.0f} s",
         f"pool      {_gib(pool.slot_bytes * pool.num_slots)} in {pool.num_slots} slots of "
-        f"{pool.slot_bytes} B, {'pinned' if pool.pinned else 'not pinned'}",
+        f"{pool.slot_bytes} B, {'pinned' if pool.pinned else 'not pinned'}"
+        + (f"; coming up: {_gib(pool.slot_bytes * pool.online_slots)} up so far"
+           if pool.online_slots < pool.num_slots else ""),
         f"occupancy {100 * stats.occupancy:.1f}% ({stats.used_slots} slots used, "
         f"{stats.pinned_slots} pinned by jobs), eviction {stats.eviction_policy}",
         f"lookups   {t.lookups}: {t.hit_blocks} blocks hit, {t.miss_blocks} missed",
@@ -164,6 +166,7 @@ def format_stats(stats: pb.GetStatsResponse) -> str:
         f"evicted   {t.evicted_blocks} blocks; {t.failed_jobs} failed jobs; "
         f"{stats.sessions_ended} sessions ended",
     ]
+    lines += holds_lines(stats)
     for tier in stats.tiers:
         lines.append(_tier_line(tier))
     lines += numa_lines(stats)
@@ -173,14 +176,15 @@ def format_stats(stats: pb.GetStatsResponse) -> str:
         lines.append(f"gpu {gpu.index}     daemon holds {gpu.daemon_memory_bytes / 2**20:.0f} MiB ({gpu.uuid})")
     lines.append("")
     header = (
-        f"{'namespace':<48} {'ready':>8} {'slots':>8} {'hits':>8} {'misses':>8} {'stored':>8} {'loaded':>8} "
-        f"{'evicted':>8}"
+        f"{'namespace':<48} {'ready':>8} {'slots':>8} {'block':>10} {'KV':>10} {'hits':>8} {'misses':>8} "
+        f"{'stored':>8} {'loaded':>8} {'evicted':>8}"
     )
     lines.append(header)
     for ns in stats.namespaces:
         c = ns.counters
         lines.append(
-            f"{ns.name:<48} {ns.ready_blocks:>8} {ns.used_slots:>8} {c.hit_blocks:>8} {c.miss_blocks:>8} "
+            f"{ns.name:<48} {ns.ready_blocks:>8} {ns.used_slots:>8} {block_size(ns.block_bytes):>10} "
+            f"{_gib(ns.used_bytes).replace(' GiB', 'G'):>10} {c.hit_blocks:>8} {c.miss_blocks:>8} "
             f"{c.stored_blocks:>8} {c.loaded_blocks:>8} {c.evicted_blocks:>8}"
         )
     if not stats.namespaces:

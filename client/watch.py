@@ -82,6 +82,31 @@ def clock(timestamp: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(timestamp))
 
 
+def _gib_of(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def block_size(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB" if n else "unknown"
+
+
+def holds_lines(stats: pb.GetStatsResponse) -> list[str]:
+    """What the DRAM holds: KV bytes, free bytes, fragmentation, and by block
+    size (`kvdepot stats` shows the same lines)."""
+    slot = stats.pool.slot_bytes
+    lines = [
+        f"holds     {_gib_of(stats.kv_bytes)} of KV in {_gib_of(stats.used_slots * slot)} of slots "
+        f"({100 * stats.fragmentation:.0f}% of those slots' bytes empty: fragmentation); "
+        f"{_gib_of(stats.free_bytes)} free"
+    ]
+    for size in stats.block_sizes:
+        fill = f", {100 * size.block_bytes / slot:.0f}% of a slot each" if size.block_bytes else ""
+        plural = "s" if size.namespaces != 1 else ""
+        lines.append(f"  blocks of {block_size(size.block_bytes)}: {size.used_slots} slots, "
+                     f"{_gib_of(size.used_bytes)} of KV ({size.namespaces} namespace{plural}{fill})")
+    return lines
+
+
 def numa_lines(stats: pb.GetStatsResponse) -> list[str]:
     """The pool's NUMA nodes: each node's range of slots, its use and its GPUs
     (`kvdepot stats` shows the same lines)."""
@@ -161,6 +186,7 @@ class WatchView:
                 f"{rates['miss_blocks']:.1f} misses/s" + (f" ({100 * ratio:.1f}% hit)" if ratio is not None else ""),
                 f"evictions {rates['evicted_blocks']:.1f}/s; failed jobs {rates['failed_jobs']:.1f}/s",
             ]
+        lines += holds_lines(stats)
         lines += numa_lines(stats)
         in_flight = sum(c.jobs_in_flight for c in stats.clients)
         lines.append(f"sessions  {len(stats.clients)} attached, {stats.sessions_ended} ended; "

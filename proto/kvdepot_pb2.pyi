@@ -58,14 +58,16 @@ class SessionStarted(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., daemon_version: _Optional[str] = ..., job_socket: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("slot_bytes", "num_slots", "pinned")
+    __slots__ = ("slot_bytes", "num_slots", "pinned", "online_slots")
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    ONLINE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     slot_bytes: int
     num_slots: int
     pinned: bool
-    def __init__(self, slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    online_slots: int
+    def __init__(self, slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., pinned: _Optional[bool] = ..., online_slots: _Optional[int] = ...) -> None: ...
 
 class JobDone(_message.Message):
     __slots__ = ("job_id", "ok", "error", "already_stored", "not_stored")
@@ -451,16 +453,32 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., written_shards: _Optional[int] = ..., written_bytes: _Optional[int] = ..., read_shards: _Optional[int] = ..., read_bytes: _Optional[int] = ..., promotions: _Optional[int] = ..., failed_promotions: _Optional[int] = ..., evicted_shards: _Optional[int] = ..., recovered_shards: _Optional[int] = ..., discarded: _Optional[_Mapping[str, int]] = ..., direct_io: _Optional[bool] = ..., write_errors: _Optional[int] = ..., misses: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., circuit: _Optional[str] = ..., fetch_bounds: _Optional[_Iterable[float]] = ..., fetch_counts: _Optional[_Iterable[int]] = ..., fetch_seconds: _Optional[float] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("name", "counters", "ready_blocks", "used_slots")
+    __slots__ = ("name", "counters", "ready_blocks", "used_slots", "block_bytes", "used_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     counters: Counters
     ready_blocks: int
     used_slots: int
-    def __init__(self, name: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., ready_blocks: _Optional[int] = ..., used_slots: _Optional[int] = ...) -> None: ...
+    block_bytes: int
+    used_bytes: int
+    def __init__(self, name: _Optional[str] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., ready_blocks: _Optional[int] = ..., used_slots: _Optional[int] = ..., block_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
+
+class BlockSizeStats(_message.Message):
+    __slots__ = ("block_bytes", "namespaces", "used_slots", "used_bytes")
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    block_bytes: int
+    namespaces: int
+    used_slots: int
+    used_bytes: int
+    def __init__(self, block_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., used_slots: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
 
 class ClientStats(_message.Message):
     __slots__ = ("client_name", "pid", "counters", "jobs_in_flight", "workers", "session_number", "tenant", "uid")
@@ -483,7 +501,7 @@ class ClientStats(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., jobs_in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., session_number: _Optional[int] = ..., tenant: _Optional[str] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "open_ipc_mappings", "gpus", "namespaces_omitted", "clients_omitted", "tiers", "numa_nodes", "numa_carved")
+    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "open_ipc_mappings", "gpus", "namespaces_omitted", "clients_omitted", "tiers", "numa_nodes", "numa_carved", "kv_bytes", "free_bytes", "fragmentation", "block_sizes")
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -503,6 +521,10 @@ class GetStatsResponse(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NUMA_NODES_FIELD_NUMBER: _ClassVar[int]
     NUMA_CARVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZES_FIELD_NUMBER: _ClassVar[int]
     daemon_version: str
     daemon_instance: str
     uptime_seconds: float
@@ -522,7 +544,11 @@ class GetStatsResponse(_message.Message):
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     numa_nodes: _containers.RepeatedCompositeFieldContainer[NumaNodeStats]
     numa_carved: bool
-    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ..., open_ipc_mappings: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., namespaces_omitted: _Optional[int] = ..., clients_omitted: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., numa_nodes: _Optional[_Iterable[_Union[NumaNodeStats, _Mapping]]] = ..., numa_carved: _Optional[bool] = ...) -> None: ...
+    kv_bytes: int
+    free_bytes: int
+    fragmentation: float
+    block_sizes: _containers.RepeatedCompositeFieldContainer[BlockSizeStats]
+    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ..., open_ipc_mappings: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., namespaces_omitted: _Optional[int] = ..., clients_omitted: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., numa_nodes: _Optional[_Iterable[_Union[NumaNodeStats, _Mapping]]] = ..., numa_carved: _Optional[bool] = ..., kv_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., fragmentation: _Optional[float] = ..., block_sizes: _Optional[_Iterable[_Union[BlockSizeStats, _Mapping]]] = ...) -> None: ...
 
 class NumaNodeStats(_message.Message):
     __slots__ = ("node", "first_slot", "slots", "used_slots", "bound", "gpus")

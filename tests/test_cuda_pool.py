@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -15,12 +16,16 @@ pytestmark = [
 @pytest.mark.parametrize("pin", ["on", "auto"])
 def test_the_pool_is_registered_as_pinned_memory(start_daemon, client_factory, pin):
     # Only shared-memory pages can be pinned: the pool goes in /dev/shm here.
-    daemon = start_daemon(pin=pin, pool_size="4GiB", slot_size="2MiB", pool_dir="/dev/shm")
+    # In chunks of 256 MiB: it serves with the first pinned, the rest come up behind.
+    daemon = start_daemon(pin=pin, pool_size="4GiB", slot_size="2MiB", pool_dir="/dev/shm",
+                          pin_chunk_bytes="256MiB")
+    assert "pinned; serving with 256.00 MiB up, the rest coming up behind" in daemon.log()
     client = client_factory(daemon)
     stats = client.stats()
     assert stats.pool.pinned
     assert stats.pool.num_slots == 2048
-    assert "pool pinned in" in daemon.log()
+    wait_until(lambda: client.stats().pool.online_slots == 2048, timeout=60, what="the whole pool up")
+    wait_until(lambda: "pool up: all 4.00 GiB faulted in and pinned" in daemon.log(), what="the log saying so")
 
 
 def test_pinning_a_pool_on_a_disk_filesystem_fails_with_advice(tmp_path):
@@ -28,6 +33,7 @@ def test_pinning_a_pool_on_a_disk_filesystem_fails_with_advice(tmp_path):
     import sys
 
     from conftest import subprocess_env
+
     from kvdepot.server.host.pool import filesystem_type
 
     if filesystem_type(str(tmp_path)) in ("tmpfs", "hugetlbfs", "ramfs"):

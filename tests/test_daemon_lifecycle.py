@@ -204,7 +204,7 @@ def test_defaults_alone_give_a_working_daemon_that_tells_systemd_it_is_ready(tmp
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert notify.recv(1024).startswith(b"STOPPING=1")
-        pool_file = re.search(r"allocated in [0-9.]+ s at (\S+\.pool)", proc.stderr.read()).group(1)
+        pool_file = re.search(r"pool ready in [0-9.]+ s: .* at (\S+\.pool)", proc.stderr.read()).group(1)
         # The pool stays, its user's alone, for the next daemon on the address.
         assert not sock.exists() and os.stat(pool_file).st_mode & 0o777 == 0o600
     finally:

@@ -98,3 +98,32 @@ def test_cli_says_clearly_when_no_daemon_runs(tmp_path):
     )
     assert proc.returncode == 1
     assert "none.sock" in proc.stderr
+
+
+def test_stats_say_what_the_dram_holds_by_namespace_and_block_size(start_daemon, client_factory):
+    # 16 KiB slots; a per-layer block fills one, an MLA block (one latent
+    # tensor a layer) fills half of one.
+    daemon = start_daemon(pool_size="1MiB")
+    client = client_factory(daemon, name="holds-test")
+    full, _, _ = attach_worker(client, seed=1)
+    half, _, _ = attach_worker(client, seed=2, layout="mla")
+    for worker, n, prompt in ((full, 10, 40), (half, 20, 41)):
+        job = client.submit_store(worker, prompt, prompt_keys(n, prompt=prompt), list(range(n)))
+        assert client.wait([job], 10)[job].ok
+
+    proc = cli(daemon, "stats", "--json")
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)
+    kv = 10 * BLOCK_BYTES + 20 * BLOCK_BYTES // 2
+    assert int(stats["kv_bytes"]) == kv
+    assert int(stats["free_bytes"]) == (64 - 30) * BLOCK_BYTES
+    assert abs(stats["fragmentation"] - (1 - kv / (30 * BLOCK_BYTES))) < 1e-9
+    by_name = {ns["name"]: ns for ns in stats["namespaces"]}
+    [mla] = [ns for name, ns in by_name.items() if "mla" in name]
+    assert int(mla["block_bytes"]) == BLOCK_BYTES // 2 and int(mla["used_bytes"]) == 20 * BLOCK_BYTES // 2
+    sizes = {int(b["block_bytes"]): (int(b["used_slots"]), int(b["used_bytes"])) for b in stats["block_sizes"]}
+    assert sizes == {BLOCK_BYTES // 2: (20, 10 * BLOCK_BYTES), BLOCK_BYTES: (10, 10 * BLOCK_BYTES)}
+
+    text = cli(daemon, "stats").stdout
+    assert "of slots (33% of those slots' bytes empty: fragmentation)" in text
+    assert "blocks of 8 KiB: 20 slots" in text and "50% of a slot each" in text

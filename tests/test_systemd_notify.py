@@ -38,8 +38,8 @@ def test_systemd_hears_progress_then_ready_once_calls_are_answered(start_daemon,
     *before, ready = messages
     assert ready == {"READY": "1", "STATUS": f"serving on unix:{daemon.socket}"}
     statuses = [m["STATUS"] for m in before]
-    assert statuses[0] == "allocating the pool: 0.0 of 64.0 MiB (0%)"
-    assert statuses[-1] == "allocating the pool: 64.0 of 64.0 MiB (100%)"
+    assert statuses[0] == "bringing the pool up: 0.0 of 64.0 MiB (0%)"
+    assert statuses[-1] == "bringing the pool up: 64.0 of 64.0 MiB (100%)"
     assert all(set(m) == {"STATUS"} for m in before)
 
     assert daemon.stop() == 0

@@ -18,7 +18,8 @@ _LOOKUP_STATUS = {LookupStatus.READY: pb.LookupResponse.READY, LookupStatus.NOT_
 
 
 def pool_info(pool: PoolInfo) -> pb.PoolInfo:
-    return pb.PoolInfo(slot_bytes=pool.slot_bytes, num_slots=pool.num_slots, pinned=pool.pinned)
+    return pb.PoolInfo(slot_bytes=pool.slot_bytes, num_slots=pool.num_slots, pinned=pool.pinned,
+                       online_slots=pool.online_slots)
 
 
 def lookup(result: LookupResult) -> pb.LookupResponse:
@@ -81,6 +82,9 @@ def stats(report: Report, identified: bool) -> pb.GetStatsResponse:
         eviction_policy=report.eviction,
         tiers=[_tier(t) for t in report.tiers],
         numa_carved=report.numa_carved,
+        kv_bytes=report.kv_bytes,
+        free_bytes=report.free_bytes,
+        fragmentation=report.fragmentation,
     )
     for n in report.numa_nodes:
         response.numa_nodes.add(node=n.node, first_slot=n.first_slot, slots=n.slots, used_slots=n.used_slots,
@@ -97,8 +101,12 @@ def stats(report: Report, identified: bool) -> pb.GetStatsResponse:
     response.namespaces_omitted = report.namespaces_omitted
     for ns in report.namespaces:
         response.namespaces.add(
-            name=ns.name, counters=_counters(ns.counters), ready_blocks=ns.ready_blocks, used_slots=ns.used_slots
+            name=ns.name, counters=_counters(ns.counters), ready_blocks=ns.ready_blocks, used_slots=ns.used_slots,
+            block_bytes=ns.block_bytes, used_bytes=ns.used_bytes,
         )
+    for size in report.block_sizes:
+        response.block_sizes.add(block_bytes=size.block_bytes, namespaces=size.namespaces,
+                                 used_slots=size.used_slots, used_bytes=size.used_bytes)
     response.clients_omitted = report.clients_omitted
     for client in report.clients:
         response.clients.add(

@@ -176,6 +176,7 @@ class BlockIndex:
         if self._storing_room(ns.scope) < ns.tp_size:  # a tenant's share, as for its stores
             return None
         index_key = (ns.id, key)
+        ns.note_block_bytes(max(lengths, default=0))
         block = Block(ns, key)
         block.lengths = lengths
         for rank in range(ns.tp_size):
@@ -212,14 +213,21 @@ class BlockIndex:
             self._on_change(ns, key, BlockState.DROPPED)
         self._send_changes()
 
+    def free_kept(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.pool.release(slot)
+
     def restore(self, kept: Sequence[KeptBlock]) -> list[tuple[KeptBlock, Exception]]:
         """Ready blocks adopted from the kept pool, their slots already taken;
         restored oldest first, so the eviction order holds. A block whose
-        namespace is refused now (a limit lowered since) gives its slots back."""
+        namespace is refused now (a limit lowered since), or whose key was
+        stored anew while it waited for its chunk to come up, gives its slots back."""
         refused = []
         for block_kept in kept:
             try:
                 ns = kept_namespace(self.namespaces, block_kept)
+                if (ns.id, block_kept.key) in self._blocks:
+                    raise KeyError("stored anew while its chunk came up")
             except Exception as e:
                 for slot in block_kept.slots:
                     self.pool.release(slot)
@@ -233,6 +241,7 @@ class BlockIndex:
             self._blocks[block.index_key] = block
             self._count(ns, held=len(block.slots), ready=1)
             self.evictions.of(ns.scope).insert(block.index_key)
+            self._changed(block, BlockState.READY)
         return refused
 
     # ------------------------------------------------------------ stores
@@ -445,4 +454,5 @@ def kept_namespace(namespaces: Namespaces, kept: KeptBlock) -> Namespace:
     for rank, signature in kept.signatures.items():
         if signature is not None:
             ns.rank_signatures.setdefault(rank, signature)
+    ns.note_block_bytes(max(kept.lengths, default=0))
     return ns

@@ -34,6 +34,9 @@ class Namespace:
     rank_signatures: dict[int, tuple] = field(default_factory=dict)
     ready_blocks: int = 0
     used_slots: int = 0
+    # Bytes of one block of one rank, as its workers (or the blocks adopted or
+    # promoted into it) gave them; 0 until one did.
+    block_bytes: int = 0
     # Engines and workers registered in it.
     registrations: int = 0
     identity: tuple = ()
@@ -51,6 +54,10 @@ class Namespace:
 
     def fix_rank_layout(self, rank: int, layout: WorkerLayout) -> None:
         self.rank_signatures[rank] = layout.signature()
+        self.note_block_bytes(layout.block_bytes)
+
+    def note_block_bytes(self, nbytes: int) -> None:
+        self.block_bytes = max(self.block_bytes, nbytes)
 
 
 def _identity(spec: NamespaceSpec, scope: str) -> tuple:

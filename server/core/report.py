@@ -30,6 +30,7 @@ class PoolInfo:
     slot_bytes: int
     num_slots: int
     pinned: bool
+    online_slots: int
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,16 @@ class NamespaceReport:
     counters: Counters
     ready_blocks: int
     used_slots: int
+    block_bytes: int = 0
+    used_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class BlockSizeReport:
+    block_bytes: int
+    namespaces: int
+    used_slots: int
+    used_bytes: int
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,13 @@ class Report:
     # The pool's NUMA nodes (host/free_slots.py): for anyone, like the pool.
     numa_nodes: list[NodeSlots] = field(default_factory=list)
     numa_carved: bool = False
+    # What the DRAM holds (pool-wide, for anyone): KV bytes in used slots,
+    # free bytes of slots that are up, the used slots' share holding no KV.
+    kv_bytes: int = 0
+    free_bytes: int = 0
+    fragmentation: float = 0.0
+    # The viewer's namespaces by block size.
+    block_sizes: list[BlockSizeReport] = field(default_factory=list)
     # What the viewer may see: its scopes' (an admin: everything).
     totals: Counters = field(default_factory=Counters)
     namespaces: list[NamespaceReport] = field(default_factory=list)
@@ -99,8 +117,27 @@ def visible_to(identity: Identity | None) -> Callable[[str], bool]:
     return lambda scope: scope == identity.scope
 
 
+def kv_bytes(ns, used_slots: int, slot_bytes: int) -> int:
+    """KV bytes `used_slots` of `ns` hold; a slot of a block size not known counts as full."""
+    return used_slots * min(ns.block_bytes or slot_bytes, slot_bytes)
+
+
+def by_block_size(counts: dict, slot_bytes: int) -> list[BlockSizeReport]:
+    sizes: dict[int, list[int]] = {}
+    for ns, (used, _, _) in counts.items():
+        entry = sizes.setdefault(ns.block_bytes, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += used
+        entry[2] += kv_bytes(ns, used, slot_bytes)
+    return sorted((BlockSizeReport(size, *entry) for size, entry in sizes.items()),
+                  key=lambda b: b.used_slots, reverse=True)
+
+
 def build(depot, viewer: Identity | None, asking_session_id: str, most: int | None) -> Report:
     pool = depot.pool
+    every = {ns: depot.namespace_counts(ns) for ns in depot.namespaces}
+    held = sum(kv_bytes(ns, c[0], pool.slot_bytes) for ns, c in every.items())
+    used_bytes = pool.used_slots * pool.slot_bytes
     base = dict(
         version=depot.version,
         instance=depot.instance,
@@ -114,12 +151,15 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
         ),
         numa_nodes=pool.numa_nodes(),
         numa_carved=pool.slots.carved,
+        kv_bytes=held,
+        free_bytes=(pool.online_slots - pool.used_slots) * pool.slot_bytes,
+        fragmentation=1.0 - min(held, used_bytes) / used_bytes if used_bytes else 0.0,
     )
     if viewer is None:
         return Report(**base)
     visible = visible_to(viewer)
     most = most if most is not None else depot.limits.stats_max_entries
-    counts = {ns: depot.namespace_counts(ns) for ns in depot.namespaces if visible(ns.scope)}
+    counts = {ns: c for ns, c in every.items() if visible(ns.scope)}
     namespaces = sorted(counts, key=lambda ns: counts[ns][0], reverse=True)
     clients = {
         s: depot.session_counts(s) for s in depot.sessions.values()
@@ -128,9 +168,11 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
     sessions = sorted(clients, key=lambda s: clients[s][2].stored_bytes + clients[s][2].loaded_bytes, reverse=True)
     base.update(
         namespaces=[
-            NamespaceReport(ns.name, ns.scope, counts[ns][2].copy(), counts[ns][1], counts[ns][0])
+            NamespaceReport(ns.name, ns.scope, counts[ns][2].copy(), counts[ns][1], counts[ns][0], ns.block_bytes,
+                            ns.block_bytes and counts[ns][0] * ns.block_bytes)
             for ns in namespaces[:most]
         ],
+        block_sizes=by_block_size(counts, pool.slot_bytes),
         namespaces_omitted=max(0, len(namespaces) - most),
         clients=[_client(s, *clients[s]) for s in sessions[:most]],
         clients_omitted=max(0, len(sessions) - most),

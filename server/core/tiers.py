@@ -116,6 +116,9 @@ class TierHost(Protocol):
         """Blocks kept in the pool's slots (which the pool counts as used)
         come back as ready, oldest first; returns those refused, their slots freed."""
 
+    def free_kept(self, slots: list[int]) -> None:
+        """Slots held for kept blocks that did not check out: freed, their records cleared."""
+
     # The pool's share rule (core/shares.py), for a tier's own room: pure, so
     # a tier may ask from its own threads.
 
@@ -139,6 +142,9 @@ class Tier(ABC):
 
     def recover(self) -> None:
         """At start: take up what the tier kept."""
+
+    def pool_grew(self, first: int, count: int) -> None:
+        """Slots [first, first + count) of the pool came up (host/bring_up.py), with what they kept."""
 
     def holds(self, ns, key: bytes) -> bool:
         """Whether the tier holds every rank of `ns`'s block `key`."""
@@ -206,6 +212,10 @@ class TierStack:
     def recover(self) -> None:
         for tier in self.tiers:
             tier.recover()
+
+    def pool_grew(self, first: int, count: int) -> None:
+        for tier in self.tiers:
+            tier.pool_grew(first, count)
 
     @property
     def on(self) -> bool:

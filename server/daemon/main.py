@@ -121,6 +121,7 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     )
     quotas = scope_quotas(list(config.tenants), pool.size, pool.slot_bytes)
     depot = wire_depot(stack, config, pool, metrics, instance, quotas)
+    bring_up_rest(pool, depot, loop)
     job_path = ""
     if unix_path:
         job_path = await startup.open_job_socket(stack, depot, tenants, unix_path, config.limits)
@@ -137,6 +138,23 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     notify_systemd(f"READY=1\nSTATUS=serving on {address.target}")
     serving.set()
     return depot, health
+
+
+def bring_up_rest(pool: HostPool, depot: Depot, loop: asyncio.AbstractEventLoop) -> None:
+    """The rest of the pool comes up behind the daemon's start (host/bring_up.py),
+    each chunk's slots handed to the depot on the loop's thread."""
+
+    def up(first: int, count: int) -> None:
+        pool.add_online(first, count)
+        depot.index.tiers.pool_grew(first, count)  # the kept blocks it completes
+
+    def online(first: int, count: int) -> None:
+        try:
+            loop.call_soon_threadsafe(up, first, count)
+        except RuntimeError:  # the loop has closed: the daemon is stopping
+            pass
+
+    pool.bring_up_rest(online)
 
 
 def wire_depot(

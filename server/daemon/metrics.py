@@ -212,6 +212,13 @@ def _families(s: Report, tenant_series: bool):
     yield _gauge("kvdepot_pool_capacity_bytes", "Bytes of the pool (whole slots).", num_slots * slot_bytes)
     yield _gauge("kvdepot_pool_used_bytes", "Bytes of the pool's slots in use.", s.used_slots * slot_bytes)
     yield _gauge("kvdepot_pool_slots", "Slots of the pool.", num_slots)
+    yield _gauge("kvdepot_pool_kv_bytes", "Bytes of KV the pool's used slots hold (each namespace's used slots "
+                 "times its block bytes).", s.kv_bytes)
+    yield _gauge("kvdepot_pool_free_bytes", "Bytes of the pool's slots that are up and free.", s.free_bytes)
+    yield _gauge("kvdepot_pool_fragmentation_ratio", "Share of the used slots' bytes that holds no KV (blocks "
+                 "smaller than a slot).", s.fragmentation)
+    yield _gauge("kvdepot_pool_online_bytes", "Bytes of the pool that are up (faulted in and pinned); below "
+                 "the capacity while the pool comes up after a start.", s.pool.online_slots * slot_bytes)
     yield _gauge("kvdepot_pinned_slots", "Slots held by jobs in flight (never evicted).", s.pinned_slots)
     yield _gauge("kvdepot_sessions", "Client sessions attached now.", s.sessions)
     ended = CounterMetricFamily("kvdepot_sessions_ended_total", "Client sessions that ended.")
@@ -275,13 +282,25 @@ def _namespace_families(s: Report):
     used = GaugeMetricFamily(
         "kvdepot_namespace_used_bytes", "Bytes of the pool's slots the namespace holds.", labels=["namespace", "scope"]
     )
+    kv = GaugeMetricFamily(
+        "kvdepot_namespace_kv_bytes", "Bytes of KV in the slots the namespace holds (0 while its block size is not "
+        "known).", labels=["namespace", "scope"]
+    )
+    block = GaugeMetricFamily(
+        "kvdepot_namespace_block_bytes", "Bytes of one block of one rank of the namespace (0: not known yet).",
+        labels=["namespace", "scope"]
+    )
     for ns in s.namespaces:
         failed.add_metric([ns.name, ns.scope], ns.counters.failed_jobs)
         ready.add_metric([ns.name, ns.scope], ns.ready_blocks)
         used.add_metric([ns.name, ns.scope], ns.used_slots * s.pool.slot_bytes)
+        kv.add_metric([ns.name, ns.scope], ns.used_bytes)
+        block.add_metric([ns.name, ns.scope], ns.block_bytes)
     yield failed
     yield ready
     yield used
+    yield kv
+    yield block
 
 
 def _counters(prefix: str, scope_help: str, rows: list[tuple[list[str], Counters]], labels: tuple = ()):

@@ -36,7 +36,7 @@ from kvdepot.server.daemon.metrics import MetricsListenError, MetricsServer
 from kvdepot.server.daemon.metrics_http import MetricsLimits
 from kvdepot.server.host import numa, pidlock
 from kvdepot.server.host.own_files import ForeignFile, check_own_folder
-from kvdepot.server.host.pool import HostPool, PoolError
+from kvdepot.server.host.pool import HostPool, PoolError, amount
 from kvdepot.server.tiers.disk_store import DiskTierError
 
 log = logging.getLogger("kvdepot")
@@ -233,10 +233,12 @@ def open_pool(
     # start fails it only takes memory (a tmpfs file), so it goes. A kept
     # pool's blocks stay for the next daemon whatever happens.
     stack.callback(lambda: pool.close(discard=not pool.adopted and not serving.is_set()))
+    up = pool.online_slots * pool.slot_bytes
     log.info(
-        "pool ready in %.2f s: %d slots of %d bytes (%.2f GiB) at %s, %s",
+        "pool ready in %.2f s: %d slots of %d bytes (%.2f GiB) at %s, %s; %s",
         time.monotonic() - started, pool.num_slots, pool.slot_bytes, pool.size / 2**30, pool.path,
         "pinned" if pool.pinned else "not pinned",
+        "all of it up" if up == pool.size else f"serving with {amount(up)} up, the rest coming up behind",
     )
     for node in pool.numa_nodes() if pool.slots.carved else ():
         log.info("NUMA node %d: slots %d-%d%s; GPUs: %s", node.node, node.first_slot, node.first_slot + node.slots - 1,

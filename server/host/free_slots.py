@@ -7,12 +7,15 @@ node comes from that node's range while it has one free, else from the range
 with the most free slots (so that stores with no node, and spills, keep the
 nodes even). Nodes are few (numa.MAX_NODES at most): allocate and release
 cost O(1) in the number of slots. An uncarved pool is one range of no node.
+
+While the pool comes up (host/bring_up.py) only some slots are online: the
+others are neither free nor used until `add_online` brings their chunk in.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -59,14 +62,57 @@ class FreeSlots:
         self.ranges = carve(num_slots, nodes)
         self.carved = bool(nodes)
         self._starts = [r.first for r in self.ranges]
+        self._online = bytearray(b"\x01") * num_slots
+        self._online_in = [r.count for r in self.ranges]
+        self.online = num_slots
+        # Slots taken for kept blocks that wait for their other chunks (HostPool.hold).
+        self.kept_waiting = 0
         self.keep_only(())
 
+    def set_online(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Only these (first, count) ranges are online, every slot of them free."""
+        self._online = bytearray(len(self._online))
+        for first, count in ranges:
+            self._online[first : first + count] = b"\x01" * len(self._online[first : first + count])
+        self._online_in = [self._online.count(1, r.first, r.first + r.count) for r in self.ranges]
+        self.online = sum(self._online_in)
+        self.keep_only(())
+
+    def online_runs(self) -> list[tuple[int, int]]:
+        """The online slots as (first, count) runs."""
+        runs, online, at = [], self._online, 0
+        while (start := online.find(1, at)) >= 0:
+            end = online.find(0, start)
+            end = len(online) if end < 0 else end
+            runs.append((start, end - start))
+            at = end
+        return runs
+
+    def add_online(self, first: int, count: int, held: Collection[int] = ()) -> list[int]:
+        """Slots [first, first + count) come online, free but those `held`
+        (taken); returns the ones that came online free."""
+        added = [s for s in range(min(first + count, len(self._online)) - 1, max(first, 0) - 1, -1)
+                 if not self._online[s]]
+        free = []
+        for slot in added:  # highest first: the chunk's lowest slots are taken first
+            self._online[slot] = 1
+            i = self._range_of(slot)
+            self._online_in[i] += 1
+            if slot not in held:
+                self._stacks[i].append(slot)
+                free.append(slot)
+        self.online += len(added)
+        self.free += len(free)
+        return free
+
     def keep_only(self, used: Iterable[int]) -> list[int]:
-        """Every slot free but `used`; returns the free slots."""
+        """Every online slot free but `used`; returns the free slots."""
         used = set(used)
+        online = self._online
         # Popped from the end: lowest slots first.
         self._stacks = [
-            [s for s in range(r.first + r.count - 1, r.first - 1, -1) if s not in used] for r in self.ranges
+            [s for s in range(r.first + r.count - 1, r.first - 1, -1) if online[s] and s not in used]
+            for r in self.ranges
         ]
         self._by_node = {r.node: stack for r, stack in zip(self.ranges, self._stacks) if r.node is not None}
         self._only = self._stacks[0] if len(self._stacks) == 1 else None
@@ -84,9 +130,16 @@ class FreeSlots:
         return stack.pop()
 
     def release(self, slot: int) -> None:
-        self._stacks[bisect.bisect_right(self._starts, slot) - 1].append(slot)
+        self._stacks[self._range_of(slot)].append(slot)
         self.free += 1
+
+    def _range_of(self, slot: int) -> int:
+        return bisect.bisect_right(self._starts, slot) - 1
 
     def free_in(self, index: int) -> int:
         """Free slots of the `index`th range."""
         return len(self._stacks[index])
+
+    def online_in(self, index: int) -> int:
+        """Online slots of the `index`th range."""
+        return self._online_in[index]

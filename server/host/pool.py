@@ -1,8 +1,9 @@
 """The host pool: one shared-memory file, carved into fixed-size slots.
 
 With CUDA the pool is registered as pinned memory so that the GPU copies to
-and from it by DMA. Faulting in (and pinning) hundreds of GB is slow, so it
-runs in chunks on several threads and reports progress.
+and from it by DMA. Faulting in and pinning hundreds of GB is slow, so the
+daemon serves once the first chunks are up and the rest follow
+(host/bring_up.py); a slot is handed out only once its chunk is up.
 
 The file outlives the daemon, so that the next one can adopt its blocks
 (tiers/warm.py). After the slots come one record per slot (host/shard_record.py)
@@ -13,9 +14,7 @@ and, in the file's last page, a header that says how the file is laid out:
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
-import errno
 import logging
 import mmap
 import os
@@ -26,22 +25,20 @@ from collections.abc import Callable
 from kvdepot.kept_pools import HEADER_BYTES, pack_header
 from kvdepot.keys import KEY_VERSION
 from kvdepot.server.host import numa
+from kvdepot.server.host.bring_up import (
+    POPULATE_CHUNK_BYTES,
+    BringUp,
+    BringUpError,
+    PinError,
+    amount,
+    cuda_runtime,
+    interleaved,
+)
 from kvdepot.server.host.free_slots import FreeSlots, NodeSlots
 from kvdepot.server.host.own_files import open_own
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES
 
 log = logging.getLogger("kvdepot.pool")
-
-# Faulted in this much at a time, by several threads.
-POPULATE_CHUNK_BYTES = 256 << 20
-
-_HOST_REGISTER_PORTABLE = 1
-_HOST_REGISTER_MAPPED = 2
-
-# madvise(MADV_POPULATE_WRITE), Linux 5.14: faults in a range writable.
-_MADV_POPULATE_WRITE = 23
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 class PoolError(RuntimeError):
@@ -152,6 +149,14 @@ def choose_pool_dir(setting: str, socket_dir: str | None, size: int, prefix: str
     )
 
 
+def _pin_hint(directory: str) -> str:
+    fs_type = filesystem_type(directory)
+    if fs_type in PINNABLE_FILESYSTEMS:
+        return ""
+    return (f": the pool is in {directory}, a {fs_type} filesystem, and the kernel pins only shared-memory "
+            "pages; set --pool-dir to /dev/shm, a tmpfs or a hugetlbfs mount")
+
+
 class HostPool:
     def __init__(
         self,
@@ -187,9 +192,6 @@ class HostPool:
         self.path = os.path.join(directory, f"{name}.pool")
         self.adopted = adopt
         self.pinned = False
-        self.pin_seconds = 0.0
-        self._registered: list[int] = []
-        self._cudart = None
         self._progress = progress or log.info
         self._threads = threads or min(16, os.cpu_count() or 1)
         self.placement = placement or numa.Placement()
@@ -202,12 +204,19 @@ class HostPool:
         # Bumped whenever a slot is released: a record sealed for an older use
         # of the slot is not written (tiers/warm.py).
         self.epochs = [0] * self.num_slots
+        # Slots of kept blocks whose chunks are not all up yet (tiers/adoption.py):
+        # taken as their chunk comes up, not freed (hold, let_go_held).
+        self.held: set[int] = set()
         if not adopt and self._file_size > _free_bytes(directory):
             what = "huge pages free (HugePages_Free in /proc/meminfo)" if self.huge_pages else "free"
             raise PoolError(
                 f"the pool ({self._file_size / 2**30:.2f} GiB) does not fit in {directory} "
                 f"({_free_bytes(directory) / 2**30:.2f} GiB {what})"
             )
+        try:
+            cudart = cuda_runtime(pin)
+        except PinError as e:
+            raise PoolError(str(e)) from None
         # The daemon's user alone: the pool holds every tenant's KV, and a
         # process that maps it could read or overwrite any of it.
         # Checked again on the descriptor: a name in /dev/shm can change hands
@@ -220,17 +229,23 @@ class HostPool:
             self.buffer = mmap.mmap(fd, self._file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
             self._place()
-            self._fault_in(fd)
+            page = self.huge_pages or mmap.PAGESIZE
+            self._up = BringUp(self._base, os.dup(fd), directory, self._threads,
+                               max(1, POPULATE_CHUNK_BYTES // page) * page, cudart, _pin_hint(directory))
+            # The records and the header: adoption reads them, seals write them.
+            tail = self.size // page * page
+            self._up.wait(self._up.fault(tail, self._file_size - tail))
             self.records = memoryview(self.buffer)[self.size : self.size + self.num_slots * RECORD_BYTES]
             self._write_header(kept_at=0.0)  # served again, if adopted
+            self._bring_up_first(required=(pin == "on"))
         except BaseException:
+            if hasattr(self, "_up"):
+                self._up.close()
             os.close(fd)
             if not adopt:
                 os.unlink(self.path)
             raise
         os.close(fd)
-        if pin != "off":
-            self._pin(required=(pin == "on"))
 
     def _write_header(self, kept_at: float) -> None:
         header = pack_header(FORMAT_VERSION, KEY_VERSION, self.slot_bytes, self.num_slots, self._file_size,
@@ -247,111 +262,93 @@ class HostPool:
             ranges = [(r.node, r.first * self.slot_bytes, r.count * self.slot_bytes) for r in self.slots.ranges]
             self.bound = numa.bind_ranges(self._base, ranges, self.huge_pages or mmap.PAGESIZE)
 
-    def _run_chunks(self, what: str, work: Callable[[int, int], None], chunk: int, threads: int) -> float:
-        start = time.monotonic()
-        total = self._file_size
-        chunks = [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
-        done = 0
-        # MiB for small pools, which would read "0.0 of 0.0 GiB".
+    def _chunks(self) -> list[tuple[int, int]]:
+        """The pool's chunks as (first slot, slots): one CUDA registration each."""
+        per = self.registration_bytes // self.slot_bytes
+        return [(first, min(per, self.num_slots - first)) for first in range(0, self.num_slots, per)]
+
+    def _bring_up_first(self, required: bool) -> None:
+        """Faults in and pins the chunks the daemon serves with (the first of
+        each NUMA range), now; the others follow in bring_up_rest, those
+        holding a kept block's record first."""
+        chunks = self._chunks()
+        first = sorted({r.first // chunks[0][1] for r in self.slots.ranges})
+        rest = [i for i in interleaved(chunks, self.slots.ranges) if i not in set(first)]
+        if self.adopted:
+            kept = {i for i in rest if self._holds_records(*chunks[i])}
+            rest = sorted(kept) + [i for i in rest if i not in kept]
+        self._rest = rest
+        started = time.monotonic()
+        wanted = [self._byte_range(chunks[i]) for i in first]
+        self._progress(self._up_so_far(0))
+        try:
+            self._up.bring(wanted, lambda i: None)
+        except PinError as e:
+            self._up.unregister()
+            if required:
+                raise PoolError(str(e)) from None
+            log.warning("pinning the pool failed; continuing unpinned: %s", e)
+            self._up.cudart = None
+            self._up.bring(wanted, lambda i: None)
+        except BringUpError as e:
+            raise PoolError(str(e)) from None
+        self.pinned = self._up.cudart is not None
+        self._chunk_up = bytearray(len(chunks))
+        for i in first:
+            self._chunk_up[i] = 1
+        self.slots.set_online(chunks[i] for i in first)
+        self._progress(self._up_so_far(sum(chunks[i][1] for i in first) * self.slot_bytes))
+        self.first_seconds = time.monotonic() - started
+        self._bring_started = started
+
+    def _up_so_far(self, nbytes: int) -> str:
         unit, scale = ("GiB", 2**30) if self.size >= 2**30 else ("MiB", 2**20)
+        return (f"bringing the pool up: {nbytes / scale:.1f} of {self.size / scale:.1f} {unit} "
+                f"({100 * nbytes / self.size:.0f}%)")
 
-        def report() -> None:
-            # In the pool's bytes, as configured: the file's records and header
-            # (under 1% of it) would make 64 GiB read 64.5.
-            shown = done * self.size / total
-            self._progress(f"{what}: {shown / scale:.1f} of {self.size / scale:.1f} {unit} ({100 * done / total:.0f}%)")
+    def _holds_records(self, first: int, count: int) -> bool:
+        return self.records[first * RECORD_BYTES : (first + count) * RECORD_BYTES] != bytes(count * RECORD_BYTES)
 
-        # At once, so that an operator waiting on a large pool sees what it does.
-        report()
-        last_report = start
-        with concurrent.futures.ThreadPoolExecutor(threads) as executor:
-            for length in executor.map(lambda c: (work(*c), c[1])[1], chunks):
-                done += length
-                now = time.monotonic()
-                if now - last_report >= 1.0 or done == total:
-                    report()
-                    last_report = now
-        return time.monotonic() - start
+    def _byte_range(self, chunk: tuple[int, int]) -> tuple[int, int]:
+        return chunk[0] * self.slot_bytes, chunk[1] * self.slot_bytes
 
-    def _fault_in(self, fd: int) -> None:
-        """Allocates every page of the pool now, on several threads.
+    def bring_up_rest(self, online: Callable[[int, int], None]) -> None:
+        """Brings the remaining chunks up on a thread; `online(first, count)`
+        (called on that thread) as each one's slots may be handed out."""
+        chunks = self._chunks()
+        rest = [chunks[i] for i in self._rest]
+        total = sum(count for _, count in rest)
+        done = [0]
+        last = [time.monotonic()]
 
-        Page faults of one tmpfs file proceed in parallel (fallocate would
-        serialise on the file's lock), and a pool that does not fit fails here
-        with a clear error instead of SIGBUS on a later copy. Populated page
-        tables also make the CUDA registration that follows several times
-        faster.
-        """
-        directory = os.path.dirname(self.path)
+        def up(i: int) -> None:
+            online(*rest[i])
+            done[0] += rest[i][1]
+            now = time.monotonic()
+            if now - last[0] >= 1.0 and done[0] < total:
+                last[0] = now
+                # The log only: systemd's status says the daemon serves.
+                log.info("%s", self._up_so_far((self.num_slots - total + done[0]) * self.slot_bytes))
 
-        def populate(offset: int, length: int) -> None:
-            if _LIBC.madvise(ctypes.c_void_p(self._base + offset), ctypes.c_size_t(length), _MADV_POPULATE_WRITE):
-                code = ctypes.get_errno()
-                if code == errno.EINVAL:  # kernels before 5.14
-                    os.posix_fallocate(fd, offset, length)
-                    return
-                raise PoolError(
-                    f"could not allocate the pool in {directory} ({os.strerror(code)}): lower "
-                    "--pool-size or set --pool-dir to a tmpfs with room"
-                )
+        def finished(error: str) -> None:
+            seconds = time.monotonic() - self._bring_started
+            what = "faulted in and pinned" if self.pinned else "faulted in"
+            if error:
+                shown = (self.num_slots - total + done[0]) * self.slot_bytes
+                log.error("the pool serves %s of %s: %s", amount(shown), amount(self.size), error)
+            else:
+                log.info("pool up: all %s %s %.2f s after it was opened (%.2f s waiting on page faults, "
+                         "%.2f s pinning)", amount(self.size), what, seconds, self._up.fault_seconds,
+                         self._up.pin_seconds)
 
-        chunk = POPULATE_CHUNK_BYTES
-        if self.huge_pages:
-            chunk = max(1, chunk // self.huge_pages) * self.huge_pages
-        what = "mapping the kept pool" if self.adopted else "allocating the pool"
-        seconds = self._run_chunks(what, populate, chunk, self._threads)
-        pages = f"{self.huge_pages >> 20} MiB huge pages" if self.huge_pages else "4 KiB pages"
-        log.info("pool of %.2f GiB allocated in %.2f s at %s (%s)", self.size / 2**30, seconds, self.path, pages)
-
-    def _pin(self, required: bool) -> None:
-        try:
-            import torch
-        except ImportError:
-            torch = None
-        if torch is None or not torch.cuda.is_available():
-            if required:
-                raise PoolError("--pin on needs CUDA, and this machine has none")
-            log.info("CUDA not available: the pool is not pinned")
+        if not rest:
+            finished("")
             return
-        cudart = torch.cuda.cudart()
-        registered: list[int] = []
-        directory = os.path.dirname(self.path)
-        fs_type = filesystem_type(directory)
+        self._up.start([self._byte_range(c) for c in rest], up, lambda i: None, finished)
 
-        def register(offset: int, length: int) -> None:
-            # Portable: usable from every GPU's context; mapped: its host pointers
-            # are valid in kernels (UVA), which the copy kernel relies on.
-            rc = cudart.cudaHostRegister(self._base + offset, length, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
-            if int(rc) != 0:
-                hint = ""
-                if fs_type not in PINNABLE_FILESYSTEMS:
-                    hint = (
-                        f": the pool is in {directory}, a {fs_type} filesystem, and the kernel "
-                        "pins only shared-memory pages; set --pool-dir to /dev/shm, a tmpfs or "
-                        "a hugetlbfs mount"
-                    )
-                raise PoolError(f"cudaHostRegister failed with CUDA error {int(rc)}{hint}")
-            registered.append(self._base + offset)
-
-        try:
-            # One thread: the driver serialises registrations, and more threads
-            # only made it slower (docs/benchmarks.md).
-            self.pin_seconds = self._run_chunks("pinning the pool", register, self.registration_bytes, 1)
-        except PoolError:
-            for ptr in registered:
-                cudart.cudaHostUnregister(ptr)
-            if required:
-                raise
-            log.warning("pinning the pool failed; continuing unpinned", exc_info=True)
-            return
-        self._registered = registered
-        self._cudart = cudart
-        self.pinned = True
-        log.info(
-            "pool pinned in %.2f s (%.2f s/GiB)",
-            self.pin_seconds,
-            self.pin_seconds / max(self.size / 2**30, 1e-9),
-        )
+    @property
+    def bringing_up(self) -> bool:
+        return self._up.running
 
     @property
     def base_address(self) -> int:
@@ -361,8 +358,13 @@ class HostPool:
     # ------------------------------------------------------------ slots
 
     @property
+    def online_slots(self) -> int:
+        """Slots that are up (host/bring_up.py): the others are not handed out yet."""
+        return self.slots.online
+
+    @property
     def used_slots(self) -> int:
-        return self.num_slots - self.slots.free
+        return self.slots.online - self.slots.free
 
     def allocate(self, node: int | None = None) -> int | None:
         """A free slot, of NUMA `node`'s range while it has one (free_slots.py)."""
@@ -382,9 +384,36 @@ class HostPool:
         start = slot * self.slot_bytes
         return memoryview(self.buffer)[start : start + length]
 
+    def add_online(self, first: int, count: int) -> None:
+        """Slots [first, first + count) are up: free to hand out (the loop's
+        thread), but those `held` for kept blocks (tiers/warm.py), whose
+        records stay."""
+        self._chunk_up[self.chunk_of(first)] = 1
+        for slot in self.slots.add_online(first, count, self.held):
+            self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
+        if self.held:
+            self.slots.kept_waiting += sum(1 for slot in range(first, first + count) if slot in self.held)
+
+    def hold(self, slots: set[int]) -> None:
+        """Kept blocks' slots to take, not free, as their chunks come up."""
+        self.held = set(slots)
+        self.slots.kept_waiting = sum(map(self.is_online, self.held))
+
+    def let_go_held(self, slots) -> None:
+        """Held slots, all up, whose blocks were adopted or discarded (the index has them now)."""
+        gone = self.held.intersection(slots)
+        self.held -= gone
+        self.slots.kept_waiting -= len(gone)
+
+    def chunk_of(self, slot: int) -> int:
+        return slot * self.slot_bytes // self.registration_bytes
+
+    def is_online(self, slot: int) -> bool:
+        return bool(self._chunk_up[self.chunk_of(slot)])
+
     def keep_only(self, used: set[int]) -> None:
-        """After adoption: `used` hold blocks; every other slot is free and its
-        record cleared."""
+        """After adoption: `used` hold blocks; every other online slot is free
+        and its record cleared."""
         for slot in self.slots.keep_only(used):
             self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
 
@@ -395,18 +424,19 @@ class HostPool:
             node = p.detected[0] if len(p.detected) == 1 else -1
             return [NodeSlots(node, 0, self.num_slots, self.used_slots, False, p.all_gpus())]
         return [
-            NodeSlots(r.node, r.first, r.count, r.count - self.slots.free_in(i), self.bound.get(r.node, False),
+            NodeSlots(r.node, r.first, r.count, self.slots.online_in(i) - self.slots.free_in(i),
+                      self.bound.get(r.node, False),
                       p.gpus.get(r.node, ()))
             for i, r in enumerate(self.slots.ranges)
         ]
 
     def close(self, discard: bool = False) -> None:
         """Unmaps the pool; the file stays for the next daemon unless `discard`."""
+        self._up.close()  # its thread touches the mapping
         if not discard and not self.buffer.closed:
             self._write_header(kept_at=time.time())
-        for ptr in self._registered:
-            self._cudart.cudaHostUnregister(ptr)
-        self._registered = []
+        if self._up.cudart is not None:
+            self._up.unregister()
         try:
             self.records.release()
             self.buffer.close()

@@ -108,6 +108,7 @@ class NativeIndex:
         return self.lane.holds(block.handle)
 
     def reserve_promotion(self, ns: Namespace, key: bytes, lengths: tuple) -> NativeBlock | None:
+        ns.note_block_bytes(max(lengths, default=0))
         handle, _ = self.lane.reserve_promotion(ns.id, ns.tp_size, key, lengths)
         self._after_call()
         return NativeBlock(self.lane, handle, key, ns, tuple(lengths)) if handle else None
@@ -128,15 +129,21 @@ class NativeIndex:
             self._note(ns, key, BlockState.DROPPED)
         self._send_changes()
 
+    def free_kept(self, slots: list[int]) -> None:
+        self.lane.release_slots(list(slots))
+
     def restore(self, kept: Sequence[KeptBlock]) -> list[tuple[KeptBlock, Exception]]:
+        """As core/index.py's; the slots of blocks it refuses go back to the lane."""
         refused = []
         for block_kept in kept:
             try:
                 ns = kept_namespace(self.namespaces, block_kept)
             except Exception as e:
+                self.lane.release_slots(list(block_kept.slots))
                 refused.append((block_kept, e))
                 continue
-            self.lane.restore(ns.id, block_kept.key, block_kept.slots, block_kept.lengths)
-        # The slots of refused blocks are free: the lane takes every slot but the restored ones.
-        self.lane.keep_only(slot for block in kept if all(block is not r[0] for r in refused) for slot in block.slots)
+            if not self.lane.restore(ns.id, block_kept.key, block_kept.slots, block_kept.lengths):
+                refused.append((block_kept, KeyError("stored anew while its chunk came up")))
+        self._after_call()
+        self._send_changes()
         return refused

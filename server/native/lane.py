@@ -181,8 +181,16 @@ class Lane:
         self._lib.kvd_clear(self._h, -1 if ns_id is None else ns_id, out)
         return out[0], out[1]
 
-    def restore(self, ns_id: int, key: bytes, slots: list[int], lengths: tuple) -> None:
-        self._lib.kvd_restore(self._h, ns_id, key, (_I64 * len(slots))(*slots), (_U64 * len(lengths))(*lengths))
+    def restore(self, ns_id: int, key: bytes, slots: list[int], lengths: tuple) -> bool:
+        """False (its slots freed) when the index holds the key already."""
+        return bool(self._lib.kvd_restore(self._h, ns_id, key, (_I64 * len(slots))(*slots),
+                                          (_U64 * len(lengths))(*lengths)))
+
+    def set_kept_waiting(self, n: int) -> None:
+        self._lib.kvd_set_kept_waiting(self._h, n)
+
+    def release_slots(self, slots: list[int]) -> None:
+        self._lib.kvd_release_slots(self._h, (_I64 * len(slots))(*slots), len(slots))
 
     def keep_only(self, used) -> None:
         used = list(used)
@@ -223,6 +231,16 @@ class Lane:
 
     def free_in(self, index: int) -> int:
         return self._lib.kvd_free_in(self._h, index)
+
+    def set_online(self, ranges: list[tuple[int, int]]) -> None:
+        firsts, counts = [r[0] for r in ranges], [r[1] for r in ranges]
+        self._lib.kvd_set_online(self._h, (_I64 * len(ranges))(*firsts), (_I64 * len(ranges))(*counts), len(ranges))
+
+    def add_online(self, first: int, count: int, held: list[int]) -> int:
+        return self._lib.kvd_add_online(self._h, first, count, (_I64 * len(held))(*held), len(held))
+
+    def online_in(self, index: int) -> int:
+        return self._lib.kvd_online_in(self._h, index)
 
     def totals(self) -> Counters:
         out = (_U64 * 10)()

@@ -18,22 +18,14 @@ import logging
 import mmap
 import os
 import time
-from dataclasses import dataclass, field
 
 from kvdepot.kept_pools import catalog_of as catalog_path
 from kvdepot.kept_pools import read_header
 from kvdepot.server.core.requests import NamespaceSpec
 from kvdepot.server.core.tiers import KeptBlock, Tier, TierStats
 from kvdepot.server.host.pool import HostPool, huge_page_bytes, pool_file_bytes
-from kvdepot.server.host.shard_record import (
-    FORMAT_VERSION,
-    RECORD_BYTES,
-    ShardRecord,
-    data_hash,
-    hash_of,
-    pack,
-    unpack,
-)
+from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES, ShardRecord, data_hash, pack
+from kvdepot.server.tiers.adoption import Adoption, Checked
 from kvdepot.server.tiers.catalog import IDENTITY_FIELDS, Catalog
 from kvdepot.thread_names import name_os_thread
 
@@ -98,19 +90,6 @@ def _remove(path: str, reason: str) -> None:
             log.warning("cannot remove %s: %s", victim, e.strerror)
 
 
-@dataclass
-class Adopted:
-    """What adoption found: blocks to restore and the records it discarded."""
-
-    # (namespace identity, rank signatures, key, slots by rank, generation, lengths by rank)
-    blocks: list[tuple[tuple, dict, bytes, list[int], int, tuple]] = field(default_factory=list)
-    discarded: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0
-
-    def discard(self, reason: str, count: int = 1) -> None:
-        self.discarded[reason] = self.discarded.get(reason, 0) + count
-
-
 class WarmPool(Tier):
     """Seals committed shards into the pool's records, and adopts them.
 
@@ -132,6 +111,9 @@ class WarmPool(Tier):
         self.adopted_blocks = 0
         self.adopted_shards = 0
         self.adopt_discarded: dict[str, int] = {}
+        # Kept blocks waiting for their chunks to come up, and their checks under way.
+        self._adoption: Adoption | None = None
+        self._late: list[asyncio.Future] = []
         # One thread: a batch at a time, so that hashing takes at most a
         # core and its memory bandwidth from the copies.
         self._threads = concurrent.futures.ThreadPoolExecutor(
@@ -235,6 +217,8 @@ class WarmPool(Tier):
         return self.unsealed if self._sealer is None else self._sealer.unsealed
 
     async def close(self) -> None:
+        # Checks of kept blocks under way read the pool: they end before it goes.
+        await asyncio.gather(*self._late, return_exceptions=True)
         await self.flush()  # every committed shard sealed, for the next daemon
         self._threads.shutdown(wait=True, cancel_futures=False)
 
@@ -248,82 +232,74 @@ class WarmPool(Tier):
                          write_errors=self.catalog.write_errors, discarded=discarded)
 
     def recover(self) -> None:
-        """Adopts the kept pool's blocks, if the pool file was kept."""
+        """Adopts the kept pool's blocks, if the pool file was kept: those in
+        chunks that are up now, the others as their chunks come up (chunk_up)."""
         if not self.pool.adopted:
             return
         self._progress(f"adopting the blocks of {self.pool.path}")
-        found = self.adopt(self._adopt_threads)
+        adoption = Adoption(self.pool, self.catalog, self._adopt_threads)
+        adoption.find(log.warning)
         self.catalog.claim()  # what it named, or where nothing was, this user's file from now on
-        # The found blocks' slots are taken, every other one freed.
-        self.pool.keep_only({slot for block in found.blocks for slot in block[3]})
-        kept = []
-        for identity, signatures, key, slots, _, lengths in found.blocks:
-            fields = dict(zip(IDENTITY_FIELDS, identity))
-            scope = fields.pop("scope")
-            kept.append(KeptBlock(NamespaceSpec(**fields), scope, signatures, key, slots, lengths))
-        refused = self.host.restore(kept)
-        for block, error in refused:  # a limit lowered since, or a spec no longer valid
-            found.discard("namespace_refused", len(block.slots))
-            log.warning("an adopted block of %s is discarded: %s", getattr(block.spec, "model", "?"), error)
+        self.generation = adoption.generation
+        self.adopt_discarded = dict(adoption.discarded)
+        checked = adoption.check(adoption.take_up())
+        self.pool.hold(adoption.held_slots())
+        # The found blocks' slots and those held are taken, every other one up is freed.
+        self.pool.keep_only({slot for c in checked.blocks for slot in c.slots} | self.pool.held)
+        checked.bad_slots = []  # freed by keep_only
+        self._restore(checked)
         if self._sealer is not None:
             self._sealer.set_generation(self.generation)
-        self.adopted_blocks = len(kept) - len(refused)
-        self.adopted_shards = self.pool.used_slots
-        self.adopt_discarded = dict(found.discarded)
-        discarded = ", ".join(f"{n} {reason}" for reason, n in sorted(found.discarded.items())) or "none"
+        self._adoption = adoption if adoption.left else None
+        waiting = f"; {adoption.left} more wait for their part of the pool to come up" * bool(adoption.left)
         log.info(
-            "adopted %d block(s) (%d slots) from the kept pool in %.2f s; shards discarded: %s",
-            self.adopted_blocks, self.adopted_shards, found.seconds, discarded,
+            "adopted %d block(s) (%d slots) from the kept pool in %.2f s%s; shards discarded: %s",
+            self.adopted_blocks, self.adopted_shards, checked.seconds, waiting, self._discarded_text(),
         )
 
-    # ------------------------------------------------------------ adoption
+    def _restore(self, checked: Checked) -> None:
+        """Checked blocks back to DRAM; the slots of those that failed freed."""
+        for reason, n in checked.discarded.items():
+            self.adopt_discarded[reason] = self.adopt_discarded.get(reason, 0) + n
+        if checked.bad_slots:
+            self.host.free_kept(checked.bad_slots)
+        kept = []
+        for c in checked.blocks:
+            fields = dict(zip(IDENTITY_FIELDS, c.identity))
+            scope = fields.pop("scope")
+            kept.append(KeptBlock(NamespaceSpec(**fields), scope, c.signatures, c.key, c.slots, c.lengths))
+        refused = self.host.restore(kept)
+        for block, error in refused:  # a limit lowered since, a spec no longer valid, a key stored anew
+            reason = "stored_anew" if isinstance(error, KeyError) else "namespace_refused"
+            self.adopt_discarded[reason] = self.adopt_discarded.get(reason, 0) + len(block.slots)
+            log.warning("an adopted block of %s is discarded: %s", getattr(block.spec, "model", "?"), error)
+        self.adopted_blocks += len(kept) - len(refused)
+        self.adopted_shards += sum(len(b.slots) for b in kept) - sum(len(b.slots) for b, _ in refused)
 
-    def adopt(self, threads: int = 0) -> Adopted:
-        """The blocks whose every shard's record holds, from an adopted pool."""
-        started = time.monotonic()
-        found = Adopted()
-        why = self.catalog.load()
-        if why:
-            log.warning("%s: the pool's blocks cannot be named and are discarded", why)
-        pool, catalog = self.pool, self.catalog
-        shards: list[tuple[int, ShardRecord]] = []
-        for slot in range(pool.num_slots):
-            record, reason = unpack(pool.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES])
-            if record is None:
-                if reason != "empty":
-                    found.discard(reason)
-                continue
-            if record.length > pool.slot_bytes:
-                found.discard("torn")
-            elif catalog.identity(record.ns) is None:
-                found.discard("unknown_namespace")
-            else:
-                shards.append((slot, record))
-        hashes = self._hash_all(shards, threads)
-        blocks: dict[tuple[bytes, bytes], list] = {}
-        for (slot, record), hashed in zip(shards, hashes):
-            if hashed != record.data_hash:
-                found.discard("data_hash")
-                continue
-            blocks.setdefault((record.ns, record.key), []).append((slot, record))
-        for (digest, key), parts in blocks.items():
-            identity = catalog.identity(digest)
-            tp_size = identity[6]
-            by_rank = {r.rank: (slot, r.length) for slot, r in parts if r.tp_size == tp_size}
-            if len(by_rank) != tp_size or len(parts) != tp_size:
-                found.discard("incomplete", len(parts))
-                continue
-            generation = max(r.generation for _, r in parts)
-            self.generation = max(self.generation, generation)
-            slots = [by_rank[r][0] for r in range(tp_size)]
-            lengths = tuple(by_rank[r][1] for r in range(tp_size))
-            found.blocks.append((identity, catalog.signatures(digest), key, slots, generation, lengths))
-        found.blocks.sort(key=lambda b: b[4])
-        found.seconds = time.monotonic() - started
-        return found
+    def _discarded_text(self) -> str:
+        return ", ".join(f"{n} {reason}" for reason, n in sorted(self.adopt_discarded.items())) or "none"
 
-    def _hash_all(self, shards: list[tuple[int, ShardRecord]], threads: int) -> list[int]:
-        view = self.pool.slot_view
-        workers = threads or min(16, os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(workers) as executor:
-            return list(executor.map(lambda s: hash_of(s[1], view(s[0], s[1].length)), shards, chunksize=64))
+    def pool_grew(self, first: int, count: int) -> None:
+        """A chunk of the pool came up: the kept blocks it completes are
+        checked on threads and come back (on the loop)."""
+        adoption = self._adoption
+        if adoption is None:
+            return
+        up = adoption.chunk_up(self.pool.chunk_of(first))
+        if not adoption.left:
+            self._adoption = None
+        if up:
+            self._late.append(asyncio.ensure_future(self._adopt_late(adoption, up)))
+
+    async def _adopt_late(self, adoption: Adoption, up: list) -> None:
+        try:
+            checked = await self._loop.run_in_executor(None, adoption.check, up)
+            self.pool.let_go_held([slot for c in up for slot in c.slots])
+            self._restore(checked)
+        except Exception:  # its blocks stay held, their records for the next daemon
+            log.exception("adopting kept blocks as the pool came up failed")
+            return
+        if self._adoption is None and all(task.done() for task in self._late if task is not asyncio.current_task()):
+            log.info("adopted %d block(s) (%d slots) from the kept pool, the last as their part of the pool came "
+                     "up; shards discarded: %s", self.adopted_blocks, self.adopted_shards, self._discarded_text())
+

@@ -310,14 +310,28 @@ KVD_API void kvd_clear(Lane* lane, int64_t ns, uint64_t* out) {
   out[1] = counts.second;
 }
 
-KVD_API void kvd_restore(Lane* lane, uint32_t ns, const uint8_t* key, const int64_t* slots, const uint64_t* lengths) {
-  if (!lane) return;
+KVD_API int kvd_restore(Lane* lane, uint32_t ns, const uint8_t* key, const int64_t* slots, const uint64_t* lengths) {
+  if (!lane) return 0;
   std::lock_guard<std::mutex> lock(lane->mutex);
   Namespace* space = lane->index->ns(ns);
+  if (!space) return 0;
   Key k;
   std::memcpy(k.b, key, KEY_BYTES);
-  lane->index->restore(*space, k, std::vector<int64_t>(slots, slots + space->tp),
-                       std::vector<uint64_t>(lengths, lengths + space->tp));
+  return lane->index->restore(*space, k, std::vector<int64_t>(slots, slots + space->tp),
+                              std::vector<uint64_t>(lengths, lengths + space->tp));
+}
+
+KVD_API void kvd_set_kept_waiting(Lane* lane, int64_t n) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  lane->slots->set_kept_waiting(n);
+}
+
+KVD_API void kvd_release_slots(Lane* lane, const int64_t* slots, size_t n) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  for (size_t i = 0; i < n; i++)
+    if (slots[i] >= 0 && slots[i] < lane->slots->num_slots()) lane->slots->release(slots[i]);
 }
 
 KVD_API void kvd_keep_only(Lane* lane, const int64_t* used, size_t n) {
@@ -408,6 +422,27 @@ KVD_API void kvd_counts(Lane* lane, int64_t* out) {
   out[9] = lane->jobs->load_clock.seconds_ns(now);
   out[10] = (int64_t)lane->conns->size();
   out[11] = lane->slots->free();
+}
+
+KVD_API void kvd_set_online(Lane* lane, const int64_t* firsts, const int64_t* counts, size_t n) {
+  if (!lane) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (size_t i = 0; i < n; i++) ranges.emplace_back(firsts[i], counts[i]);
+  lane->slots->set_online(ranges);
+}
+
+KVD_API int64_t kvd_add_online(Lane* lane, int64_t first, int64_t count, const int64_t* held, size_t n_held) {
+  if (!lane) return 0;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  return lane->slots->add_online(first, count, std::vector<int64_t>(held, held + n_held));
+}
+
+KVD_API int64_t kvd_online_in(Lane* lane, uint32_t range) {
+  if (!lane) return -1;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  if (range >= lane->slots->ranges().size()) return -1;
+  return lane->slots->online_in(range);
 }
 
 KVD_API int64_t kvd_free_in(Lane* lane, uint32_t range) {

@@ -19,10 +19,22 @@ class Slots {
   Slots(int64_t num_slots, std::vector<Range> ranges, uint8_t* records);
   int64_t allocate(int32_t node);  // -1 when none is free
   void release(int64_t slot);
-  // After adoption: every slot but `used` is free, and its record cleared.
+  // After adoption: every online slot but `used` is free, and its record cleared.
   void keep_only(const std::vector<int64_t>& used);
+  // While the pool comes up (host/bring_up.py): only these [first, first +
+  // count) ranges are online, every slot free; then more come online, free
+  // and their records cleared.
+  void set_online(const std::vector<std::pair<int64_t, int64_t>>& ranges);
+  // Returns how many came online; `held` (kept blocks' slots waiting for
+  // their other chunks) come online taken, their records kept.
+  int64_t add_online(int64_t first, int64_t count, const std::vector<int64_t>& held);
   int64_t free() const { return free_; }
   int64_t free_in(size_t range) const { return (int64_t)stacks_[range].size(); }
+  int64_t online() const { return online_count_; }
+  // Slots taken for kept blocks that wait for their other chunks (no block holds them yet).
+  int64_t kept_waiting() const { return kept_waiting_; }
+  void set_kept_waiting(int64_t n) { kept_waiting_ = n; }
+  int64_t online_in(size_t range) const { return online_in_[range]; }
   int64_t num_slots() const { return num_slots_; }
   const std::vector<Range>& ranges() const { return ranges_; }
   uint64_t epoch(int64_t slot) const { return epochs_[slot].load(std::memory_order_acquire); }
@@ -33,8 +45,14 @@ class Slots {
 
   int64_t num_slots_;
   std::vector<Range> ranges_;
+  size_t range_of(int64_t slot) const;
+
   std::vector<std::vector<int64_t>> stacks_;
   int64_t free_ = 0;
+  std::vector<bool> online_;
+  std::vector<int64_t> online_in_;
+  int64_t online_count_ = 0;
+  int64_t kept_waiting_ = 0;
   uint8_t* records_;
   std::unique_ptr<std::atomic<uint64_t>[]> epochs_;
 };
@@ -94,7 +112,9 @@ class Index {
   uint32_t reserve_promotion(Namespace& ns, const Key& key, const std::vector<uint64_t>& lengths);
   void finish_promotion(uint32_t b, bool ok);
   // A ready block adopted from the kept pool, its slots taken already.
-  void restore(Namespace& ns, const Key& key, const std::vector<int64_t>& slots, const std::vector<uint64_t>& lengths);
+  // A kept block adopted with its slots taken; false (its slots freed) when
+  // the index holds the key already.
+  bool restore(Namespace& ns, const Key& key, const std::vector<int64_t>& slots, const std::vector<uint64_t>& lengths);
   // Drops every unpinned block of `ns` (every namespace: nullptr): (dropped, kept pinned).
   std::pair<uint64_t, uint64_t> clear(const Namespace* ns);
   // Keys of `ns`: ready ones, being stored ones, or all.

@@ -64,8 +64,13 @@ void Index::finish_promotion(uint32_t b, bool ok) {
   for (uint32_t rank = 0, tp = blocks_[b].tp; rank < tp; rank++) finish_shard(b, rank, ok);
 }
 
-void Index::restore(Namespace& ns, const Key& key, const std::vector<int64_t>& slots,
+bool Index::restore(Namespace& ns, const Key& key, const std::vector<int64_t>& slots,
                     const std::vector<uint64_t>& lengths) {
+  if (contains(ns.id, key)) {
+    // Stored anew while its kept copy waited for its chunk: that one is served.
+    for (int64_t slot : slots) slots_.release(slot);
+    return false;
+  }
   uint32_t b = create(ns, key);
   Block& block = blocks_[b];
   for (uint32_t rank = 0; rank < ns.tp; rank++) {
@@ -79,6 +84,8 @@ void Index::restore(Namespace& ns, const Key& key, const std::vector<int64_t>& s
   map_[block.ik] = b;
   count(ns, (int64_t)slots.size(), 0, 1);
   Eviction::insert(*this, policy(ns.scope), b);
+  hooks_.changed(ns, key, Change::READY);
+  return true;
 }
 
 std::pair<uint64_t, uint64_t> Index::clear(const Namespace* ns) {
@@ -147,7 +154,9 @@ std::string Index::verify() const {
     if (scopes_[s].held != held[s]) return format("scope %zu counts %lld slots held, holds %lld", s, (long long)scopes_[s].held, (long long)held[s]);
     if (scopes_[s].storing != storing[s]) return format("scope %zu counts %lld slots being stored, %lld are", s, (long long)scopes_[s].storing, (long long)storing[s]);
   }
-  if (slots != slots_.num_slots() - slots_.free()) return format("blocks hold %lld slots, the pool has %lld used", (long long)slots, (long long)(slots_.num_slots() - slots_.free()));
+  if (slots + slots_.kept_waiting() != slots_.online() - slots_.free())
+    return format("blocks hold %lld slots and %lld wait for adoption, the pool has %lld used", (long long)slots,
+                  (long long)slots_.kept_waiting(), (long long)(slots_.online() - slots_.free()));
   if (eviction_size() != in_order) return format("eviction orders hold %zu blocks, %zu are listed", eviction_size(), in_order);
   return "";
 }

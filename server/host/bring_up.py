@@ -1,0 +1,204 @@
+"""Bringing the pool's memory up: faulting its pages in and pinning them, a chunk at a time.
+
+A chunk is one CUDA registration of whole slots (HostPool.registration_bytes),
+so that no DMA run crosses two. The daemon serves as soon as its first chunks
+are up (HostPool.bring_up_first: the first of each NUMA range, or every chunk
+that holds a kept block); the rest come up behind it on a thread of their own
+(`start`), each chunk faulted in on several threads while the one before it is
+registered, and the depot takes each chunk's slots as it comes.
+
+Page faults of one tmpfs file run in parallel (fallocate would take the
+file's lock), and a pool that does not fit fails here with a clear error
+instead of SIGBUS on a later copy; populated page tables make the
+registration that follows several times faster. Registrations run on one
+thread: the driver serialises them, and more threads only made them slower
+(docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("kvdepot.pool")
+
+# Faulted in this much at a time, by several threads.
+POPULATE_CHUNK_BYTES = 256 << 20
+# Chunks faulted in ahead of the one being registered.
+AHEAD = 2
+
+_HOST_REGISTER_PORTABLE = 1
+_HOST_REGISTER_MAPPED = 2
+
+# madvise(MADV_POPULATE_WRITE), Linux 5.14: faults in a range writable.
+_MADV_POPULATE_WRITE = 23
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def amount(nbytes: int) -> str:
+    """Bytes as an operator reads them: GiB, or MiB below one GiB."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def cuda_runtime(pin: str):
+    """CUDA's runtime to pin with, None when the pool is not pinned."""
+    if pin == "off":
+        return None
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        if pin == "on":
+            raise PinError("--pin on needs CUDA, and this machine has none")
+        log.info("CUDA not available: the pool is not pinned")
+        return None
+    return torch.cuda.cudart()
+
+
+def interleaved(chunks: list[tuple[int, int]], ranges) -> list[int]:
+    """Chunk indices taking NUMA ranges in turn, so that every node's slots grow together."""
+    per = chunks[0][1] if chunks else 1
+    lists = [range(r.first // per, (r.first + r.count - 1) // per + 1) for r in ranges]
+    order = [chunks[column] for column in range(max(map(len, lists), default=0)) for chunks in lists
+             if column < len(chunks)]
+    return list(dict.fromkeys(order))
+
+
+class BringUpError(RuntimeError):
+    """Part of the pool could not be faulted in or pinned; the message says why."""
+
+
+class PinError(BringUpError):
+    """CUDA refused to pin part of the pool."""
+
+
+class BringUp:
+    """Faults in and pins the byte ranges of one mapping (`base`)."""
+
+    def __init__(self, base: int, fd: int, directory: str, threads: int, piece: int, cudart=None,
+                 not_pinnable_hint: str = ""):
+        self.base = base
+        self._fd = fd  # for fallocate before Linux 5.14; closed by close()
+        self.directory = directory
+        self.threads = threads
+        self.piece = piece  # a multiple of the pool's page size
+        self.cudart = cudart  # None: nothing is pinned
+        self._hint = not_pinnable_hint
+        self.registered: list[int] = []
+        self.fault_seconds = 0.0
+        self.pin_seconds = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-fault")
+        self.error = ""  # why the last chunks did not come up
+
+    # ------------------------------------------------------------ one range
+
+    def _populate(self, offset: int, length: int) -> None:
+        if _LIBC.madvise(ctypes.c_void_p(self.base + offset), ctypes.c_size_t(length), _MADV_POPULATE_WRITE):
+            code = ctypes.get_errno()
+            if code == errno.EINVAL:  # kernels before 5.14
+                os.posix_fallocate(self._fd, offset, length)
+                return
+            raise BringUpError(
+                f"could not allocate the pool in {self.directory} ({os.strerror(code)}): lower "
+                "--pool-size or set --pool-dir to a tmpfs with room"
+            )
+
+    def fault(self, offset: int, length: int) -> list[concurrent.futures.Future]:
+        """Starts faulting in [offset, offset + length) on the threads."""
+        return [
+            self._executor.submit(self._populate, at, min(self.piece, offset + length - at))
+            for at in range(offset, offset + length, self.piece)
+        ]
+
+    def wait(self, futures: list[concurrent.futures.Future]) -> None:
+        started = time.monotonic()
+        for future in futures:
+            future.result()
+        self.fault_seconds += time.monotonic() - started
+
+    def register(self, offset: int, length: int) -> None:
+        if self.cudart is None:
+            return
+        started = time.monotonic()
+        # Portable: usable from every GPU's context; mapped: its host pointers
+        # are valid in kernels (UVA), which the copy kernel relies on.
+        rc = self.cudart.cudaHostRegister(self.base + offset, length, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
+        if int(rc) != 0:
+            raise PinError(f"cudaHostRegister failed with CUDA error {int(rc)}{self._hint}")
+        self.registered.append(self.base + offset)
+        self.pin_seconds += time.monotonic() - started
+
+    # ------------------------------------------------------------ chunks
+
+    def bring(self, chunks: list[tuple[int, int]], done: Callable[[int], None],
+              progress: Callable[[int], None] | None = None) -> None:
+        """Faults in and pins `chunks` (offset, length) in order, `AHEAD` of
+        them faulting while one is registered; `done(i)` after the `i`th is up.
+        Raises BringUpError; stops quietly once `stop` was called."""
+        faulting: dict[int, list] = {}
+        for i, (offset, length) in enumerate(chunks):
+            for j in range(i, min(i + AHEAD + 1, len(chunks))):
+                if j not in faulting:
+                    faulting[j] = self.fault(*chunks[j])
+            try:
+                self.wait(faulting.pop(i))
+            except BaseException:
+                for futures in faulting.values():
+                    for future in futures:
+                        future.cancel()
+                raise
+            if self._stop.is_set():
+                return
+            self.register(offset, length)
+            done(i)
+            if progress is not None:
+                progress(i)
+
+    def start(self, chunks: list[tuple[int, int]], done: Callable[[int], None],
+              progress: Callable[[int], None], finished: Callable[[str], None]) -> None:
+        """Brings `chunks` up on a thread of its own; `finished(error)` at the end ('' when all came up)."""
+
+        def run() -> None:
+            try:
+                self.bring(chunks, done, progress)
+            except BringUpError as e:
+                self.error = str(e)
+            except Exception as e:  # the daemon goes on with the chunks that are up
+                log.exception("bringing the pool up failed")
+                self.error = f"bringing the pool up failed: {e}"
+            finished(self.error)
+
+        self._thread = threading.Thread(target=run, name="kvdepot-bring-up", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Ends the thread after the chunk it is on; needed before the mapping goes."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def unregister(self) -> None:
+        for ptr in self.registered:
+            self.cudart.cudaHostUnregister(ptr)
+        self.registered = []
+
+    def close(self) -> None:
+        self.stop()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

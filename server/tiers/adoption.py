@@ -1,0 +1,147 @@
+"""Adopting a kept pool's blocks as the chunks that hold them come up.
+
+The records name the candidates: a block whose every rank's record unpacks,
+names a namespace the catalog knows and agrees on the TP size. A candidate is
+checked (each shard's bytes hashed against its record) once every chunk
+holding one of its shards is up (host/bring_up.py): the daemon serves before
+that, and its slots are held meanwhile (HostPool.held) so that nothing else
+takes them. Only a candidate whose every shard checks out comes back; every
+other record is discarded and counted, never served.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from dataclasses import dataclass, field
+
+from kvdepot.server.host.pool import HostPool
+from kvdepot.server.host.shard_record import RECORD_BYTES, ShardRecord, hash_of, unpack
+from kvdepot.server.tiers.catalog import Catalog
+
+
+@dataclass
+class Candidate:
+    identity: tuple
+    signatures: dict
+    key: bytes
+    # By rank: its slot and record.
+    shards: list[tuple[int, ShardRecord]]
+    generation: int
+    # Chunks of the pool holding one of its shards that are not up yet.
+    missing: int = 0
+
+    @property
+    def slots(self) -> list[int]:
+        return [slot for slot, _ in self.shards]
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(record.length for _, record in self.shards)
+
+
+@dataclass
+class Checked:
+    """Candidates that checked out (oldest first), and the slots of those that did not."""
+
+    blocks: list[Candidate] = field(default_factory=list)
+    bad_slots: list[int] = field(default_factory=list)
+    discarded: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class Adoption:
+    def __init__(self, pool: HostPool, catalog: Catalog, threads: int = 0):
+        self.pool = pool
+        self.catalog = catalog
+        self.threads = threads or min(16, os.cpu_count() or 1)
+        self.waiting: list[Candidate] = []
+        self.left = 0  # candidates still waiting, after take_up
+        # The waiting candidates by each chunk not up yet that holds one of their shards.
+        self._by_chunk: dict[int, list[Candidate]] = {}
+        self.discarded: dict[str, int] = {}
+        self.generation = 0
+
+    def _discard(self, into: dict[str, int], reason: str, count: int = 1) -> None:
+        into[reason] = into.get(reason, 0) + count
+
+    def find(self, warn) -> None:
+        """Reads every record: the candidates wait, every other record is counted."""
+        why = self.catalog.load()
+        if why:
+            warn(f"{why}: the pool's blocks cannot be named and are discarded")
+        pool, catalog = self.pool, self.catalog
+        parts: dict[tuple[bytes, bytes], list[tuple[int, ShardRecord]]] = {}
+        for slot in range(pool.num_slots):
+            record, reason = unpack(pool.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES])
+            if record is None:
+                if reason != "empty":
+                    self._discard(self.discarded, reason)
+                continue
+            if record.length > pool.slot_bytes:
+                self._discard(self.discarded, "torn")
+            elif catalog.identity(record.ns) is None:
+                self._discard(self.discarded, "unknown_namespace")
+            else:
+                parts.setdefault((record.ns, record.key), []).append((slot, record))
+        for (digest, key), shards in parts.items():
+            identity = catalog.identity(digest)
+            tp_size = identity[6]
+            by_rank = {r.rank: (slot, r) for slot, r in shards if r.tp_size == tp_size}
+            if len(by_rank) != tp_size or len(shards) != tp_size:
+                self._discard(self.discarded, "incomplete", len(shards))
+                continue
+            generation = max(r.generation for _, r in shards)
+            self.generation = max(self.generation, generation)
+            self.waiting.append(Candidate(identity, catalog.signatures(digest), key,
+                                          [by_rank[r] for r in range(tp_size)], generation))
+
+    def held_slots(self) -> set[int]:
+        return {slot for c in self.waiting for slot in c.slots}
+
+    def take_up(self) -> list[Candidate]:
+        """The candidates whose every shard's chunk is up now; the others wait, by chunk."""
+        up, waiting = [], []
+        for candidate in self.waiting:
+            chunks = {self.pool.chunk_of(slot) for slot in candidate.slots if not self.pool.is_online(slot)}
+            candidate.missing = len(chunks)
+            for chunk in chunks:
+                self._by_chunk.setdefault(chunk, []).append(candidate)
+            (waiting if chunks else up).append(candidate)
+        self.waiting = waiting
+        self.left = len(waiting)
+        return up
+
+    def chunk_up(self, chunk: int) -> list[Candidate]:
+        """The waiting candidates that chunk `chunk` coming up completes."""
+        up = []
+        for candidate in self._by_chunk.pop(chunk, ()):
+            candidate.missing -= 1
+            if not candidate.missing:
+                up.append(candidate)
+        self.left -= len(up)
+        return up
+
+    def check(self, candidates: list[Candidate]) -> Checked:
+        """Hashes the candidates' shards on threads: those whose every shard
+        holds are the blocks, oldest first."""
+        started = time.monotonic()
+        result = Checked()
+        shards = [shard for c in candidates for shard in c.shards]
+        view = self.pool.slot_view
+        with concurrent.futures.ThreadPoolExecutor(self.threads) as executor:
+            hashes = iter(list(executor.map(lambda s: hash_of(s[1], view(s[0], s[1].length)), shards,
+                                            chunksize=64)))
+        for candidate in candidates:
+            bad = sum(next(hashes) != record.data_hash for _, record in candidate.shards)
+            if bad:
+                self._discard(result.discarded, "data_hash", bad)
+                if len(candidate.shards) > bad:
+                    self._discard(result.discarded, "incomplete", len(candidate.shards) - bad)
+                result.bad_slots += candidate.slots
+            else:
+                result.blocks.append(candidate)
+        result.blocks.sort(key=lambda c: c.generation)
+        result.seconds = time.monotonic() - started
+        return result

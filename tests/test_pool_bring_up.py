@@ -1,0 +1,139 @@
+"""The daemon serves once the first part of its pool is up, and the rest comes
+up behind it: no slot is handed out before its chunk is up, every chunk comes
+up, and blocks stored over many chunks survive a restart bit-exact."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from conftest import wait_until
+from kvcache import attach_worker, block_of, prompt_keys
+from test_warm_restart import SLOT_BYTES, flip, slot_of
+
+from kvdepot.server.host import numa
+from kvdepot.server.host.pool import HostPool
+
+SLOT = 64 << 10
+CHUNK = 16 * SLOT  # 16 slots a chunk
+
+
+def open_pool(tmp_path, size=64 * CHUNK, placement=None, name="p", adopt=False) -> HostPool:
+    return HostPool(size=size, slot_bytes=SLOT, directory=str(tmp_path), name=name, pin="off",
+                    pin_chunk_bytes=CHUNK, threads=2, placement=placement, adopt=adopt)
+
+
+def bring_up_rest(pool: HostPool) -> list[tuple[int, int]]:
+    """Brings the rest up; returns the chunks in the order they came, once all have."""
+    came: list[tuple[int, int]] = []
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def online(first: int, count: int) -> None:
+        with lock:
+            came.append((first, count))
+            if sum(c for _, c in came) + 16 * len(pool.slots.ranges) >= pool.num_slots:
+                done.set()
+
+    pool.bring_up_rest(online)
+    assert done.wait(30), f"only {came} came up"
+    return came
+
+
+def test_a_new_pool_serves_with_its_first_chunk_and_hands_out_only_slots_that_are_up(tmp_path):
+    pool = open_pool(tmp_path)
+    try:
+        assert pool.num_slots == 1024 and pool.online_slots == 16
+        taken = [pool.allocate() for _ in range(16)]
+        assert sorted(taken) == list(range(16))
+        assert pool.allocate() is None  # the other 1008 slots are not up yet
+        assert pool.used_slots == 16
+        came = bring_up_rest(pool)
+        assert came == [(first, 16) for first in range(16, 1024, 16)]  # in order, each once
+        for first, count in came:
+            pool.add_online(first, count)
+        assert pool.online_slots == 1024 and pool.used_slots == 16
+        rest = {pool.allocate() for _ in range(1008)}
+        assert rest == set(range(16, 1024)) and pool.allocate() is None
+    finally:
+        pool.close(discard=True)
+
+
+def test_numa_ranges_come_up_together(tmp_path):
+    placement = numa.Placement(nodes=(0, 1), detected=(0, 1))
+    pool = open_pool(tmp_path, placement=placement)
+    try:
+        # One chunk of each node's range first: a GPU's stores find its node's slots.
+        assert pool.online_slots == 32
+        assert [n.slots for n in pool.numa_nodes()] == [512, 512]
+        assert pool.allocate(node=1) == 512 and pool.allocate(node=0) == 0
+        came = bring_up_rest(pool)
+        starts = [first for first, _ in came]
+        assert starts[:4] == [16, 528, 32, 544]  # taking the nodes in turn
+        assert sorted(starts) == sorted(set(range(16, 512, 16)) | set(range(528, 1024, 16)))
+    finally:
+        pool.close(discard=True)
+
+
+def test_a_kept_pool_brings_up_the_chunks_holding_its_blocks_first(tmp_path):
+    pool = open_pool(tmp_path, name="kept")
+    for first, count in bring_up_rest(pool):
+        pool.add_online(first, count)
+    # A record in chunks 3 and 40 (a non-empty record is all it looks at).
+    for slot in (3 * 16 + 5, 40 * 16):
+        pool.records[slot * 128 : slot * 128 + 8] = b"x" * 8
+    pool.close()
+    kept = open_pool(tmp_path, name="kept", adopt=True)
+    try:
+        assert kept.online_slots == 16  # it serves with its first chunk, as a new pool does
+        came = bring_up_rest(kept)
+        assert came[:2] == [(48, 16), (640, 16)]  # then the chunks holding kept records
+        assert sorted(came) == [(first, 16) for first in range(16, 1024, 16)]
+    finally:
+        kept.close(discard=True)
+
+
+def test_stats_show_the_pool_up_and_blocks_over_many_chunks_come_back_after_a_restart(
+    start_daemon, client_factory
+):
+    # 512 slots of 16 KiB in chunks of 16 slots: the daemon serves with one.
+    daemon = start_daemon(pool_size="8MiB", pin_chunk_bytes="256KiB")
+    assert "serving with 0.25 MiB up, the rest coming up behind" in daemon.log()
+    client = client_factory(daemon, backoff_max=0.5)
+    wait_until(lambda: client.stats().pool.online_slots == 512, what="the whole pool up")
+    wait_until(lambda: "pool up: all 8.00 MiB faulted in" in daemon.log(), what="the log saying so")
+    worker, engine, tensors = attach_worker(client, seed=7)
+    keys = prompt_keys(384, prompt=3)  # 24 chunks' worth
+    for i in range(0, 384, 96):
+        job = client.submit_store(worker, i + 1, keys[i : i + 96], list(range(96)))
+        assert client.wait([job], 30)[job].ok
+    assert client.lookup(engine, keys).ready_blocks == 384
+    wait_until(lambda: [t for t in client.stats().tiers if t.name == "dram"][0].written_shards >= 384,
+               what="every record sealed")
+    assert daemon.stop() == 0
+
+    [pool] = daemon.folder.glob("*.pool")
+    flip(pool, slot_of(pool, keys[200]) * SLOT_BYTES + 100)  # a byte of one kept block's KV
+
+    daemon.start()
+    # It serves with the first chunk up; the others come back as their chunks come up.
+    assert "more wait for their part of the pool to come up" in daemon.log()
+    assert client.wait_connected(15)
+    # New blocks stored meanwhile take free slots, never those the kept blocks wait in.
+    fresh = prompt_keys(8, prompt=4)
+    job = client.submit_store(worker, 800, fresh, list(range(8)))
+    assert client.wait([job], 30)[job].ok
+    kept = keys[:200] + keys[201:]
+    wait_until(lambda: client.lookup(engine, kept).ready_blocks == 383, what="every intact kept block back")
+    wait_until(lambda: client.stats().pool.online_slots == 512, what="the whole pool up after the restart")
+    assert "adopted 383 block(s) (383 slots) from the kept pool, the last as" in daemon.log()
+    [dram] = [t for t in client.stats().tiers if t.name == "dram"]
+    assert dram.recovered_shards == 383 and dict(dram.discarded) == {"data_hash": 1}
+    assert client.lookup(engine, [keys[200]]).ready_blocks == 0  # the changed one is never served
+    assert client.lookup(engine, fresh).ready_blocks == 8
+    # Keys 288-383 were stored from blocks 0-95: load them into blocks 100-127 and compare.
+    job = client.submit_load(worker, 900, keys[288:316], list(range(100, 128)))
+    assert client.wait([job], 30)[job].ok
+    for i in range(28):
+        for src, dst in zip(block_of(tensors, "per_layer", i), block_of(tensors, "per_layer", 100 + i)):
+            assert torch.equal(src.view(torch.int16), dst.view(torch.int16)), f"block {i} differs"
