@@ -157,7 +157,9 @@ def format_stats(stats: pb.GetStatsResponse) -> str:
         f"pool      {_gib(pool.slot_bytes * pool.num_slots)} in {pool.num_slots} slots of "
         f"{pool.slot_bytes} B, {'pinned' if pool.pinned else 'not pinned'}"
         + (f"; coming up: {_gib(pool.slot_bytes * pool.online_slots)} up so far"
-           if pool.online_slots < pool.num_slots else ""),
+           if 0 < pool.online_slots < pool.num_slots and not pool.bring_up_error else "")
+        + (f"; only {_gib(pool.slot_bytes * pool.online_slots)} came up: {pool.bring_up_error}"
+           if pool.bring_up_error else ""),
         f"occupancy {100 * stats.occupancy:.1f}% ({stats.used_slots} slots used, "
         f"{stats.pinned_slots} pinned by jobs), eviction {stats.eviction_policy}",
         f"lookups   {t.lookups}: {t.hit_blocks} blocks hit, {t.miss_blocks} missed",

@@ -58,16 +58,18 @@ class SessionStarted(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., daemon_version: _Optional[str] = ..., job_socket: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("slot_bytes", "num_slots", "pinned", "online_slots")
+    __slots__ = ("slot_bytes", "num_slots", "pinned", "online_slots", "bring_up_error")
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     ONLINE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BRING_UP_ERROR_FIELD_NUMBER: _ClassVar[int]
     slot_bytes: int
     num_slots: int
     pinned: bool
     online_slots: int
-    def __init__(self, slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., pinned: _Optional[bool] = ..., online_slots: _Optional[int] = ...) -> None: ...
+    bring_up_error: str
+    def __init__(self, slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., pinned: _Optional[bool] = ..., online_slots: _Optional[int] = ..., bring_up_error: _Optional[str] = ...) -> None: ...
 
 class JobDone(_message.Message):
     __slots__ = ("job_id", "ok", "error", "already_stored", "not_stored")

@@ -137,3 +137,103 @@ def test_stats_show_the_pool_up_and_blocks_over_many_chunks_come_back_after_a_re
     for i in range(28):
         for src, dst in zip(block_of(tensors, "per_layer", i), block_of(tensors, "per_layer", 100 + i)):
             assert torch.equal(src.view(torch.int16), dst.view(torch.int16)), f"block {i} differs"
+
+
+class FailingCudart:
+    """Pins the first `ok` registrations, then refuses (a locked-memory limit reached)."""
+
+    def __init__(self, ok: int):
+        self.ok, self.calls = ok, 0
+
+    def cudaHostRegister(self, ptr, length, flags):
+        self.calls += 1
+        return 0 if self.calls <= self.ok else 2  # cudaErrorMemoryAllocation
+
+    def cudaHostUnregister(self, ptr):
+        return 0
+
+
+def test_a_chunk_that_cannot_be_pinned_stops_the_bring_up_and_says_why(tmp_path, monkeypatch):
+    from kvdepot.server.host import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "cuda_runtime", lambda pin: FailingCudart(ok=3))
+    pool = HostPool(size=64 * CHUNK, slot_bytes=SLOT, directory=str(tmp_path), name="p", pin="on",
+                    pin_chunk_bytes=CHUNK, threads=2)
+    try:
+        assert pool.pinned and pool.online_slots == 16
+        came, failed = [], threading.Event()
+        errors = []
+        pool.bring_up_rest(lambda first, count: came.append((first, count)),
+                           lambda error: (errors.append(error), failed.set()))
+        assert failed.wait(30)
+        # Two more chunks pinned, then the refusal: the rest stay down (and the
+        # daemon stops under --pin on: daemon/main.py), and stats say why.
+        assert came == [(16, 16), (32, 16)]
+        assert "cudaHostRegister failed with CUDA error 2" in errors[0] == pool.bring_up_error
+    finally:
+        pool.close(discard=True)
+
+
+def test_the_native_lanes_counts_agree_at_every_call_while_kept_blocks_wait(tmp_path):
+    # The native lane's thread checks its index after each of its rounds (with
+    # KVDEPOT_CHECK_INDEX=1, as the tests run it), between any two calls: each
+    # call must leave the counts agreeing.
+    import pytest
+
+    from kvdepot.server.native import binding
+    from kvdepot.server.native.depot import NativeSlots
+    from kvdepot.server.native.lane import Lane
+
+    try:
+        library = binding.load()
+    except OSError as e:
+        pytest.skip(f"the native lane is not built: {e}")
+    pool = open_pool(tmp_path, name="n")
+    lane = Lane(library, pool, arc=False, tracing=False, max_unread=1024, check=True)
+    try:
+        pool.slots = NativeSlots(lane, pool.slots)
+        pool.hold({5 * 16 + 1, 7 * 16 + 2})  # kept shards in chunks 5 and 7, not up yet
+        pool.keep_only(set(pool.held))
+        assert lane.verify() == ""
+        pool.add_online(5 * 16, 16)
+        assert lane.verify() == ""
+        lane.release_slots([5 * 16 + 1], waited=True)  # its block failed its check
+        pool.let_go_held([5 * 16 + 1])
+        assert lane.verify() == ""
+        pool.add_online(7 * 16, 16)
+        assert lane.verify() == "" and pool.used_slots == 1
+    finally:
+        lane.close()
+        pool.close(discard=True)
+
+
+def test_kept_blocks_come_back_over_many_small_chunks_while_stores_go_on(start_daemon, client_factory):
+    import time
+
+    # 2048 slots in chunks of 4: 512 chunks come up while the lane serves stores.
+    daemon = start_daemon(pool_size="32MiB", pin_chunk_bytes="64KiB")
+    client = client_factory(daemon, backoff_max=0.5)
+    worker, engine, tensors = attach_worker(client, seed=7)
+    keys = prompt_keys(1800, prompt=5)
+    for i in range(0, 1800, 100):
+        job = client.submit_store(worker, i + 1, keys[i : i + 100], list(range(100)))
+        assert client.wait([job], 30)[job].ok
+    wait_until(lambda: [t for t in client.stats().tiers if t.name == "dram"][0].written_shards >= 1800,
+               timeout=60, what="every record sealed")
+    assert daemon.stop() == 0
+    daemon.start()
+    assert client.wait_connected(15)
+    fresh = prompt_keys(200, prompt=6)
+    deadline = time.monotonic() + 20
+    for n in range(200):
+        job = client.submit_store(worker, 5000 + n, [fresh[n]], [0])
+        assert client.wait([job], 10)[job].ok
+        if time.monotonic() > deadline:
+            break
+    wait_until(lambda: client.stats().pool.online_slots == 2048, timeout=30, what="the whole pool up")
+    # Every kept block back but those the 200 new ones (in 248 free slots) pushed out.
+    wait_until(lambda: "the last as their part of the pool came up" in daemon.log(), timeout=30,
+               what="the last kept blocks adopted")
+    assert daemon.running and "inconsistent" not in daemon.log()
+    [dram] = [t for t in client.stats().tiers if t.name == "dram"]
+    assert dram.recovered_shards == 1800 and dict(dram.discarded) == {}

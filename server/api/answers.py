@@ -19,7 +19,7 @@ _LOOKUP_STATUS = {LookupStatus.READY: pb.LookupResponse.READY, LookupStatus.NOT_
 
 def pool_info(pool: PoolInfo) -> pb.PoolInfo:
     return pb.PoolInfo(slot_bytes=pool.slot_bytes, num_slots=pool.num_slots, pinned=pool.pinned,
-                       online_slots=pool.online_slots)
+                       online_slots=pool.online_slots, bring_up_error=pool.bring_up_error)
 
 
 def lookup(result: LookupResult) -> pb.LookupResponse:

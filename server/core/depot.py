@@ -96,7 +96,8 @@ class Depot(JobPath):
         pass
 
     def pool_info(self) -> report.PoolInfo:
-        return report.PoolInfo(self.pool.slot_bytes, self.pool.num_slots, self.pool.pinned, self.pool.online_slots)
+        return report.PoolInfo(self.pool.slot_bytes, self.pool.num_slots, self.pool.pinned, self.pool.online_slots,
+                               self.pool.bring_up_error)
 
     def add_transport(self, transport: Transport) -> None:
         self.transports[transport.handle_kind] = transport

@@ -213,24 +213,24 @@ class BlockIndex:
             self._on_change(ns, key, BlockState.DROPPED)
         self._send_changes()
 
-    def free_kept(self, slots: list[int]) -> None:
+    def free_kept(self, slots: list[int], waited: bool = True) -> None:
+        self.pool.slots.no_longer_waiting(len(slots) if waited else 0)
         for slot in slots:
             self.pool.release(slot)
 
-    def restore(self, kept: Sequence[KeptBlock]) -> list[tuple[KeptBlock, Exception]]:
-        """Ready blocks adopted from the kept pool, their slots already taken;
-        restored oldest first, so the eviction order holds. A block whose
-        namespace is refused now (a limit lowered since), or whose key was
-        stored anew while it waited for its chunk to come up, gives its slots back."""
+    def restore(self, kept: Sequence[KeptBlock], waited: bool = False) -> list[tuple[KeptBlock, Exception]]:
+        """Ready blocks adopted from the kept pool, their slots already taken, oldest first; one whose
+        namespace is refused now, or whose key was stored anew meanwhile, gives its slots back."""
         refused = []
         for block_kept in kept:
+            if waited:  # held for adoption until now
+                self.pool.slots.no_longer_waiting(len(block_kept.slots))
             try:
                 ns = kept_namespace(self.namespaces, block_kept)
                 if (ns.id, block_kept.key) in self._blocks:
                     raise KeyError("stored anew while its chunk came up")
             except Exception as e:
-                for slot in block_kept.slots:
-                    self.pool.release(slot)
+                self.free_kept(block_kept.slots, waited=False)
                 refused.append((block_kept, e))
                 continue
             block = Block(ns, block_kept.key)

@@ -31,6 +31,7 @@ class PoolInfo:
     num_slots: int
     pinned: bool
     online_slots: int
+    bring_up_error: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,9 +136,12 @@ def by_block_size(counts: dict, slot_bytes: int) -> list[BlockSizeReport]:
 
 def build(depot, viewer: Identity | None, asking_session_id: str, most: int | None) -> Report:
     pool = depot.pool
-    every = {ns: depot.namespace_counts(ns) for ns in depot.namespaces}
-    held = sum(kv_bytes(ns, c[0], pool.slot_bytes) for ns, c in every.items())
-    used_bytes = pool.used_slots * pool.slot_bytes
+    visible = visible_to(viewer)
+    # The caller's namespaces alone: with the pool's used slots, anyone's KV
+    # bytes would tell another tenant's block size (its model's shape).
+    counts = {ns: depot.namespace_counts(ns) for ns in depot.namespaces if visible(ns.scope)}
+    held = sum(kv_bytes(ns, c[0], pool.slot_bytes) for ns, c in counts.items())
+    used_bytes = sum(c[0] for c in counts.values()) * pool.slot_bytes
     base = dict(
         version=depot.version,
         instance=depot.instance,
@@ -157,9 +161,7 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
     )
     if viewer is None:
         return Report(**base)
-    visible = visible_to(viewer)
     most = most if most is not None else depot.limits.stats_max_entries
-    counts = {ns: c for ns, c in every.items() if visible(ns.scope)}
     namespaces = sorted(counts, key=lambda ns: counts[ns][0], reverse=True)
     clients = {
         s: depot.session_counts(s) for s in depot.sessions.values()

@@ -112,9 +112,10 @@ class TierHost(Protocol):
     def lower_gone(self, gone: set[tuple[bytes, bytes]]) -> None:
         """(namespace digest, key) pairs the tier no longer holds."""
 
-    def restore(self, kept: Sequence[KeptBlock]) -> list[tuple[KeptBlock, Exception]]:
+    def restore(self, kept: Sequence[KeptBlock], waited: bool = False) -> list[tuple[KeptBlock, Exception]]:
         """Blocks kept in the pool's slots (which the pool counts as used)
-        come back as ready, oldest first; returns those refused, their slots freed."""
+        come back as ready, oldest first; returns those refused, their slots
+        freed. `waited`: their slots were held for adoption (HostPool.hold)."""
 
     def free_kept(self, slots: list[int]) -> None:
         """Slots held for kept blocks that did not check out: freed, their records cleared."""

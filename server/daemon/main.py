@@ -79,7 +79,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         # tiers, the warm pool's sealing (so the next daemon adopts every
         # committed shard), the pool, metrics, and the address.
     log.info("kvdepotd stopped")
-    return 0
+    return 1 if depot.pool.bring_up_error and config.pool.pin == "on" else 0
 
 
 async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: asyncio.Event):
@@ -121,7 +121,9 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     )
     quotas = scope_quotas(list(config.tenants), pool.size, pool.slot_bytes)
     depot = wire_depot(stack, config, pool, metrics, instance, quotas)
-    bring_up_rest(pool, depot, loop)
+    bring_up_rest(pool, depot, loop, stop if config.pool.pin == "on" else None)
+    # Before the tiers close (the stack runs last taken first): no chunk comes up while they do.
+    stack.callback(pool.stop_bringing_up)
     job_path = ""
     if unix_path:
         job_path = await startup.open_job_socket(stack, depot, tenants, unix_path, config.limits)
@@ -140,9 +142,11 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     return depot, health
 
 
-def bring_up_rest(pool: HostPool, depot: Depot, loop: asyncio.AbstractEventLoop) -> None:
+def bring_up_rest(pool: HostPool, depot: Depot, loop: asyncio.AbstractEventLoop, stop: asyncio.Event | None) -> None:
     """The rest of the pool comes up behind the daemon's start (host/bring_up.py),
-    each chunk's slots handed to the depot on the loop's thread."""
+    each chunk's slots handed to the depot on the loop's thread. With `stop`
+    (--pin on), a part that cannot come up stops the daemon (exit 1), as a
+    pool that cannot be pinned fails the start."""
 
     def up(first: int, count: int) -> None:
         pool.add_online(first, count)
@@ -154,7 +158,15 @@ def bring_up_rest(pool: HostPool, depot: Depot, loop: asyncio.AbstractEventLoop)
         except RuntimeError:  # the loop has closed: the daemon is stopping
             pass
 
-    pool.bring_up_rest(online)
+    def failed(error: str) -> None:
+        if stop is not None:
+            log.error("--pin on and part of the pool could not come up: stopping")
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:
+                pass
+
+    pool.bring_up_rest(online, failed)
 
 
 def wire_depot(

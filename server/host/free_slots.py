@@ -98,15 +98,22 @@ class FreeSlots:
             self._online[slot] = 1
             i = self._range_of(slot)
             self._online_in[i] += 1
-            if slot not in held:
+            if slot in held:
+                self.kept_waiting += 1
+            else:
                 self._stacks[i].append(slot)
                 free.append(slot)
         self.online += len(added)
         self.free += len(free)
         return free
 
-    def keep_only(self, used: Iterable[int]) -> list[int]:
-        """Every online slot free but `used`; returns the free slots."""
+    def no_longer_waiting(self, n: int) -> None:
+        self.kept_waiting -= n
+
+    def keep_only(self, used: Iterable[int], kept_waiting: int = 0) -> list[int]:
+        """Every online slot free but `used` (of which `kept_waiting` are held
+        for kept blocks, not a block's yet); returns the free slots."""
+        self.kept_waiting = kept_waiting
         used = set(used)
         online = self._online
         # Popped from the end: lowest slots first.

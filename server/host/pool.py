@@ -312,9 +312,10 @@ class HostPool:
     def _byte_range(self, chunk: tuple[int, int]) -> tuple[int, int]:
         return chunk[0] * self.slot_bytes, chunk[1] * self.slot_bytes
 
-    def bring_up_rest(self, online: Callable[[int, int], None]) -> None:
+    def bring_up_rest(self, online: Callable[[int, int], None], failed: Callable[[str], None] = lambda e: None) -> None:
         """Brings the remaining chunks up on a thread; `online(first, count)`
-        (called on that thread) as each one's slots may be handed out."""
+        (called on that thread) as each one's slots may be handed out, and
+        `failed(error)` if a chunk cannot come up (the rest stay down)."""
         chunks = self._chunks()
         rest = [chunks[i] for i in self._rest]
         total = sum(count for _, count in rest)
@@ -336,6 +337,7 @@ class HostPool:
             if error:
                 shown = (self.num_slots - total + done[0]) * self.slot_bytes
                 log.error("the pool serves %s of %s: %s", amount(shown), amount(self.size), error)
+                failed(error)
             else:
                 log.info("pool up: all %s %s %.2f s after it was opened (%.2f s waiting on page faults, "
                          "%.2f s pinning)", amount(self.size), what, seconds, self._up.fault_seconds,
@@ -349,6 +351,14 @@ class HostPool:
     @property
     def bringing_up(self) -> bool:
         return self._up.running
+
+    @property
+    def bring_up_error(self) -> str:
+        """Why part of the pool did not come up ('' while it comes up, or once all has)."""
+        return self._up.error
+
+    def stop_bringing_up(self) -> None:
+        self._up.stop()
 
     @property
     def base_address(self) -> int:
@@ -389,21 +399,19 @@ class HostPool:
         thread), but those `held` for kept blocks (tiers/warm.py), whose
         records stay."""
         self._chunk_up[self.chunk_of(first)] = 1
-        for slot in self.slots.add_online(first, count, self.held):
+        held = [slot for slot in range(first, first + count) if slot in self.held] if self.held else []
+        for slot in self.slots.add_online(first, count, held):
             self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
-        if self.held:
-            self.slots.kept_waiting += sum(1 for slot in range(first, first + count) if slot in self.held)
 
     def hold(self, slots: set[int]) -> None:
-        """Kept blocks' slots to take, not free, as their chunks come up."""
+        """Kept blocks' slots to take, not free, as their chunks come up
+        (keep_only and add_online count those up as waiting in the slots)."""
         self.held = set(slots)
-        self.slots.kept_waiting = sum(map(self.is_online, self.held))
 
     def let_go_held(self, slots) -> None:
-        """Held slots, all up, whose blocks were adopted or discarded (the index has them now)."""
-        gone = self.held.intersection(slots)
-        self.held -= gone
-        self.slots.kept_waiting -= len(gone)
+        """Held slots whose blocks were adopted or discarded (the index
+        counted them out as it took or freed them)."""
+        self.held.difference_update(slots)
 
     def chunk_of(self, slot: int) -> int:
         return slot * self.slot_bytes // self.registration_bytes
@@ -414,7 +422,8 @@ class HostPool:
     def keep_only(self, used: set[int]) -> None:
         """After adoption: `used` hold blocks; every other online slot is free
         and its record cleared."""
-        for slot in self.slots.keep_only(used):
+        waiting = sum(map(self.is_online, self.held))
+        for slot in self.slots.keep_only(used, waiting):
             self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
 
     def numa_nodes(self) -> list[NodeSlots]:

@@ -45,7 +45,6 @@ class NativeSlots:
         self.ranges = slots.ranges
         self.carved = slots.carved
         self.online = slots.online
-        self._kept_waiting = 0
         if slots.online < sum(r.count for r in slots.ranges):
             lane.set_online(slots.online_runs())
 
@@ -59,14 +58,6 @@ class NativeSlots:
     def online_in(self, index: int) -> int:
         return self._lane.online_in(index)
 
-    @property
-    def kept_waiting(self) -> int:
-        return self._kept_waiting
-
-    @kept_waiting.setter
-    def kept_waiting(self, n: int) -> None:
-        self._kept_waiting = n
-        self._lane.set_kept_waiting(n)
 
     def set_online(self, ranges) -> None:
         ranges = list(ranges)
@@ -74,12 +65,12 @@ class NativeSlots:
         self.online = sum(count for _, count in ranges)
 
     def add_online(self, first: int, count: int, held=()) -> list[int]:
-        held = [s for s in held if first <= s < first + count]
-        self.online += self._lane.add_online(first, count, held)  # the lane clears the free ones' records
+        """`held`: the chunk's slots that kept blocks wait in (the lane counts them)."""
+        self.online += self._lane.add_online(first, count, list(held))  # the lane clears the free ones' records
         return []
 
-    def keep_only(self, used) -> list[int]:
-        self._lane.keep_only(used)
+    def keep_only(self, used, kept_waiting: int = 0) -> list[int]:
+        self._lane.keep_only(used, kept_waiting)
         return []  # the lane has cleared the free slots' records
 
     def allocate(self, node=None):

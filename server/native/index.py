@@ -130,19 +130,19 @@ class NativeIndex:
         self._send_changes()
 
     def free_kept(self, slots: list[int]) -> None:
-        self.lane.release_slots(list(slots))
+        self.lane.release_slots(list(slots), waited=True)
 
-    def restore(self, kept: Sequence[KeptBlock]) -> list[tuple[KeptBlock, Exception]]:
+    def restore(self, kept: Sequence[KeptBlock], waited: bool = False) -> list[tuple[KeptBlock, Exception]]:
         """As core/index.py's; the slots of blocks it refuses go back to the lane."""
         refused = []
         for block_kept in kept:
             try:
                 ns = kept_namespace(self.namespaces, block_kept)
             except Exception as e:
-                self.lane.release_slots(list(block_kept.slots))
+                self.lane.release_slots(list(block_kept.slots), waited)
                 refused.append((block_kept, e))
                 continue
-            if not self.lane.restore(ns.id, block_kept.key, block_kept.slots, block_kept.lengths):
+            if not self.lane.restore(ns.id, block_kept.key, block_kept.slots, block_kept.lengths, waited):
                 refused.append((block_kept, KeyError("stored anew while its chunk came up")))
         self._after_call()
         self._send_changes()

@@ -181,20 +181,18 @@ class Lane:
         self._lib.kvd_clear(self._h, -1 if ns_id is None else ns_id, out)
         return out[0], out[1]
 
-    def restore(self, ns_id: int, key: bytes, slots: list[int], lengths: tuple) -> bool:
-        """False (its slots freed) when the index holds the key already."""
+    def restore(self, ns_id: int, key: bytes, slots: list[int], lengths: tuple, waited: bool = False) -> bool:
+        """False (its slots freed) when the index holds the key already.
+        `waited`: its slots were held for adoption, and are counted out."""
         return bool(self._lib.kvd_restore(self._h, ns_id, key, (_I64 * len(slots))(*slots),
-                                          (_U64 * len(lengths))(*lengths)))
+                                          (_U64 * len(lengths))(*lengths), len(slots), waited))
 
-    def set_kept_waiting(self, n: int) -> None:
-        self._lib.kvd_set_kept_waiting(self._h, n)
+    def release_slots(self, slots: list[int], waited: bool = False) -> None:
+        self._lib.kvd_release_slots(self._h, (_I64 * len(slots))(*slots), len(slots), waited)
 
-    def release_slots(self, slots: list[int]) -> None:
-        self._lib.kvd_release_slots(self._h, (_I64 * len(slots))(*slots), len(slots))
-
-    def keep_only(self, used) -> None:
+    def keep_only(self, used, kept_waiting: int = 0) -> None:
         used = list(used)
-        self._lib.kvd_keep_only(self._h, (_I64 * len(used))(*used), len(used))
+        self._lib.kvd_keep_only(self._h, (_I64 * len(used))(*used), len(used), kept_waiting)
 
     def reserve_promotion(self, ns_id: int, tp_size: int, key: bytes, lengths: tuple) -> tuple[int, list[int]]:
         slots = (_I64 * tp_size)()

@@ -55,7 +55,9 @@ class Adoption:
     def __init__(self, pool: HostPool, catalog: Catalog, threads: int = 0):
         self.pool = pool
         self.catalog = catalog
-        self.threads = threads or min(16, os.cpu_count() or 1)
+        # One set of hashing threads for every check, at start and as chunks come up.
+        self._hashing = concurrent.futures.ThreadPoolExecutor(threads or min(16, os.cpu_count() or 1),
+                                                              thread_name_prefix="kvdepot-adopt")
         self.waiting: list[Candidate] = []
         self.left = 0  # candidates still waiting, after take_up
         # The waiting candidates by each chunk not up yet that holds one of their shards.
@@ -97,6 +99,9 @@ class Adoption:
             self.waiting.append(Candidate(identity, catalog.signatures(digest), key,
                                           [by_rank[r] for r in range(tp_size)], generation))
 
+    def close(self) -> None:
+        self._hashing.shutdown(wait=True)
+
     def held_slots(self) -> set[int]:
         return {slot for c in self.waiting for slot in c.slots}
 
@@ -130,9 +135,8 @@ class Adoption:
         result = Checked()
         shards = [shard for c in candidates for shard in c.shards]
         view = self.pool.slot_view
-        with concurrent.futures.ThreadPoolExecutor(self.threads) as executor:
-            hashes = iter(list(executor.map(lambda s: hash_of(s[1], view(s[0], s[1].length)), shards,
-                                            chunksize=64)))
+        hashes = iter(list(self._hashing.map(lambda s: hash_of(s[1], view(s[0], s[1].length)), shards,
+                                             chunksize=64)))
         for candidate in candidates:
             bad = sum(next(hashes) != record.data_hash for _, record in candidate.shards)
             if bad:

@@ -114,6 +114,7 @@ class WarmPool(Tier):
         # Kept blocks waiting for their chunks to come up, and their checks under way.
         self._adoption: Adoption | None = None
         self._late: list[asyncio.Future] = []
+        self._closed = False
         # One thread: a batch at a time, so that hashing takes at most a
         # core and its memory bandwidth from the copies.
         self._threads = concurrent.futures.ThreadPoolExecutor(
@@ -217,8 +218,13 @@ class WarmPool(Tier):
         return self.unsealed if self._sealer is None else self._sealer.unsealed
 
     async def close(self) -> None:
-        # Checks of kept blocks under way read the pool: they end before it goes.
-        await asyncio.gather(*self._late, return_exceptions=True)
+        # Checks of kept blocks under way read the pool: they end before it
+        # goes, and no other starts (their blocks stay for the next daemon).
+        self._closed = True
+        me = asyncio.current_task()
+        await asyncio.gather(*[t for t in self._late if t is not me], return_exceptions=True)
+        if self._adoption is not None:
+            self._adoption.close()
         await self.flush()  # every committed shard sealed, for the next daemon
         self._threads.shutdown(wait=True, cancel_futures=False)
 
@@ -251,14 +257,17 @@ class WarmPool(Tier):
         if self._sealer is not None:
             self._sealer.set_generation(self.generation)
         self._adoption = adoption if adoption.left else None
+        if not adoption.left:
+            adoption.close()
         waiting = f"; {adoption.left} more wait for their part of the pool to come up" * bool(adoption.left)
         log.info(
             "adopted %d block(s) (%d slots) from the kept pool in %.2f s%s; shards discarded: %s",
             self.adopted_blocks, self.adopted_shards, checked.seconds, waiting, self._discarded_text(),
         )
 
-    def _restore(self, checked: Checked) -> None:
-        """Checked blocks back to DRAM; the slots of those that failed freed."""
+    def _restore(self, checked: Checked, waited: bool = False) -> None:
+        """Checked blocks back to DRAM; the slots of those that failed freed.
+        `waited`: their slots were held for adoption (HostPool.hold)."""
         for reason, n in checked.discarded.items():
             self.adopt_discarded[reason] = self.adopt_discarded.get(reason, 0) + n
         if checked.bad_slots:
@@ -268,7 +277,7 @@ class WarmPool(Tier):
             fields = dict(zip(IDENTITY_FIELDS, c.identity))
             scope = fields.pop("scope")
             kept.append(KeptBlock(NamespaceSpec(**fields), scope, c.signatures, c.key, c.slots, c.lengths))
-        refused = self.host.restore(kept)
+        refused = self.host.restore(kept, waited)
         for block, error in refused:  # a limit lowered since, a spec no longer valid, a key stored anew
             reason = "stored_anew" if isinstance(error, KeyError) else "namespace_refused"
             self.adopt_discarded[reason] = self.adopt_discarded.get(reason, 0) + len(block.slots)
@@ -283,23 +292,32 @@ class WarmPool(Tier):
         """A chunk of the pool came up: the kept blocks it completes are
         checked on threads and come back (on the loop)."""
         adoption = self._adoption
-        if adoption is None:
+        if adoption is None or self._closed:
             return
         up = adoption.chunk_up(self.pool.chunk_of(first))
         if not adoption.left:
             self._adoption = None
+            self._late.append(asyncio.ensure_future(self._close_when_done(adoption)))
         if up:
             self._late.append(asyncio.ensure_future(self._adopt_late(adoption, up)))
+
+    async def _close_when_done(self, adoption: Adoption) -> None:
+        """After the last chunk's candidates: their checks end, then the hashing threads."""
+        me = asyncio.current_task()
+        await asyncio.gather(*[t for t in self._late if t is not me and not t.done()], return_exceptions=True)
+        adoption.close()
+        if not self._closed:
+            log.info("adopted %d block(s) (%d slots) from the kept pool, the last as their part of the pool came "
+                     "up; shards discarded: %s", self.adopted_blocks, self.adopted_shards, self._discarded_text())
 
     async def _adopt_late(self, adoption: Adoption, up: list) -> None:
         try:
             checked = await self._loop.run_in_executor(None, adoption.check, up)
-            self.pool.let_go_held([slot for c in up for slot in c.slots])
-            self._restore(checked)
         except Exception:  # its blocks stay held, their records for the next daemon
-            log.exception("adopting kept blocks as the pool came up failed")
+            log.exception("checking kept blocks as the pool came up failed")
             return
-        if self._adoption is None and all(task.done() for task in self._late if task is not asyncio.current_task()):
-            log.info("adopted %d block(s) (%d slots) from the kept pool, the last as their part of the pool came "
-                     "up; shards discarded: %s", self.adopted_blocks, self.adopted_shards, self._discarded_text())
+        if self._closed:
+            return  # held: the next daemon adopts them
+        self._restore(checked, waited=True)
+        self.pool.let_go_held([slot for c in up for slot in c.slots])
 

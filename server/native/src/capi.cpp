@@ -310,34 +310,38 @@ KVD_API void kvd_clear(Lane* lane, int64_t ns, uint64_t* out) {
   out[1] = counts.second;
 }
 
-KVD_API int kvd_restore(Lane* lane, uint32_t ns, const uint8_t* key, const int64_t* slots, const uint64_t* lengths) {
+// `waited`: the block's slots were held for adoption (Slots::kept_waiting),
+// counted out in the same locked step.
+KVD_API int kvd_restore(Lane* lane, uint32_t ns, const uint8_t* key, const int64_t* slots, const uint64_t* lengths,
+                        uint32_t tp, int waited) {
   if (!lane) return 0;
   std::lock_guard<std::mutex> lock(lane->mutex);
+  if (waited) lane->slots->no_longer_waiting(tp);
   Namespace* space = lane->index->ns(ns);
-  if (!space) return 0;
+  if (!space || space->tp != tp) {
+    for (uint32_t i = 0; i < tp; i++)
+      if (slots[i] >= 0 && slots[i] < lane->slots->num_slots()) lane->slots->release(slots[i]);
+    return 0;
+  }
   Key k;
   std::memcpy(k.b, key, KEY_BYTES);
-  return lane->index->restore(*space, k, std::vector<int64_t>(slots, slots + space->tp),
-                              std::vector<uint64_t>(lengths, lengths + space->tp));
+  return lane->index->restore(*space, k, std::vector<int64_t>(slots, slots + tp),
+                              std::vector<uint64_t>(lengths, lengths + tp));
 }
 
-KVD_API void kvd_set_kept_waiting(Lane* lane, int64_t n) {
+KVD_API void kvd_release_slots(Lane* lane, const int64_t* slots, size_t n, int waited) {
   if (!lane) return;
   std::lock_guard<std::mutex> lock(lane->mutex);
-  lane->slots->set_kept_waiting(n);
-}
-
-KVD_API void kvd_release_slots(Lane* lane, const int64_t* slots, size_t n) {
-  if (!lane) return;
-  std::lock_guard<std::mutex> lock(lane->mutex);
+  if (waited) lane->slots->no_longer_waiting((int64_t)n);
   for (size_t i = 0; i < n; i++)
     if (slots[i] >= 0 && slots[i] < lane->slots->num_slots()) lane->slots->release(slots[i]);
 }
 
-KVD_API void kvd_keep_only(Lane* lane, const int64_t* used, size_t n) {
+KVD_API void kvd_keep_only(Lane* lane, const int64_t* used, size_t n, int64_t kept_waiting) {
   if (!lane) return;
   std::lock_guard<std::mutex> lock(lane->mutex);
   lane->slots->keep_only(std::vector<int64_t>(used, used + n));
+  lane->slots->set_kept_waiting(kept_waiting);
 }
 
 KVD_API uint64_t kvd_reserve_promotion(Lane* lane, uint32_t ns, const uint8_t* key, const uint64_t* lengths, int64_t* slots) {

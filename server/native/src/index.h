@@ -34,6 +34,7 @@ class Slots {
   // Slots taken for kept blocks that wait for their other chunks (no block holds them yet).
   int64_t kept_waiting() const { return kept_waiting_; }
   void set_kept_waiting(int64_t n) { kept_waiting_ = n; }
+  void no_longer_waiting(int64_t n) { kept_waiting_ -= n; }
   int64_t online_in(size_t range) const { return online_in_[range]; }
   int64_t num_slots() const { return num_slots_; }
   const std::vector<Range>& ranges() const { return ranges_; }

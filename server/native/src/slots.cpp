@@ -65,7 +65,10 @@ int64_t Slots::add_online(int64_t first, int64_t count, const std::vector<int64_
     online_in_[i]++;
     online_count_++;
     added++;
-    if (std::binary_search(kept.begin(), kept.end(), s)) continue;
+    if (std::binary_search(kept.begin(), kept.end(), s)) {
+      kept_waiting_++;
+      continue;
+    }
     if (records_) std::memset(record(s), 0, RECORD_BYTES);
     stacks_[i].push_back(s);
     free_++;
