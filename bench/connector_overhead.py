@@ -416,7 +416,8 @@ def run_one(n: int, args, socket: str, log) -> dict:
                 out[name]["hooks"] = summarize(s["hooks"])
                 out[name]["all_hooks"] = summarize(s["all_hooks"])
                 out[name]["hook_mean_us"] = {
-                    k.removeprefix("hook:"): v / len(s["sched"]) / 1e3 for k, v in e.totals.items() if k.startswith("hook:")
+                    k.removeprefix("hook:"): v / len(s["sched"]) / 1e3
+                    for k, v in e.totals.items() if k.startswith("hook:")
                 }
                 out[name]["connector_counters"] = e.connector_counters()
         c, p = out["conn"], out["plain"]
@@ -433,8 +434,9 @@ def run_one(n: int, args, socket: str, log) -> dict:
 
 def markdown(results: list[dict]) -> str:
     lines = [
-        "| running | steps / config | sched p50 no conn (us) | sched p50 conn (us) | **p50 ratio** | sched mean no conn | "
-        "sched mean conn | **mean ratio** | worker hooks p50 / p99 (us) | hit tokens / loads / stores | preempted (conn / no conn) |",
+        "| running | steps / config | sched p50 no conn (us) | sched p50 conn (us) | **p50 ratio** | "
+        "sched mean no conn | sched mean conn | **mean ratio** | worker hooks p50 / p99 (us) | "
+        "hit tokens / loads / stores | preempted (conn / no conn) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
@@ -521,8 +523,9 @@ def main() -> int:
         "block": args.block,
         "wall_s": time.monotonic() - t_start,
     }
-    print(f"vLLM {info['vllm']} (CPU), torch {info['torch']}, Python {info['python']}, {info['cores']} cores, {info['date']}; "
-          f"`{info['command']}`; KV writes {'on' if args.compute else 'off'}; forward {args.forward_ms:g} ms, reads {args.forward_read_mb} MiB; total {info['wall_s']:.0f} s\n")  # fmt: skip
+    print(f"vLLM {info['vllm']} (CPU), torch {info['torch']}, Python {info['python']}, {info['cores']} cores, "
+          f"{info['date']}; `{info['command']}`; KV writes {'on' if args.compute else 'off'}; forward "
+          f"{args.forward_ms:g} ms, reads {args.forward_read_mb} MiB; total {info['wall_s']:.0f} s\n")
     print(markdown(results))
     print()
     print(hook_table(results))
@@ -530,7 +533,8 @@ def main() -> int:
         c, p = r["conn"], r["plain"]
         print(
             f"\nN={r['running']}: schedule() p50 {c['schedule']['p50_us']:.0f} vs {p['schedule']['p50_us']:.0f} us, "
-            f"update_from_output() p50 {c['update_from_output']['p50_us']:.0f} vs {p['update_from_output']['p50_us']:.0f} us, "
+            f"update_from_output() p50 {c['update_from_output']['p50_us']:.0f} vs "
+            f"{p['update_from_output']['p50_us']:.0f} us, "
             f"add_request mean {c['add_request']['mean_us']:.0f} vs {p['add_request']['mean_us']:.0f} us "
             f"(sched+add mean ratio {r['ratio_mean_with_add']:.3f}); sched p99 {c['sched']['p99_us']:.0f} vs "
             f"{p['sched']['p99_us']:.0f} us; all connector calls p50/p99 {c['all_hooks']['p50_us']:.0f}/"

@@ -2,9 +2,9 @@
 
 A chunk is one CUDA registration of whole slots (HostPool.registration_bytes),
 so that no DMA run crosses two. The daemon serves as soon as its first chunks
-are up (HostPool.bring_up_first: the first of each NUMA range, or every chunk
-that holds a kept block); the rest come up behind it on a thread of their own
-(`start`), each chunk faulted in on several threads while the one before it is
+are up (HostPool._bring_up_first: the first of each NUMA range); the rest come
+up behind it on a thread of their own (`start`), those holding kept blocks
+first, each chunk faulted in on several threads while the one before it is
 registered, and the depot takes each chunk's slots as it comes.
 
 Page faults of one tmpfs file run in parallel (fallocate would take the
@@ -88,7 +88,6 @@ class BringUp:
         self.base = base
         self._fd = fd  # for fallocate before Linux 5.14; closed by close()
         self.directory = directory
-        self.threads = threads
         self.piece = piece  # a multiple of the pool's page size
         self.cudart = cudart  # None: nothing is pinned
         self._hint = not_pinnable_hint
@@ -140,8 +139,7 @@ class BringUp:
 
     # ------------------------------------------------------------ chunks
 
-    def bring(self, chunks: list[tuple[int, int]], done: Callable[[int], None],
-              progress: Callable[[int], None] | None = None) -> None:
+    def bring(self, chunks: list[tuple[int, int]], done: Callable[[int], None]) -> None:
         """Faults in and pins `chunks` (offset, length) in order, `AHEAD` of
         them faulting while one is registered; `done(i)` after the `i`th is up.
         Raises BringUpError; stops quietly once `stop` was called."""
@@ -161,16 +159,14 @@ class BringUp:
                 return
             self.register(offset, length)
             done(i)
-            if progress is not None:
-                progress(i)
 
     def start(self, chunks: list[tuple[int, int]], done: Callable[[int], None],
-              progress: Callable[[int], None], finished: Callable[[str], None]) -> None:
+              finished: Callable[[str], None]) -> None:
         """Brings `chunks` up on a thread of its own; `finished(error)` at the end ('' when all came up)."""
 
         def run() -> None:
             try:
-                self.bring(chunks, done, progress)
+                self.bring(chunks, done)
             except BringUpError as e:
                 self.error = str(e)
             except Exception as e:  # the daemon goes on with the chunks that are up
@@ -180,10 +176,6 @@ class BringUp:
 
         self._thread = threading.Thread(target=run, name="kvdepot-bring-up", daemon=True)
         self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         """Ends the thread after the chunk it is on; needed before the mapping goes."""

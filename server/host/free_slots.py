@@ -93,7 +93,7 @@ class FreeSlots:
         (taken); returns the ones that came online free."""
         added = [s for s in range(min(first + count, len(self._online)) - 1, max(first, 0) - 1, -1)
                  if not self._online[s]]
-        free = []
+        free, held = [], set(held)
         for slot in added:  # highest first: the chunk's lowest slots are taken first
             self._online[slot] = 1
             i = self._range_of(slot)

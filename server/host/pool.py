@@ -298,7 +298,6 @@ class HostPool:
             self._chunk_up[i] = 1
         self.slots.set_online(chunks[i] for i in first)
         self._progress(self._up_so_far(sum(chunks[i][1] for i in first) * self.slot_bytes))
-        self.first_seconds = time.monotonic() - started
         self._bring_started = started
 
     def _up_so_far(self, nbytes: int) -> str:
@@ -346,11 +345,7 @@ class HostPool:
         if not rest:
             finished("")
             return
-        self._up.start([self._byte_range(c) for c in rest], up, lambda i: None, finished)
-
-    @property
-    def bringing_up(self) -> bool:
-        return self._up.running
+        self._up.start([self._byte_range(c) for c in rest], up, finished)
 
     @property
     def bring_up_error(self) -> str:

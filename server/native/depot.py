@@ -58,12 +58,6 @@ class NativeSlots:
     def online_in(self, index: int) -> int:
         return self._lane.online_in(index)
 
-
-    def set_online(self, ranges) -> None:
-        ranges = list(ranges)
-        self._lane.set_online(ranges)
-        self.online = sum(count for _, count in ranges)
-
     def add_online(self, first: int, count: int, held=()) -> list[int]:
         """`held`: the chunk's slots that kept blocks wait in (the lane counts them)."""
         self.online += self._lane.add_online(first, count, list(held))  # the lane clears the free ones' records

@@ -239,7 +239,7 @@ class WarmPool(Tier):
 
     def recover(self) -> None:
         """Adopts the kept pool's blocks, if the pool file was kept: those in
-        chunks that are up now, the others as their chunks come up (chunk_up)."""
+        chunks that are up now, the others as their chunks come up (pool_grew)."""
         if not self.pool.adopted:
             return
         self._progress(f"adopting the blocks of {self.pool.path}")
