@@ -215,11 +215,15 @@ def test_kept_blocks_come_back_over_many_small_chunks_while_stores_go_on(start_d
     client = client_factory(daemon, backoff_max=0.5)
     worker, engine, tensors = attach_worker(client, seed=7)
     keys = prompt_keys(1800, prompt=5)
+    # Stores that outran this daemon's own bring-up would evict the first
+    # blocks (the pool up so far is full): every block must be kept to count.
+    wait_until(lambda: client.stats().pool.online_slots == 2048, timeout=30, what="the first pool up")
     for i in range(0, 1800, 100):
         job = client.submit_store(worker, i + 1, keys[i : i + 100], list(range(100)))
         assert client.wait([job], 30)[job].ok
     wait_until(lambda: [t for t in client.stats().tiers if t.name == "dram"][0].written_shards >= 1800,
                timeout=60, what="every record sealed")
+    assert [t for t in client.stats().tiers if t.name == "dram"][0].shards == 1800
     assert daemon.stop() == 0
     daemon.start()
     assert client.wait_connected(15)
