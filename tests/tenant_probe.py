@@ -62,6 +62,10 @@ def main() -> int:
         "stats_namespaces": [n.name for n in stats.namespaces],
         "stats_clients": [c.client_name for c in stats.clients],
         "anonymous_stats": [len(anonymous.namespaces), len(anonymous.clients), anonymous.totals.lookups],
+        # What the pool's DRAM holds, as this tenant may see it: its own blocks' bytes alone.
+        "kv_bytes": stats.kv_bytes,
+        "block_sizes": [[b.block_bytes, b.namespaces, b.used_slots] for b in stats.block_sizes],
+        "anonymous_kv": [anonymous.kv_bytes, len(anonymous.block_sizes)],
         "clear_victim_namespace": code_of(lambda: stub.Clear(pb.ClearRequest(session_id=sid, namespace_name=victim_ns))),
         "clear_all": code_of(lambda: stub.Clear(pb.ClearRequest(session_id=sid))),
         "clear_all_without_session": code_of(lambda: stub.Clear(pb.ClearRequest())),

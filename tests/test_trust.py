@@ -75,6 +75,12 @@ def test_another_tenant_can_neither_read_probe_poison_nor_clear_a_tenants_blocks
     assert got["stats_namespaces"] == [got["namespace_name"]]
     assert got["stats_clients"] == []
     assert got["anonymous_stats"] == [0, 0, 0]
+    # The DRAM's KV bytes and sizes count the probe's own 4 blocks, not the
+    # victim's: with the used slots everyone sees, those would tell the
+    # victim's block size (its model's shape) and how much it holds.
+    [[block_bytes, namespaces, used]] = got["block_sizes"]
+    assert (namespaces, used) == (1, 4) and got["kv_bytes"] == 4 * block_bytes
+    assert got["anonymous_kv"] == [0, 0]
     assert got["clear_victim_namespace"] == "NOT_FOUND"
     assert got["clear_all"] == "PERMISSION_DENIED"
     assert got["clear_all_without_session"] == "PERMISSION_DENIED"
