@@ -5,7 +5,9 @@ up, and blocks stored over many chunks survive a restart bit-exact."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
+import pytest
 import torch
 from conftest import wait_until
 from kvcache import attach_worker, block_of, prompt_keys
@@ -241,3 +243,54 @@ def test_kept_blocks_come_back_over_many_small_chunks_while_stores_go_on(start_d
     assert daemon.running and "inconsistent" not in daemon.log()
     [dram] = [t for t in client.stats().tiers if t.name == "dram"]
     assert dram.recovered_shards == 1800 and dict(dram.discarded) == {}
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+def test_blocks_adopted_as_their_chunk_comes_up_go_before_blocks_stored_since_the_restart(
+    start_daemon, client_factory, tmp_path, eviction
+):
+    """Kept blocks were stored before the restart: one adopted late, once its
+    chunk came up, still goes before a block stored since (it went in as the
+    newest, and a full pool evicted the blocks the engines use now)."""
+    gate = tmp_path / "bring-up-gate"
+    # 64 slots in 16 chunks of 4.
+    daemon = start_daemon(pool_size="1MiB", pin_chunk_bytes="64KiB", eviction=eviction,
+                          launcher=str(Path(__file__).with_name("daemon_with_held_bring_up.py")),
+                          env={"KVDEPOT_TEST_BRING_UP_GATE": str(gate)})
+    client = client_factory(daemon, backoff_max=0.5)
+    worker, engine, tensors = attach_worker(client, seed=9)
+
+    def store(job_id: int, keys: list[bytes]) -> None:
+        job = client.submit_store(worker, job_id, keys, list(range(len(keys))))
+        assert client.wait([job], 30)[job].ok
+
+    def held(keys: list[bytes]) -> int:
+        return sum(client.lookup(engine, [key]).ready_blocks for key in keys)
+
+    wait_until(lambda: client.stats().pool.online_slots == 64, what="the first pool up")
+    kept = prompt_keys(24, prompt=7)
+    store(1, kept)  # 6 of the 16 chunks' worth
+    wait_until(lambda: [t for t in client.stats().tiers if t.name == "dram"][0].written_shards >= 24,
+               what="every record sealed")
+    assert daemon.stop() == 0
+    gate.touch()
+    daemon.start()
+    assert client.wait_connected(15)
+    # Chunk 0 alone is up: its kept blocks (`early`, by where the lane put
+    # them) are back. Stored now, these take its free slots and evict those.
+    stats = client.stats()
+    assert stats.pool.online_slots == 4
+    early = [t for t in stats.tiers if t.name == "dram"][0].recovered_shards
+    since = prompt_keys(4, prompt=8)
+    store(2, since)
+    gate.unlink()
+    wait_until(lambda: "the last as their part of the pool came up" in daemon.log(), what="the late adoption")
+    # (Counted, not looked up: a lookup is a use, and would make them the newest.)
+    stats = client.stats()
+    assert [t for t in stats.tiers if t.name == "dram"][0].recovered_shards == 24
+    free = stats.pool.online_slots - stats.used_slots
+    assert free == 64 - 4 - (24 - early)
+    store(3, prompt_keys(free, prompt=9))  # the pool full
+    store(4, prompt_keys(4, prompt=10))  # 4 evicted: kept ones, not those stored since
+    assert held(since) == 4
+    assert held(kept) == 24 - early - 4

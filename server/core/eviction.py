@@ -26,6 +26,10 @@ class LRUPolicy:
         self._order[key] = None
         self._order.move_to_end(key)
 
+    def insert_oldest(self, key: Key) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key, last=False)
+
     def touch(self, key: Key) -> None:
         if key in self._order:
             self._order.move_to_end(key)
@@ -75,6 +79,11 @@ class ARCPolicy:
             self.b1.popitem(last=False)
         while len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c and self.b2:
             self.b2.popitem(last=False)
+
+    def insert_oldest(self, key: Key) -> None:
+        """A key this cache has not seen used (no ghost counts), older than every other."""
+        self.t1[key] = None
+        self.t1.move_to_end(key, last=False)
 
     def touch(self, key: Key) -> None:
         if key in self.t1:

@@ -222,7 +222,10 @@ class BlockIndex:
         """Ready blocks adopted from the kept pool, their slots already taken, oldest first; one whose
         namespace is refused now, or whose key was stored anew meanwhile, gives its slots back."""
         refused = []
-        for block_kept in kept:
+        # Held until now, they were stored before every block stored since the
+        # restart: they go in at the old end of the eviction order (the newest
+        # of them first, so that they keep their own order).
+        for block_kept in reversed(kept) if waited else kept:
             if waited:  # held for adoption until now
                 self.pool.slots.no_longer_waiting(len(block_kept.slots))
             try:
@@ -240,9 +243,10 @@ class BlockIndex:
             block.ready = True
             self._blocks[block.index_key] = block
             self._count(ns, held=len(block.slots), ready=1)
-            self.evictions.of(ns.scope).insert(block.index_key)
+            policy = self.evictions.of(ns.scope)
+            (policy.insert_oldest if waited else policy.insert)(block.index_key)
             self._changed(block, BlockState.READY)
-        return refused
+        return refused[::-1] if waited else refused
 
     # ------------------------------------------------------------ stores
 

@@ -135,7 +135,8 @@ class NativeIndex:
     def restore(self, kept: Sequence[KeptBlock], waited: bool = False) -> list[tuple[KeptBlock, Exception]]:
         """As core/index.py's; the slots of blocks it refuses go back to the lane."""
         refused = []
-        for block_kept in kept:
+        # Late (waited): each goes in at the old end, the newest first (core/index.py says why).
+        for block_kept in reversed(kept) if waited else kept:
             try:
                 ns = kept_namespace(self.namespaces, block_kept)
             except Exception as e:
@@ -146,4 +147,4 @@ class NativeIndex:
                 refused.append((block_kept, KeyError("stored anew while its chunk came up")))
         self._after_call()
         self._send_changes()
-        return refused
+        return refused[::-1] if waited else refused

@@ -325,8 +325,9 @@ KVD_API int kvd_restore(Lane* lane, uint32_t ns, const uint8_t* key, const int64
   }
   Key k;
   std::memcpy(k.b, key, KEY_BYTES);
+  // Held for adoption until now: stored before every block stored since the restart.
   return lane->index->restore(*space, k, std::vector<int64_t>(slots, slots + tp),
-                              std::vector<uint64_t>(lengths, lengths + tp));
+                              std::vector<uint64_t>(lengths, lengths + tp), waited != 0);
 }
 
 KVD_API void kvd_release_slots(Lane* lane, const int64_t* slots, size_t n, int waited) {

@@ -51,6 +51,17 @@ void push_back(Index& index, Order& order, uint32_t b, uint8_t list) {
   order.size++;
 }
 
+void push_front(Index& index, Order& order, uint32_t b, uint8_t list) {
+  Block& block = index.block(b);
+  block.prev = NIL;
+  block.next = order.head;
+  if (order.head != NIL) index.block(order.head).prev = b;
+  else order.tail = b;
+  order.head = b;
+  block.list = list;
+  order.size++;
+}
+
 Order& list_of(Policy& policy, uint8_t list) { return list == 2 ? policy.t2 : policy.t1; }
 
 // Removes and returns the oldest unpinned block. Pinned blocks passed over move
@@ -99,6 +110,13 @@ void Eviction::insert(Index& index, Policy& policy, uint32_t b) {
   while ((double)(policy.t1.size + policy.t2.size + policy.b1.order.size() + policy.b2.order.size()) > 2 * c &&
          !policy.b2.order.empty())
     policy.b2.pop_oldest();
+}
+
+void Eviction::insert_oldest(Index& index, Policy& policy, uint32_t b) {
+  // A block this daemon has not seen used: T1 under ARC, no ghost counted.
+  Block& block = index.block(b);
+  if (block.list) unlink(index, list_of(policy, block.list), b);
+  push_front(index, policy.t1, b, 1);
 }
 
 void Eviction::touch(Index& index, Policy& policy, uint32_t b) {

@@ -115,7 +115,9 @@ class Index {
   // A ready block adopted from the kept pool, its slots taken already.
   // A kept block adopted with its slots taken; false (its slots freed) when
   // the index holds the key already.
-  bool restore(Namespace& ns, const Key& key, const std::vector<int64_t>& slots, const std::vector<uint64_t>& lengths);
+  // `oldest`: at the old end of the eviction order (a kept block adopted late).
+  bool restore(Namespace& ns, const Key& key, const std::vector<int64_t>& slots, const std::vector<uint64_t>& lengths,
+               bool oldest = false);
   // Drops every unpinned block of `ns` (every namespace: nullptr): (dropped, kept pinned).
   std::pair<uint64_t, uint64_t> clear(const Namespace* ns);
   // Keys of `ns`: ready ones, being stored ones, or all.
@@ -167,6 +169,8 @@ class Index {
 class Eviction {
  public:
   static void insert(Index& index, Policy& policy, uint32_t b);
+  // At the old end (eviction.py insert_oldest): a kept block adopted late.
+  static void insert_oldest(Index& index, Policy& policy, uint32_t b);
   static void touch(Index& index, Policy& policy, uint32_t b);
   static void remove(Index& index, Policy& policy, uint32_t b);
   // Removes and returns the block to evict, NIL when every one is pinned.

@@ -65,7 +65,7 @@ void Index::finish_promotion(uint32_t b, bool ok) {
 }
 
 bool Index::restore(Namespace& ns, const Key& key, const std::vector<int64_t>& slots,
-                    const std::vector<uint64_t>& lengths) {
+                    const std::vector<uint64_t>& lengths, bool oldest) {
   if (contains(ns.id, key)) {
     // Stored anew while its kept copy waited for its chunk: that one is served.
     for (int64_t slot : slots) slots_.release(slot);
@@ -83,7 +83,8 @@ bool Index::restore(Namespace& ns, const Key& key, const std::vector<int64_t>& s
   block.live = true;
   map_[block.ik] = b;
   count(ns, (int64_t)slots.size(), 0, 1);
-  Eviction::insert(*this, policy(ns.scope), b);
+  if (oldest) Eviction::insert_oldest(*this, policy(ns.scope), b);
+  else Eviction::insert(*this, policy(ns.scope), b);
   hooks_.changed(ns, key, Change::READY);
   return true;
 }
