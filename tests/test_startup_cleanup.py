@@ -63,8 +63,12 @@ def setup(tmp_path):
          "--disk-size", "16MiB", "--drain-timeout", "1"],
         environ={},
     )
+    # As under nohup or in a background job: a failed start must leave the
+    # handler it found, not Python's default.
+    was = signal.signal(signal.SIGINT, signal.SIG_IGN)
     before = Taken.now(tmp_path)
-    return config, port, tmp_path, before
+    yield config, port, tmp_path, before
+    signal.signal(signal.SIGINT, was)
 
 
 class Taken:

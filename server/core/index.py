@@ -219,14 +219,12 @@ class BlockIndex:
             self.pool.release(slot)
 
     def restore(self, kept: Sequence[KeptBlock], waited: bool = False) -> list[tuple[KeptBlock, Exception]]:
-        """Ready blocks adopted from the kept pool, their slots already taken, oldest first; one whose
-        namespace is refused now, or whose key was stored anew meanwhile, gives its slots back."""
+        """Ready blocks adopted from the kept pool, their slots taken, oldest first; one whose namespace
+        is refused now, or whose key was stored anew, gives its slots back. `waited` (held until now):
+        older than every block stored since the start, they go in at the old end of the eviction order."""
         refused = []
-        # Held until now, they were stored before every block stored since the
-        # restart: they go in at the old end of the eviction order (the newest
-        # of them first, so that they keep their own order).
         for block_kept in reversed(kept) if waited else kept:
-            if waited:  # held for adoption until now
+            if waited:
                 self.pool.slots.no_longer_waiting(len(block_kept.slots))
             try:
                 ns = kept_namespace(self.namespaces, block_kept)
@@ -246,7 +244,7 @@ class BlockIndex:
             policy = self.evictions.of(ns.scope)
             (policy.insert_oldest if waited else policy.insert)(block.index_key)
             self._changed(block, BlockState.READY)
-        return refused[::-1] if waited else refused
+        return refused
 
     # ------------------------------------------------------------ stores
 

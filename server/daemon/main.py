@@ -88,8 +88,9 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     loop = asyncio.get_running_loop()
     # Removed last on the way out: a second SIGTERM or SIGINT while the tiers
     # close or the warm pool seals must not cut that short.
-    handled: list[int] = []
-    stack.callback(lambda: [loop.remove_signal_handler(sig) for sig in handled])
+    # Each with the handler it had (SIG_IGN under nohup), which asyncio's removal would not restore.
+    handled: list[tuple[int, object]] = []
+    stack.callback(lambda: [(loop.remove_signal_handler(sig), signal.signal(sig, was)) for sig, was in handled])
     address = startup.Address.of(config.network.listen)
     unix_path = address.unix_path
     tenants = Tenants(list(config.tenants), config.admin_uids, config.auth_token)
@@ -132,8 +133,9 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     health = await startup.open_grpc_server(stack, depot, tenants, address, credentials, job_path, max_queued_keys)
     startup.start_housekeeping(stack, depot)
     for sig in (signal.SIGTERM, signal.SIGINT):
+        was = signal.getsignal(sig)
         loop.add_signal_handler(sig, stop.set)
-        handled.append(sig)
+        handled.append((sig, signal.SIG_DFL if was is None else was))
     log.info("kvdepotd %s ready on %s (instance %s)", kvdepot.__version__, address.target, instance)
     # Only now: systemd starts units ordered after this one on READY=1, and
     # they expect calls to be answered.

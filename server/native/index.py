@@ -147,4 +147,4 @@ class NativeIndex:
                 refused.append((block_kept, KeyError("stored anew while its chunk came up")))
         self._after_call()
         self._send_changes()
-        return refused[::-1] if waited else refused
+        return refused
