@@ -285,6 +285,8 @@ def test_blocks_adopted_as_their_chunk_comes_up_go_before_blocks_stored_since_th
     store(2, since)
     gate.unlink()
     wait_until(lambda: "the last as their part of the pool came up" in daemon.log(), what="the late adoption")
+    # Chunks without kept blocks come up after those with: the last of them may be on its way.
+    wait_until(lambda: client.stats().pool.online_slots == 64, what="the whole pool up")
     # (Counted, not looked up: a lookup is a use, and would make them the newest.)
     stats = client.stats()
     assert [t for t in stats.tiers if t.name == "dram"][0].recovered_shards == 24

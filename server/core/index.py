@@ -219,13 +219,11 @@ class BlockIndex:
             self.pool.release(slot)
 
     def restore(self, kept: Sequence[KeptBlock], waited: bool = False) -> list[tuple[KeptBlock, Exception]]:
-        """Ready blocks adopted from the kept pool, their slots taken, oldest first; one whose namespace
-        is refused now, or whose key was stored anew, gives its slots back. `waited` (held until now):
-        older than every block stored since the start, they go in at the old end of the eviction order."""
+        """Kept blocks, ready, their slots taken, oldest first (a refused one frees its slots); `waited`
+        (held until now): older than any block stored since the start, in at the eviction order's old end."""
         refused = []
         for block_kept in reversed(kept) if waited else kept:
-            if waited:
-                self.pool.slots.no_longer_waiting(len(block_kept.slots))
+            self.pool.slots.no_longer_waiting(len(block_kept.slots) if waited else 0)
             try:
                 ns = kept_namespace(self.namespaces, block_kept)
                 if (ns.id, block_kept.key) in self._blocks:
@@ -244,6 +242,7 @@ class BlockIndex:
             policy = self.evictions.of(ns.scope)
             (policy.insert_oldest if waited else policy.insert)(block.index_key)
             self._changed(block, BlockState.READY)
+        self._send_changes()  # the engines' copies hear of them (a late adoption has no call to end)
         return refused
 
     # ------------------------------------------------------------ stores
@@ -451,10 +450,11 @@ def gone_from_dram(gone: set[tuple[bytes, bytes]], namespaces: Namespaces, in_dr
 
 def kept_namespace(namespaces: Namespaces, kept: KeptBlock) -> Namespace:
     """The namespace of a block adopted from the kept pool, with its ranks'
-    signatures as its first workers fixed them; raises when it is refused now."""
+    signatures as its first workers fixed them; raises when it is refused now (a
+    worker of another layout may have registered while it waited for its chunk)."""
     ns = namespaces.of(kept.spec, kept.scope)
     for rank, signature in kept.signatures.items():
-        if signature is not None:
-            ns.rank_signatures.setdefault(rank, signature)
+        if signature is not None and ns.rank_signatures.setdefault(rank, signature) != signature:
+            raise ValueError(f"rank {rank} of namespace {ns.name!r} has a worker of another layout now")
     ns.note_block_bytes(max(kept.lengths, default=0))
     return ns

@@ -29,8 +29,12 @@ class Candidate:
     # By rank: its slot and record.
     shards: list[tuple[int, ShardRecord]]
     generation: int
+    digest: bytes = b""  # its namespace's (records' ns)
     # Chunks of the pool holding one of its shards that are not up yet.
     missing: int = 0
+    # Cleared (kvdepot clear) while it waited: it never comes back.
+    dropped: bool = False
+    settled: bool = False  # restored or discarded after its check
 
     @property
     def slots(self) -> list[int]:
@@ -60,6 +64,8 @@ class Adoption:
                                                               thread_name_prefix="kvdepot-adopt")
         self.waiting: list[Candidate] = []
         self.left = 0  # candidates still waiting, after take_up
+        # Every candidate that waited at take_up, until the adoption closes (drop looks there).
+        self._late: list[Candidate] = []
         # The waiting candidates by each chunk not up yet that holds one of their shards.
         self._by_chunk: dict[int, list[Candidate]] = {}
         self.discarded: dict[str, int] = {}
@@ -90,14 +96,22 @@ class Adoption:
         for (digest, key), shards in parts.items():
             identity = catalog.identity(digest)
             tp_size = identity[6]
-            by_rank = {r.rank: (slot, r) for slot, r in shards if r.tp_size == tp_size}
-            if len(by_rank) != tp_size or len(shards) != tp_size:
-                self._discard(self.discarded, "incomplete", len(shards))
+            by_rank: dict[int, tuple[int, ShardRecord]] = {}
+            for slot, r in sorted(shards, key=lambda s: s[1].generation):
+                if r.tp_size == tp_size:
+                    by_rank[r.rank] = (slot, r)  # the newest shard of each rank
+            # A rank stored twice: a key stored anew while its kept copy waited
+            # for its chunk (the daemon stopped before that chunk came up).
+            superseded = sum(r.tp_size == tp_size for _, r in shards) - len(by_rank)
+            if superseded:
+                self._discard(self.discarded, "superseded", superseded)
+            if len(by_rank) != tp_size or len(shards) - superseded != tp_size:
+                self._discard(self.discarded, "incomplete", len(shards) - superseded)
                 continue
-            generation = max(r.generation for _, r in shards)
+            generation = max(r.generation for _, r in by_rank.values())
             self.generation = max(self.generation, generation)
             self.waiting.append(Candidate(identity, catalog.signatures(digest), key,
-                                          [by_rank[r] for r in range(tp_size)], generation))
+                                          [by_rank[r] for r in range(tp_size)], generation, digest))
 
     def close(self) -> None:
         self._hashing.shutdown(wait=True)
@@ -115,13 +129,28 @@ class Adoption:
                 self._by_chunk.setdefault(chunk, []).append(candidate)
             (waiting if chunks else up).append(candidate)
         self.waiting = waiting
+        self._late = list(waiting)
         self.left = len(waiting)
         return up
+
+    def drop(self, digest: bytes | None) -> list[Candidate]:
+        """The candidates of namespace `digest` (every one for None) still
+        waiting or being checked: marked dropped, they never come back."""
+        self._late = [c for c in self._late if not c.settled]
+        gone = [c for c in self._late if not c.dropped and (digest is None or c.digest == digest)]
+        for candidate in gone:
+            candidate.dropped = True
+            if candidate.missing:
+                self.left -= 1
+        self._late = [c for c in self._late if not c.dropped]
+        return gone
 
     def chunk_up(self, chunk: int) -> list[Candidate]:
         """The waiting candidates that chunk `chunk` coming up completes."""
         up = []
         for candidate in self._by_chunk.pop(chunk, ()):
+            if candidate.dropped:
+                continue
             candidate.missing -= 1
             if not candidate.missing:
                 up.append(candidate)

@@ -113,6 +113,7 @@ class WarmPool(Tier):
         self.adopt_discarded: dict[str, int] = {}
         # Kept blocks waiting for their chunks to come up, and their checks under way.
         self._adoption: Adoption | None = None
+        self._finishing: Adoption | None = None  # its last checks under way, once none waits
         self._late: list[asyncio.Future] = []
         self._closed = False
         # One thread: a batch at a time, so that hashing takes at most a
@@ -296,7 +297,7 @@ class WarmPool(Tier):
             return
         up = adoption.chunk_up(self.pool.chunk_of(first))
         if not adoption.left:
-            self._adoption = None
+            self._adoption, self._finishing = None, adoption
             self._late.append(asyncio.ensure_future(self._close_when_done(adoption)))
         if up:
             self._late.append(asyncio.ensure_future(self._adopt_late(adoption, up)))
@@ -306,6 +307,7 @@ class WarmPool(Tier):
         me = asyncio.current_task()
         await asyncio.gather(*[t for t in self._late if t is not me and not t.done()], return_exceptions=True)
         adoption.close()
+        self._finishing = None
         if not self._closed:
             log.info("adopted %d block(s) (%d slots) from the kept pool, the last as their part of the pool came "
                      "up; shards discarded: %s", self.adopted_blocks, self.adopted_shards, self._discarded_text())
@@ -318,6 +320,41 @@ class WarmPool(Tier):
             return
         if self._closed:
             return  # held: the next daemon adopts them
-        self._restore(checked, waited=True)
+        # Cleared during the check: clear() freed their slots already.
+        gone = {slot for c in up if c.dropped for slot in c.slots}
+        checked.blocks = [c for c in checked.blocks if not c.dropped]
+        checked.bad_slots = [slot for slot in checked.bad_slots if slot not in gone]
+        try:
+            self._restore(checked, waited=True)
+        except Exception:  # (the gathers that wait for this task would swallow it)
+            log.exception("bringing %d checked kept block(s) back as the pool came up failed: their slots "
+                          "stay taken until the next start", len(checked.blocks))
+            return
+        finally:
+            for candidate in up:
+                candidate.settled = True
         self.pool.let_go_held([slot for c in up for slot in c.slots])
+
+    def clear(self, ns) -> None:
+        """Kept blocks of `ns` (every namespace's when None) still waiting for
+        their chunk, or being checked, never come back: their records go now
+        (a restart before their chunk comes up must not bring them back), and
+        their slots are freed, now where they are up, else as they come up."""
+        adoption = self._adoption or self._finishing
+        if adoption is None or self._closed:
+            return
+        gone = adoption.drop(None if ns is None else ns.digest)
+        if not gone:
+            return
+        slots = [slot for c in gone for slot in c.slots]
+        for slot in slots:
+            self.pool.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = bytes(RECORD_BYTES)
+        self.pool.let_go_held(slots)
+        up = [slot for slot in slots if self.pool.is_online(slot)]
+        if up:
+            self.host.free_kept(up)
+        self.adopt_discarded["cleared"] = self.adopt_discarded.get("cleared", 0) + len(slots)
+        if adoption is self._adoption and not adoption.left:  # every one left was cleared
+            self._adoption, self._finishing = None, adoption
+            self._late.append(asyncio.ensure_future(self._close_when_done(adoption)))
 
