@@ -32,6 +32,9 @@ class Watch:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvdepot.client.cli", "--socket", daemon.socket, "stats", "--watch", str(interval)],
             stdout=stdout, stdin=stdin, stderr=subprocess.PIPE, env=subprocess_env(),
+            # Ctrl-C as at a terminal, even where these tests run with SIGINT
+            # ignored (a background job, nohup), which the child would inherit.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self._read_from = self.proc.stdout.fileno() if stdout == subprocess.PIPE else None
         self._chunks: list[bytes] = []
