@@ -32,8 +32,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvdepot.client import KVDepotClient  # noqa: E402
 from kvdepotd import BenchDaemon  # noqa: E402
+
+from kvdepot.client import KVDepotClient  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 PAGE = BLOCK_SIZE * HEADS * HEAD_DIM * 2

@@ -64,8 +64,6 @@ class Adoption:
                                                               thread_name_prefix="kvdepot-adopt")
         self.waiting: list[Candidate] = []
         self.left = 0  # candidates still waiting, after take_up
-        # Every candidate that waited at take_up, until the adoption closes (drop looks there).
-        self._late: list[Candidate] = []
         # The waiting candidates by each chunk not up yet that holds one of their shards.
         self._by_chunk: dict[int, list[Candidate]] = {}
         self.discarded: dict[str, int] = {}
@@ -128,21 +126,20 @@ class Adoption:
             for chunk in chunks:
                 self._by_chunk.setdefault(chunk, []).append(candidate)
             (waiting if chunks else up).append(candidate)
+        # Kept until each is settled or dropped, also once being checked (drop looks here).
         self.waiting = waiting
-        self._late = list(waiting)
         self.left = len(waiting)
         return up
 
     def drop(self, digest: bytes | None) -> list[Candidate]:
         """The candidates of namespace `digest` (every one for None) still
         waiting or being checked: marked dropped, they never come back."""
-        self._late = [c for c in self._late if not c.settled]
-        gone = [c for c in self._late if not c.dropped and (digest is None or c.digest == digest)]
+        gone = [c for c in self.waiting if not c.settled and (digest is None or c.digest == digest)]
         for candidate in gone:
             candidate.dropped = True
             if candidate.missing:
                 self.left -= 1
-        self._late = [c for c in self._late if not c.dropped]
+        self.waiting = [c for c in self.waiting if not (c.settled or c.dropped)]
         return gone
 
     def chunk_up(self, chunk: int) -> list[Candidate]:

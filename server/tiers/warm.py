@@ -296,11 +296,14 @@ class WarmPool(Tier):
         if adoption is None or self._closed:
             return
         up = adoption.chunk_up(self.pool.chunk_of(first))
-        if not adoption.left:
-            self._adoption, self._finishing = None, adoption
-            self._late.append(asyncio.ensure_future(self._close_when_done(adoption)))
+        self._finish_if_none_waits(adoption)
         if up:
             self._late.append(asyncio.ensure_future(self._adopt_late(adoption, up)))
+
+    def _finish_if_none_waits(self, adoption: Adoption) -> None:
+        if adoption is self._adoption and not adoption.left:
+            self._adoption, self._finishing = None, adoption
+            self._late.append(asyncio.ensure_future(self._close_when_done(adoption)))
 
     async def _close_when_done(self, adoption: Adoption) -> None:
         """After the last chunk's candidates: their checks end, then the hashing threads."""
@@ -354,7 +357,5 @@ class WarmPool(Tier):
         if up:
             self.host.free_kept(up)
         self.adopt_discarded["cleared"] = self.adopt_discarded.get("cleared", 0) + len(slots)
-        if adoption is self._adoption and not adoption.left:  # every one left was cleared
-            self._adoption, self._finishing = None, adoption
-            self._late.append(asyncio.ensure_future(self._close_when_done(adoption)))
+        self._finish_if_none_waits(adoption)  # every one left was cleared
 
