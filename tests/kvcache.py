@@ -69,3 +69,9 @@ def attach_worker(client, seed: int, layout: str = "per_layer"):
     worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
     engine = client.register_engine(ns)
     return worker, engine, tensors
+
+
+def dram(stats):
+    """The kept pool's row of a stats reply."""
+    [tier] = [t for t in stats.tiers if t.name == "dram"]
+    return tier

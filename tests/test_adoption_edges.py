@@ -11,16 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import wait_until
-from kvcache import BLOCK_SIZE, HEAD_DIM, KV_HEADS, NUM_BLOCKS, attach_worker, namespace, prompt_keys
+from kvcache import BLOCK_SIZE, HEAD_DIM, KV_HEADS, NUM_BLOCKS, attach_worker, dram, namespace, prompt_keys
 from test_warm_restart import SLOT_BYTES, flip, slot_of
 
 LAUNCHER = str(Path(__file__).with_name("daemon_with_held_bring_up.py"))
 SLOTS_PER_CHUNK = 4  # 1 MiB pool of 16 KiB slots, 64 KiB chunks: 16 chunks
-
-
-def dram(stats):
-    [tier] = [t for t in stats.tiers if t.name == "dram"]
-    return tier
 
 
 def gated_daemon(start_daemon, tmp_path, lane):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import subprocess_env, wait_until
-from kvcache import attach_worker, block_of, prompt_keys
+from kvcache import attach_worker, block_of, dram, prompt_keys
 
 WORKER = str(Path(__file__).resolve().parent / "worker_proc.py")
 
@@ -89,6 +89,9 @@ def test_daemon_killed_and_restarted_client_reconnects_by_itself(start_held_daem
     job = client.submit_store(worker, 1, keys, list(range(8)))
     assert client.wait([job], 10)[job].ok
     assert client.lookup(engine, keys).ready_blocks == 8
+    # kill -9 keeps only sealed records, and sealing follows a commit by a
+    # moment (longer on a loaded machine): the test kills once they are sealed.
+    wait_until(lambda: dram(client.stats()).written_shards >= 8, what="8 records sealed")
     first_instance = client.daemon_instance
     daemon.hold(10)
     client.submit_store(worker, 10, prompt_keys(4, prompt=21), list(range(8, 12)))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import subprocess_env, wait_until
-from kvcache import NUM_BLOCKS, attach_worker, block_of, prompt_keys
+from kvcache import NUM_BLOCKS, attach_worker, block_of, dram, prompt_keys
 
 WORKER = str(Path(__file__).resolve().parent / "worker_proc.py")
 RECORD_BYTES = 128
@@ -27,11 +27,6 @@ def run_worker(*args: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def dram(stats):
-    [tier] = [t for t in stats.tiers if t.name == "dram"]
-    return tier
 
 
 def store(client, worker, keys, job_id=1):
