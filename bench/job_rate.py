@@ -42,6 +42,13 @@ DEFAULT_GRID = "1x4x4,2x4x4,4x4x4,8x4x4,4x16x4,4x1x8"
 
 def _cpu_seconds(pid: int, thread: int | None = None) -> float:
     """utime + stime of the process, or of one of its threads."""
+    if thread is not None:
+        # A thread's time in ns where the kernel keeps it: stat counts 10 ms
+        # ticks, and a thread that ran less than one in the window shows 0.
+        try:
+            return int(Path(f"/proc/{pid}/task/{thread}/schedstat").read_text().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass
     path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -99,9 +99,17 @@ def idle(socket_path: str, count: int) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(socket_path + ".jobs")
         connections.append(sock)
-    time.sleep(1)  # for the daemon to answer those it refuses
-    answers = [refusal_of(sock) for sock in connections]
-    refused = [a for a in answers if a is not None]
+    # The daemon's answers, until none came for a second (a loaded daemon
+    # takes a while to reach the last connections of its backlog).
+    answers: dict[int, str] = {}
+    deadline, last = time.monotonic() + 20, time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - last < 1:
+        for i, sock in enumerate(connections):
+            if i not in answers and (answer := refusal_of(sock)) is not None:
+                answers[i], last = answer, time.monotonic()
+        time.sleep(0.05)
+    # Refused for a limit (RESOURCE_EXHAUSTED); not those a hello deadline closed since.
+    refused = [answers[i] for i in sorted(answers) if answers[i].startswith("8 ")]
     hold({"opened": count, "refused": len(refused), "first_refusal": refused[0] if refused else None})
 
 

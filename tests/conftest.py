@@ -200,6 +200,21 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: s
     raise AssertionError(f"{what} not reached within {timeout} s")
 
 
+def settled(read, quiet: float = 0.5, timeout: float = 20.0, what: str = "a count settling"):
+    """`read()` once it has not changed for `quiet` seconds (a background
+    writer caught up); a fixed sleep guesses how long that takes."""
+    deadline = time.monotonic() + timeout
+    value, since = read(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = read()
+        if now != value:
+            value, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return value
+    raise AssertionError(f"{what}: still changing after {timeout} s")
+
+
 @pytest.fixture
 def open_folder():
     """A daemon folder every uid can reach (pytest's own are root's alone), for

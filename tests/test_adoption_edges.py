@@ -147,7 +147,7 @@ def test_engines_hear_of_blocks_adopted_late(start_daemon, client_factory, tmp_p
     wait_until(lambda: "the last as their part of the pool came up" in daemon.log(), what="the late adoption")
     assert early < len(keys)
     wait_until(lambda: sum(client.cached_lookup(engine, [k]).ready_blocks for k in keys) == len(keys),
-               timeout=5, what="every kept block in the engine's copy")
+               what="every kept block in the engine's copy")
 
 
 @pytest.mark.parametrize("lane", ["python", "native"])

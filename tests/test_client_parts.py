@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
+
+from conftest import wait_until
 
 from kvdepot.client.jobs import JobBook
 from kvdepot.client.key_copy import MAX_EARLY_ENGINES, EngineCopies, EngineHandle
@@ -28,7 +29,7 @@ def test_results_are_handed_over_once_and_waits_keep_theirs():
     got = {}
     waiter = threading.Thread(target=lambda: got.update(book.wait([2], timeout=5)))
     waiter.start()
-    time.sleep(0.1)
+    wait_until(lambda: 2 in book._awaited, what="the waiter blocked on job 2")
     book.finish(1, True)
     book.finish(2, False, "it broke")
     # take_finished leaves job 2 to the wait blocked on it.

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from conftest import subprocess_env, wait_until
+from conftest import settled, subprocess_env, wait_until
 from kvcache import NUM_BLOCKS, attach_worker, block_of, prompt_keys
 
 POOL_SLOTS = 256  # the test daemons' 4 MiB pool of 16 KiB slots
@@ -145,9 +145,9 @@ def test_a_full_disk_drops_blocks_and_fails_nothing(start_daemon, client_factory
     worker, engine, tensors = attach_worker(client, seed=4)
     for r in range(10):
         fill_round(client, worker, tensors, r, 1 + r)
-    tier = disk(client.stats())
+    # The writer follows the commits: it has filled the disk once it evicts.
+    tier = wait_until(lambda: (t := disk(client.stats())).evicted_shards > 0 and t, what="the disk evicting")
     assert tier.bytes <= tier.capacity_bytes == 2 << 20
-    assert tier.evicted_shards > 0
     assert client.stats().totals.failed_jobs == 0
     # What the disk dropped is a plain miss.
     assert wait_ready(client, engine, prompt_keys(NUM_BLOCKS, prompt=0)) == 0
@@ -273,9 +273,8 @@ def test_kvdepot_clear_empties_the_disk_too_and_stays_cleared_after_a_restart(st
     for r in range(3):
         fill_round(client, worker, tensors, r, 1 + r)
     wait_until(lambda: disk(client.stats()).written_shards >= NUM_BLOCKS, what="the blocks on disk")
-    time.sleep(0.5)  # the writer has caught up with what it could still write
+    written = settled(lambda: disk(client.stats()).written_shards)  # the writer caught up
     [ns] = client.stats().namespaces
-    written = disk(client.stats()).written_shards
     assert client.clear(ns.name).cleared_blocks > 0
     for r in range(3):
         assert wait_ready(client, engine, prompt_keys(NUM_BLOCKS, prompt=r)) == 0

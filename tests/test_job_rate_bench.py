@@ -30,7 +30,7 @@ def test_the_job_rate_benchmark_measures_a_node_of_workers_without_a_gpu(tmp_pat
         assert point["failed"] == 0
         assert point["jobs"] > 10 and point["jobs_per_s"] > 0
         assert 0 < point["p50_ms"] <= point["p99_ms"] and point["worst_p99_ms"] > 0
-        # CPU from /proc in clock ticks: the thread that serves jobs (the native
+        # CPU from /proc (a thread's in ns): the thread that serves jobs (the native
         # lane's, or the event loop) did work in the window.
         assert point["path_thread"] in ("kvdepot-lane", "loop")
         assert point["daemon_cpu_us_per_job"] > 0 and point["path_cpu_us_per_job"] > 0

@@ -21,6 +21,7 @@ except OSError as e:
 
 POOL_SLOTS = 24
 STEPS = 160
+FENCE = 100_000  # job ids of the fences, apart from the steps'
 
 
 class Run:
@@ -39,7 +40,9 @@ class Run:
             self.daemon.hold(job)
             self.held.append(job)
         self.client.submit_store(self.worker, job, keys, block_ids)
-        if not hold:
+        if hold:
+            self.fence(job)
+        else:
             result = self.client.wait([job], 10)[job]
             self.seen.append(("store", job, result.ok, result.already_stored, result.not_stored))
 
@@ -54,10 +57,21 @@ class Run:
             self.daemon.hold(job)
             self.held.append(job)
         self.client.submit_load(self.worker, job, keys, block_ids)
-        if not hold:
+        if hold:
+            self.fence(job)
+        else:
             result = self.client.wait([job], 10)[job]
             wrong = wrong_blocks(self.tensors, block_ids, keys) if result.ok else None
             self.seen.append(("load", job, result.ok, wrong))
+
+    def fence(self, job: int) -> None:
+        """Returns once the daemon has taken held job `job` in. Its submit is
+        not answered, and the next step's lookup or stats goes over gRPC, which
+        can overtake it: an empty job, on the same socket, is refused only
+        after the daemon has read the held one."""
+        fence = FENCE + job
+        self.client.submit_store(self.worker, fence, [], [])
+        assert not self.client.wait([fence], 10)[fence].ok
 
     def release(self, index: int) -> None:
         job = self.held.pop(index)

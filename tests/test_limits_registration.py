@@ -189,7 +189,7 @@ def test_a_client_that_never_reads_its_replies_cannot_keep_the_pool_pinned(daemo
 
     rogue = hostile(daemon, "stall", "256", kind)
     assert rogue.until("stall")[-1]["blocks"] == 256
-    stats = wait_until(lambda: (s := client.stats()).pinned_slots == 0 and s, timeout=5, what="its job done")
+    stats = wait_until(lambda: (s := client.stats()).pinned_slots == 0 and s, timeout=20, what="its job done")
     assert stats.used_slots == 256 and stats.totals.failed_jobs == 0
     # The rogue's blocks are evicted for new ones like any others.
     assert stored(client, worker, 1, keys) == 0

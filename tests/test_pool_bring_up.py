@@ -121,7 +121,9 @@ def test_stats_show_the_pool_up_and_blocks_over_many_chunks_come_back_after_a_re
     # It serves with the first chunk up; the others come back as their chunks come up.
     assert "more wait for their part of the pool to come up" in daemon.log()
     assert client.wait_connected(15)
-    # New blocks stored meanwhile take free slots, never those the kept blocks wait in.
+    # New blocks stored meanwhile take free slots, never those the kept blocks
+    # wait in (once a chunk with free slots is up: chunk 0 is full of kept ones).
+    wait_until(lambda: (s := client.stats()).pool.online_slots - s.used_slots >= 8, what="8 free slots up")
     fresh = prompt_keys(8, prompt=4)
     job = client.submit_store(worker, 800, fresh, list(range(8)))
     assert client.wait([job], 30)[job].ok

@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from vllm_engine import BLOCK, DAEMON_OPTIONS, make_engine, prompt
+from vllm_engine import BLOCK, DAEMON_OPTIONS, make_engine, prompt, wait_for_copy
 
 from conftest import wait_until
 from kvdepot.client import KVDepotClient
@@ -125,7 +125,7 @@ def test_lookups_never_wait_for_the_daemon(engines, daemon):
         started = time.monotonic()
         out = engine.scheduler.schedule()
         # Answered from the engine's copy of the namespace, at once.
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 2.0  # never the call timeout (10 s): no call waited
         assert [(job.req_id, len(job.groups[0].keys)) for job in out.kv_connector_metadata.loads] == [("b", 4)]
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
@@ -479,6 +479,7 @@ def test_requests_that_wait_for_kv_space_count_one_lookup_each(engines, daemon):
     # Room for two requests at a time: the others wait for KV space, and vLLM
     # asks the connector again at every step they wait.
     reader = engines(num_blocks=14)
+    wait_for_copy(reader.scheduler)  # its namespace's keys, sent on its session stream
     for i, tokens in enumerate(prompts):
         reader.add(f"r{i}", tokens, max_tokens=2)
     reader.run()

@@ -60,12 +60,15 @@ class Engine:
             results.append(result)
         raise AssertionError(f"not done after {max_steps} steps")
 
-    def computed_when_scheduled(self, req_id: str, max_steps: int = 100) -> int:
+    def computed_when_scheduled(self, req_id: str, timeout: float = 20.0) -> int:
         """Steps (without computing) until `req_id` is scheduled; the tokens it had then.
 
         Those came from the GPU prefix cache or from kvdepot: what a lookup hit.
+        A deadline, not a count of steps: what it waits for (a load, a block
+        committed) takes the daemon's time, which a loaded machine stretches.
         """
-        for _ in range(max_steps):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             so = self.step(compute=False).scheduler_output
             for req in so.scheduled_new_reqs:
                 if req.req_id == req_id:
