@@ -140,9 +140,9 @@ def test_layout_descriptors_that_do_not_match_the_tensor_are_refused(setup):
     other = torch.zeros(NUM_BLOCKS, 8, 16, 2, 32, dtype=torch.bfloat16)
     with pytest.raises(errors.InvalidArgument, match="registered with another layout"):
         client.register_worker(namespace("per_layer"), rank=0, tensors=[other], block_dim=0)
-    # A block larger than a slot.
+    # A block larger than the pool can hold in one run (512 KiB; a sixteenth of the 4 MiB pool).
     huge = torch.zeros(2, 4, 16, 8, 128, dtype=torch.bfloat16)
-    with pytest.raises(errors.InvalidArgument, match="more than a pool slot"):
+    with pytest.raises(errors.InvalidArgument, match="more than the pool holds in one run"):
         client.register_worker(namespace("per_layer", model="huge"), rank=0, tensors=[huge] * 8, block_dim=1)
     with pytest.raises(errors.InvalidArgument, match="rank 2 is outside tp_size 2"):
         client.register_worker(namespace("per_layer", tp_size=2), rank=2, tensors=tensors, block_dim=1)

@@ -208,7 +208,7 @@ class Depot(JobPath):
         session = self.session(session_id)
         self.limits.room_for_worker(session)
         ns = self.namespaces.of(spec.namespace, session.identity.scope)
-        layout = worker_layout(spec, ns, self.pool.slot_bytes, self.limits)
+        layout = worker_layout(spec, ns, self.pool.largest_shard, self.limits)
         if spec.transport is None:
             raise InvalidArgument("all handles of a worker must be of one transport")
         transport = self.transports.get(spec.transport)

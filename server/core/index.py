@@ -173,7 +173,8 @@ class BlockIndex:
     def reserve_promotion(self, ns: Namespace, key: bytes, lengths: tuple) -> Block | None:
         """A new block whose every rank a lower tier will write, its slots
         taken and pinned; None when no slot can be had (every one pinned)."""
-        if self._storing_room(ns.scope) < ns.tp_size:  # a tenant's share, as for its stores
+        spans = [self.pool.span(length) for length in lengths]
+        if self._storing_room(ns.scope) < sum(spans):  # a tenant's share, as for its stores
             return None
         index_key = (ns.id, key)
         ns.note_block_bytes(max(lengths, default=0))
@@ -181,17 +182,18 @@ class BlockIndex:
         block.lengths = lengths
         for rank in range(ns.tp_size):
             self._pin(block)  # before making room, so that eviction cannot take it
-            slot = self._allocate_slot(index_key, ns.scope)
+            slot = self._allocate_slot(index_key, ns.scope, span=spans[rank])
             if slot is None:
-                for taken in block.held_slots():
-                    self.pool.release(taken)
-                self._count(ns, held=-len(block.held_slots()), storing=-len(block.held_slots()))
+                taken = sum(spans[:rank])
+                for held in block.held_slots():
+                    self.pool.release(held)
+                self._count(ns, held=-taken, storing=-taken)
                 for _ in range(rank + 1):
                     self._unpin(block)
                 return None
             block.slots[rank] = slot
             block.writers[rank] = PROMOTION
-            self._count(ns, held=1, storing=1)
+            self._count(ns, held=spans[rank], storing=spans[rank])
         block.promoted = True
         self._blocks[index_key] = block
         self._changed(block, BlockState.STORING)
@@ -214,7 +216,7 @@ class BlockIndex:
         self._send_changes()
 
     def free_kept(self, slots: list[int], waited: bool = True) -> None:
-        self.pool.slots.no_longer_waiting(len(slots) if waited else 0)
+        self.pool.slots.no_longer_waiting(sum(map(self.pool.span_at, slots)) if waited else 0)
         for slot in slots:
             self.pool.release(slot)
 
@@ -223,7 +225,8 @@ class BlockIndex:
         (held until now): older than any block stored since the start, in at the eviction order's old end."""
         refused = []
         for block_kept in reversed(kept) if waited else kept:
-            self.pool.slots.no_longer_waiting(len(block_kept.slots) if waited else 0)
+            slots = sum(map(self.pool.span_at, block_kept.slots))
+            self.pool.slots.no_longer_waiting(slots if waited else 0)
             try:
                 ns = kept_namespace(self.namespaces, block_kept)
                 if (ns.id, block_kept.key) in self._blocks:
@@ -238,7 +241,7 @@ class BlockIndex:
             block.committed = set(range(ns.tp_size))
             block.ready = True
             self._blocks[block.index_key] = block
-            self._count(ns, held=len(block.slots), ready=1)
+            self._count(ns, held=slots, ready=1)
             policy = self.evictions.of(ns.scope)
             (policy.insert_oldest if waited else policy.insert)(block.index_key)
             self._changed(block, BlockState.READY)
@@ -248,9 +251,9 @@ class BlockIndex:
     # ------------------------------------------------------------ stores
 
     def reserve_store(
-        self, ns: Namespace, rank: int, keys: list[bytes], job_id: int, node: int | None = None
+        self, ns: Namespace, rank: int, keys: list[bytes], job_id: int, node: int | None = None, span: int = 1
     ) -> StoreReservation:
-        """Slots for the shards `keys` still need, on NUMA `node` first (the worker's)."""
+        """Runs of `span` slots for the shards `keys` still need, on NUMA `node` first (the worker's)."""
         writes: list[tuple[int, Block]] = []
         already = 0
         # Runs once per block of every store, mostly evicting: names bound once.
@@ -264,18 +267,18 @@ class BlockIndex:
                 if block.ready:
                     touch(index_key)
                 continue
-            if room <= 0:
+            if room < span:
                 return StoreReservation(writes, already, len(keys) - position)
             created = block is None
             if created:
                 block = Block(ns, key)
             # Pinned before making room, so that eviction cannot take it.
             self._pin(block)
-            slot = self._allocate_slot(index_key, ns.scope, node)
+            slot = self._allocate_slot(index_key, ns.scope, node, span)
             if slot is None:
                 self._unpin(block)
                 return StoreReservation(writes, already, len(keys) - position)
-            room -= 1
+            room -= span
             if created:
                 blocks[index_key] = block
             block.slots[rank] = slot
@@ -283,7 +286,7 @@ class BlockIndex:
             block.writers[rank] = job_id
             if starts_storing:
                 self._changed(block, BlockState.STORING)
-            self._count(ns, held=1, storing=1)
+            self._count(ns, held=span, storing=span)
             writes.append((position, block))
         return StoreReservation(writes, already, 0)
 
@@ -300,7 +303,7 @@ class BlockIndex:
         its slot goes back to the pool."""
         del block.writers[rank]
         self._unpin(block)
-        self._count(block.ns, storing=-1)
+        self._count(block.ns, storing=-self.pool.span_at(block.slots[rank]))
         if not ok:
             if not block.writers:
                 self._changed(block, BlockState.DROPPED)
@@ -320,7 +323,7 @@ class BlockIndex:
         slot = block.slots[rank]
         block.slots[rank] = None
         if slot is not None:
-            self._count(block.ns, held=-1)
+            self._count(block.ns, held=-self.pool.span_at(slot))
             self.pool.release(slot)
         if not block.held_slots() and not block.writers and block.pins == 0:
             del self._blocks[block.index_key]
@@ -372,10 +375,11 @@ class BlockIndex:
 
     # ------------------------------------------------------------ room
 
-    def _allocate_slot(self, incoming: tuple[int, bytes], scope: str, node: int | None = None) -> int | None:
+    def _allocate_slot(self, incoming: tuple[int, bytes], scope: str, node: int | None = None,
+                       span: int = 1) -> int | None:
         quota = self.evictions.quotas.get(scope)
-        at_quota = quota is not None and self._held.get(scope, 0) >= quota
-        slot = None if at_quota else self.pool.allocate(node)
+        at_quota = quota is not None and self._held.get(scope, 0) + span > quota
+        slot = None if at_quota else self.pool.allocate(node, span)
         if slot is not None:
             return slot
         # A full pool (the steady state), or a scope at its quota: each new
@@ -394,7 +398,9 @@ class BlockIndex:
             self._on_evict(victim)
             lower = victim.ready and self.tiers.holds(victim.ns, victim.key)
             self._changed(victim, BlockState.LOWER if lower else BlockState.DROPPED)
-            slot = self.pool.allocate(node)
+            if quota is not None and self._held.get(scope, 0) + span > quota:
+                continue  # the scope evicts its own until its quota has room
+            slot = self.pool.allocate(node, span)
         return slot
 
     def _storing_room(self, scope: str) -> int:
@@ -417,9 +423,9 @@ class BlockIndex:
         held = 0
         for rank, slot in enumerate(block.slots):
             if slot is not None:
+                held += self.pool.span_at(slot)
                 self.pool.release(slot)
                 block.slots[rank] = None
-                held += 1
         self._count(block.ns, held=-held, ready=-int(block.ready))
         del self._blocks[block.index_key]
 

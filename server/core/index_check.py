@@ -48,10 +48,10 @@ def verify(index, blocks, kept_held: dict, kept_storing: dict, pinned: set) -> N
     ordered = 0
     for block in blocks:
         ns = block.ns
-        slots = len(block.held_slots())
+        slots = sum(map(index.pool.span_at, block.held_slots()))
         used[ns.id] = used.get(ns.id, 0) + slots
         held[ns.scope] = held.get(ns.scope, 0) + slots
-        storing[ns.scope] = storing.get(ns.scope, 0) + len(block.writers)
+        storing[ns.scope] = storing.get(ns.scope, 0) + sum(index.pool.span_at(block.slots[r]) for r in block.writers)
         ready[ns.id] = ready.get(ns.id, 0) + block.ready
         ordered += bool(block.committed)
         _expect(block.ready == (len(block.committed) == ns.tp_size), "a block's readiness is not its commits")

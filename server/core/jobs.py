@@ -41,7 +41,8 @@ class JobPath:
         session, worker, keys, state = self._check_job(session_id, request)
         block_ids = request.block_ids
         if request.kind is JobKind.STORE:
-            reservation = self.index.reserve_store(worker.ns, worker.rank, keys, request.job_id, worker.node)
+            reservation = self.index.reserve_store(worker.ns, worker.rank, keys, request.job_id, worker.node,
+                                                   self.index.pool.span(worker.layout.block_bytes))
             writes = reservation.writes
             blocks = [block for _, block in writes]
             block_ids = [block_ids[position] for position, _ in writes]

@@ -22,7 +22,7 @@ def _block_bytes_of(spec: TensorSpec) -> int:
     return DTYPE_BYTES.get(spec.dtype, 0) * math.prod(shape) // shape[spec.block_dim]
 
 
-def worker_layout(request: WorkerSpec, ns: Namespace, slot_bytes: int, limits: Limits) -> WorkerLayout:
+def worker_layout(request: WorkerSpec, ns: Namespace, largest_shard: int, limits: Limits) -> WorkerLayout:
     """The layout the request's tensors describe; InvalidArgument if it is unusable."""
     # Sizes, counts and strings first: what follows multiplies and sums them.
     limits.check_worker(request)
@@ -35,10 +35,10 @@ def worker_layout(request: WorkerSpec, ns: Namespace, slot_bytes: int, limits: L
     if pages > MAX_PAGES_PER_WORKER:
         raise InvalidArgument(f"{pages} pages per block over all tensors; a worker has at most {MAX_PAGES_PER_WORKER}")
     block_bytes = sum(_block_bytes_of(t) for t in request.tensors)
-    if block_bytes > slot_bytes:
+    if block_bytes > largest_shard:
         raise InvalidArgument(
-            f"one block of this worker is {block_bytes} bytes, more than a pool slot ({slot_bytes} bytes): "
-            f"start kvdepotd with --slot-size {block_bytes} or more"
+            f"one block of this worker is {block_bytes} bytes, more than the pool holds in one run "
+            f"({largest_shard} bytes: a sixteenth of the pool, at most 64 MiB): give kvdepotd a larger --pool-size"
         )
     layout = WorkerLayout.of(
         [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -108,10 +109,11 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
         startup.take_address(stack, address, lock_path)
     # The pool an earlier daemon on this address left, if it fits this
     # configuration; any other it left is removed.
-    kept = pick_pool_file(
-        pool_dir, address.pool_prefix, config.pool.slot_size, config.pool.size // config.pool.slot_size,
-        config.lifecycle.fresh,
-    )
+    kept = pick_pool_file(pool_dir, address.pool_prefix, config.pool.slot_size, config.pool.size,
+                          config.lifecycle.fresh)
+    if kept is not None:  # a kept pool keeps its slot size
+        config = dataclasses.replace(config, pool=dataclasses.replace(config.pool, slot_size=kept[1]))
+        kept = kept[0]
     # Before the pool, which may take tens of seconds to pin: a taken port fails at once.
     metrics = startup.open_metrics(stack, config)
     instance = secrets.token_hex(6)

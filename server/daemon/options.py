@@ -130,10 +130,10 @@ OPTIONS = [
         size=True, field="size",
     ),
     Option(
-        "slot_size", "pool", "2MiB",
-        "Bytes of one pool slot. A slot holds one block of one TP rank (all its layers): 2MiB fits "
-        "Llama-3.1-8B at 16 tokens per block. A worker whose block is larger is refused with the size to "
-        "set; smaller blocks waste the rest of their slot.",
+        "slot_size", "pool", "64KiB",
+        "The pool's unit: a block of one TP rank (all its layers) takes as many consecutive slots as its "
+        "bytes need, so a block wastes less than a slot. Smaller wastes less and costs more records "
+        "(64 bytes a slot). A hint for a new pool: a kept pool is adopted with the slot size it has.",
         size=True,
     ),
     Option(

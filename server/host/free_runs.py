@@ -133,7 +133,7 @@ class FreeRuns:
             self._online_in[i] += self._count[e]
             runs = held_by.pop(e, {})
             self._place(e, runs)
-            self.kept_waiting += len(runs)
+            self.kept_waiting += sum(runs.values())
             taken = {s + k for s, span in runs.items() for k in range(span)}
             free.extend(s for s in range(self._first[e], self._first[e] + self._count[e]) if s not in taken)
         return free
@@ -143,8 +143,8 @@ class FreeRuns:
 
     def keep_only(self, used: Mapping[int, int], kept_waiting: int = 0) -> list[int]:
         """Every online extent free but the runs `used` ({first slot: span},
-        which fits() accepted; of them `kept_waiting` are held for kept
-        blocks); returns the online slots outside those runs."""
+        which fits() accepted; `kept_waiting` of their slots are held for
+        kept blocks); returns the online slots outside those runs."""
         self.kept_waiting = kept_waiting
         self._used_in = [0] * len(self.ranges)
         self._free_extents = [[] for _ in self.ranges]

@@ -34,7 +34,8 @@ from kvdepot.server.host.bring_up import (
     cuda_runtime,
     interleaved,
 )
-from kvdepot.server.host.free_slots import FreeSlots, NodeSlots
+from kvdepot.server.host.free_runs import FreeRuns
+from kvdepot.server.host.free_slots import NodeSlots
 from kvdepot.server.host.own_files import open_own
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES
 
@@ -46,6 +47,11 @@ class PoolError(RuntimeError):
 
 
 _EMPTY_RECORD = bytes(RECORD_BYTES)
+# The most bytes one shard may have, and the part of the pool that holds runs
+# of one span at a time (free_runs.py): at most this, and at most a sixteenth
+# of the pool, so that a small pool still serves several block sizes at once.
+EXTENT_BYTES = 64 << 20
+EXTENTS_AT_LEAST = 16
 
 
 def pool_file_bytes(num_slots: int, slot_bytes: int, page: int) -> int:
@@ -196,7 +202,8 @@ class HostPool:
         self._threads = threads or min(16, os.cpu_count() or 1)
         self.placement = placement or numa.Placement()
         try:
-            self.slots = FreeSlots(self.num_slots, self.placement.nodes)
+            self.slots = FreeRuns(self.num_slots, self.placement.nodes, self.registration_bytes // slot_bytes,
+                                  max(1, min(EXTENT_BYTES, size // EXTENTS_AT_LEAST) // slot_bytes))
         except ValueError as e:
             raise PoolError(f"{e}: raise --pool-size or list fewer nodes in --numa") from None
         # {node: whether the kernel took the placement of its range}.
@@ -204,9 +211,10 @@ class HostPool:
         # Bumped whenever a slot is released: a record sealed for an older use
         # of the slot is not written (tiers/warm.py).
         self.epochs = [0] * self.num_slots
-        # Slots of kept blocks whose chunks are not all up yet (tiers/adoption.py):
-        # taken as their chunk comes up, not freed (hold, let_go_held).
-        self.held: set[int] = set()
+        # Runs ({first slot: span}) of kept blocks whose chunks are not all up
+        # yet (tiers/adoption.py): taken as their chunk comes up, not freed
+        # (hold, let_go_held).
+        self.held: dict[int, int] = {}
         if not adopt and self._file_size > _free_bytes(directory):
             what = "huge pages free (HugePages_Free in /proc/meminfo)" if self.huge_pages else "free"
             raise PoolError(
@@ -371,19 +379,33 @@ class HostPool:
     def used_slots(self) -> int:
         return self.slots.online - self.slots.free
 
-    def allocate(self, node: int | None = None) -> int | None:
-        """A free slot, of NUMA `node`'s range while it has one (free_slots.py)."""
+    def span(self, nbytes: int) -> int:
+        """The slots a shard of `nbytes` takes."""
+        return max(1, -(-nbytes // self.slot_bytes))
+
+    @property
+    def largest_shard(self) -> int:
+        """The most bytes one shard may have: an extent's."""
+        return self.slots.max_span * self.slot_bytes
+
+    def span_at(self, slot: int) -> int:
+        """The slots of the run that starts at `slot`."""
+        return self.slots.span_at(slot)
+
+    def allocate(self, node: int | None = None, span: int = 1) -> int | None:
+        """The first slot of a free run of `span`, of NUMA `node`'s range
+        while it has one (free_runs.py)."""
         # A free slot's record is empty (a new file is zeros, release clears
         # it, keep_only clears the rest after adoption): a restart while new
         # bytes arrive finds an empty slot, never an old record over them.
-        return self.slots.allocate(node)
+        return self.slots.allocate(node, span)
 
     def release(self, slot: int) -> None:
         # A block dropped (evicted, cleared) must not come back at a restart,
         # nor a seal still on its way write its record (tiers/warm.py).
         self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
         self.epochs[slot] += 1
-        self.slots.release(slot)
+        self.slots.release(slot, self.slots.span_at(slot))
 
     def slot_view(self, slot: int, length: int) -> memoryview:
         start = slot * self.slot_bytes
@@ -394,19 +416,20 @@ class HostPool:
         thread), but those `held` for kept blocks (tiers/warm.py), whose
         records stay."""
         self._chunk_up[self.chunk_of(first)] = 1
-        held = [slot for slot in range(first, first + count) if slot in self.held] if self.held else []
+        held = {slot: span for slot, span in self.held.items() if first <= slot < first + count}
         for slot in self.slots.add_online(first, count, held):
             self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
 
-    def hold(self, slots: set[int]) -> None:
-        """Kept blocks' slots to take, not free, as their chunks come up
+    def hold(self, runs: dict[int, int]) -> None:
+        """Kept blocks' runs ({first slot: span}) to take, not free, as their chunks come up
         (keep_only and add_online count those up as waiting in the slots)."""
-        self.held = set(slots)
+        self.held = dict(runs)
 
     def let_go_held(self, slots) -> None:
         """Held slots whose blocks were adopted or discarded (the index
         counted them out as it took or freed them)."""
-        self.held.difference_update(slots)
+        for slot in slots:
+            self.held.pop(slot, None)
 
     def chunk_of(self, slot: int) -> int:
         return slot * self.slot_bytes // self.registration_bytes
@@ -414,10 +437,10 @@ class HostPool:
     def is_online(self, slot: int) -> bool:
         return bool(self._chunk_up[self.chunk_of(slot)])
 
-    def keep_only(self, used: set[int]) -> None:
-        """After adoption: `used` hold blocks; every other online slot is free
-        and its record cleared."""
-        waiting = sum(map(self.is_online, self.held))
+    def keep_only(self, used: dict[int, int]) -> None:
+        """After adoption: the runs `used` ({first slot: span}) hold blocks;
+        every other online slot is free and its record cleared."""
+        waiting = sum(span for slot, span in self.held.items() if self.is_online(slot))
         for slot in self.slots.keep_only(used, waiting):
             self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
 

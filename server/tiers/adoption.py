@@ -85,13 +85,21 @@ class Adoption:
                 if reason != "empty":
                     self._discard(self.discarded, reason)
                 continue
-            if record.length > pool.slot_bytes:
+            if not 0 < record.length <= pool.largest_shard:
                 self._discard(self.discarded, "torn")
             elif catalog.identity(record.ns) is None:
                 self._discard(self.discarded, "unknown_namespace")
             else:
                 parts.setdefault((record.ns, record.key), []).append((slot, record))
+        # A run must sit where the pool's extents put runs of its span.
+        misplaced = pool.slots.fits({slot: pool.span(r.length) for shards in parts.values() for slot, r in shards})
         for (digest, key), shards in parts.items():
+            if any(slot in misplaced for slot, _ in shards):
+                bad = sum(slot in misplaced for slot, _ in shards)
+                self._discard(self.discarded, "misplaced", bad)
+                if len(shards) > bad:
+                    self._discard(self.discarded, "incomplete", len(shards) - bad)
+                continue
             identity = catalog.identity(digest)
             tp_size = identity[6]
             by_rank: dict[int, tuple[int, ShardRecord]] = {}
@@ -114,8 +122,12 @@ class Adoption:
     def close(self) -> None:
         self._hashing.shutdown(wait=True)
 
-    def held_slots(self) -> set[int]:
-        return {slot for c in self.waiting for slot in c.slots}
+    def held_runs(self) -> dict[int, int]:
+        """The waiting candidates' runs, {first slot: span}."""
+        return {slot: self.pool.span(r.length) for c in self.waiting for slot, r in c.shards}
+
+    def runs(self, candidates) -> dict[int, int]:
+        return {slot: self.pool.span(r.length) for c in candidates for slot, r in c.shards}
 
     def take_up(self) -> list[Candidate]:
         """The candidates whose every shard's chunk is up now; the others wait, by chunk."""

@@ -40,10 +40,15 @@ SEAL_BATCH_SECONDS = 0.002
 MAX_UNSEALED = 1 << 16
 
 
-def pick_pool_file(directory: str, prefix: str, slot_bytes: int, num_slots: int, fresh: bool) -> str | None:
-    """The pool file this daemon adopts (its name without .pool), or None to
-    start empty. Files of earlier daemons on this address that it does not
-    adopt are removed: each holds its size in RAM. The log says why."""
+def pick_pool_file(directory: str, prefix: str, slot_bytes: int, pool_bytes: int,
+                   fresh: bool) -> tuple[str, int] | None:
+    """The pool file this daemon adopts (its name without .pool) and its
+    slot size, or None to start empty. A kept pool of the asked size is
+    adopted with the slot size it has (--slot-size is a hint for a new pool:
+    a block takes as many slots as it needs, so an earlier daemon's slots,
+    2 MiB before blocks of any size, still serve). Files of earlier daemons on
+    this address that it does not adopt are removed: each holds its size in
+    RAM. The log says why."""
     candidates = []
     for name in sorted(os.listdir(directory)):
         if not (name.startswith(prefix) and name.endswith(".pool")):
@@ -52,28 +57,33 @@ def pick_pool_file(directory: str, prefix: str, slot_bytes: int, num_slots: int,
         header, reason = read_header(path)
         if header is not None and not reason:
             page = huge_page_bytes(directory) or mmap.PAGESIZE
-            reason = _incompatible(header, slot_bytes, num_slots, pool_file_bytes(num_slots, slot_bytes, page))
+            kept_slot = header["slot_bytes"]
+            num_slots = pool_bytes // kept_slot if kept_slot > 0 else 0
+            reason = _incompatible(header, num_slots, pool_file_bytes(num_slots, kept_slot, page))
         if fresh and not reason:
             reason = "--fresh was given"
         if reason:
             _remove(path, reason)
         else:
-            candidates.append((header["mtime"], name))
+            candidates.append((header["mtime"], name, header["slot_bytes"]))
     if not candidates:
         return None
     candidates.sort()
-    for _, name in candidates[:-1]:
+    for _, name, _ in candidates[:-1]:
         _remove(os.path.join(directory, name), "a newer pool file of this address is adopted instead")
-    return candidates[-1][1][: -len(".pool")]
+    _, name, kept_slot = candidates[-1]
+    if kept_slot != slot_bytes:
+        log.info("the kept pool %s has slots of %d bytes (--slot-size asks for %d for a new pool): "
+                 "adopted with its own", name, kept_slot, slot_bytes)
+    return name[: -len(".pool")], kept_slot
 
 
-def _incompatible(header: dict, slot_bytes: int, num_slots: int, file_bytes: int) -> str:
+def _incompatible(header: dict, num_slots: int, file_bytes: int) -> str:
     if header["format"] != FORMAT_VERSION:
         return f"it is of record format {header['format']}, this daemon writes {FORMAT_VERSION}"
-    if header["slot_bytes"] != slot_bytes:
-        return f"its slots have {header['slot_bytes']} bytes, --slot-size asks for {slot_bytes}"
     if header["num_slots"] != num_slots:
-        return f"it has {header['num_slots']} slots, --pool-size asks for {num_slots}"
+        return (f"it has {header['num_slots']} slots of {header['slot_bytes']} bytes, --pool-size asks for "
+                f"{num_slots} of those")
     if header["file_size"] != file_bytes:
         return f"it has {header['file_size']} bytes where this folder's pages make {file_bytes} (huge pages changed?)"
     return ""
@@ -250,9 +260,9 @@ class WarmPool(Tier):
         self.generation = adoption.generation
         self.adopt_discarded = dict(adoption.discarded)
         checked = adoption.check(adoption.take_up())
-        self.pool.hold(adoption.held_slots())
-        # The found blocks' slots and those held are taken, every other one up is freed.
-        self.pool.keep_only({slot for c in checked.blocks for slot in c.slots} | self.pool.held)
+        self.pool.hold(adoption.held_runs())
+        # The found blocks' runs and those held are taken, every other slot up is freed.
+        self.pool.keep_only(adoption.runs(checked.blocks) | self.pool.held)
         checked.bad_slots = []  # freed by keep_only
         self._restore(checked)
         if self._sealer is not None:
