@@ -21,18 +21,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class BenchDaemon:
-    def __init__(self, pool_size: str, slot_bytes: int, *, pin: str = "on", pool_dir: str | None = None, extra=()):
-        """extra: more daemon options (e.g. --staging-bytes). The daemon inherits
-        this process's environment (KVDEPOT_* settings, KVDEPOT_TRACE_JOBS)."""
+    def __init__(self, pool_size: str, slot_bytes: int | None, *, pin: str = "on", pool_dir: str | None = None,
+                 extra=(), repo: Path | None = None):
+        """extra: more daemon options (e.g. --staging-bytes); slot_bytes None:
+        the daemon's default; repo: the source tree whose daemon runs (this
+        one's by default). The daemon inherits this process's environment
+        (KVDEPOT_* settings, KVDEPOT_TRACE_JOBS)."""
         self.folder = tempfile.mkdtemp(dir="/dev/shm")
         self.socket = f"{self.folder}/kvdepot.sock"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo or REPO), env.get("PYTHONPATH")]))
         self.log_path = os.environ.get("KVDEPOT_BENCH_LOG") or f"{self.folder}/kvdepotd.log"
         with open(self.log_path, "w") as log_file:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvdepot.server", "--listen", self.socket, "--pool-size", pool_size,
-                 "--slot-size", str(slot_bytes), "--pool-dir", pool_dir or self.folder, "--pin", pin,
+                 *(["--slot-size", str(slot_bytes)] if slot_bytes else []),
+                 "--pool-dir", pool_dir or self.folder, "--pin", pin,
                  # No metrics port: another daemon on the machine may hold the default one.
                  "--metrics-listen", "none", *extra],
                 stderr=log_file, text=True, env=env)

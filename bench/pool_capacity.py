@@ -1,14 +1,15 @@
 """How much of the pool real models' blocks can use: each model alone, then
 all of them sharing one pool.
 
-    python bench/pool_capacity.py [--pool-size 256MiB] [--slot-size 2MiB]
+    python bench/pool_capacity.py [--pool-size 256MiB] [--slot-size SIZE] [--compare ../previous-checkout]
 
 A real kvdepotd (no GPU needed: CPU workers over the shared-memory transport)
 is filled with blocks of each model's size for one rank until stores stop
 taking new slots; usable capacity is the bytes of KV the pool then holds
-(ready blocks x block bytes) over the pool's bytes. A worker whose block is
-larger than a slot is refused at registration, and shows 0. The mix runs the
-models' workers in turn against one pool.
+(ready blocks x block bytes) over the pool's bytes. A worker whose block the
+pool cannot hold is refused at registration, and shows 0. The mix runs the
+models' workers in turn against one pool. With --compare, another source
+tree's daemon (the previous version) is measured first, in the same run.
 """
 
 from __future__ import annotations
@@ -74,29 +75,18 @@ def fill(client: KVDepotClient, block_bytes: int, pool_bytes: int, tag: int):
     return lambda: sum(client.lookup(engine, [key]).ready_blocks for key in keys)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pool-size", default="256MiB")
-    parser.add_argument("--slot-size", default="2MiB")
-    args = parser.parse_args()
-    pool_bytes, slot_bytes = parse_size(args.pool_size), parse_size(args.slot_size)
-    print(f"pool {pool_bytes / MiB:.0f} MiB, --slot-size {slot_bytes / MiB:g} MiB; usable capacity = KV bytes held "
-          "/ pool bytes")
-    print(f"{'model':<46} {'block':>10} {'blocks held':>12} {'usable':>12}")
-    refusal = ""
-    for tag, (name, block_bytes) in enumerate(MODELS):
-        with BenchDaemon(args.pool_size, slot_bytes, pin="off") as daemon:
+def capacity(repo: Path, pool_size: str, slot_bytes: int | None) -> dict:
+    """Each model alone, then the mix, with the daemon of source tree `repo`."""
+    pool_bytes = parse_size(pool_size)
+    alone = []
+    for tag, (_, block_bytes) in enumerate(MODELS):
+        with BenchDaemon(pool_size, slot_bytes, pin="off", repo=repo) as daemon:
             daemon.wait_ready()
             client = KVDepotClient(daemon.socket, name="pool-capacity").connect(30)
             counted = fill(client, block_bytes, pool_bytes, tag)
-            ready = 0 if isinstance(counted, str) else counted()
+            alone.append(counted if isinstance(counted, str) else counted())
             client.close()
-        shown = "0 (refused)" if isinstance(counted, str) else f"{ready * block_bytes / pool_bytes:.3f}"
-        refusal = counted if isinstance(counted, str) else refusal
-        print(f"{name:<46} {block_bytes / MiB:>6.3f} MiB {ready:>12} {shown:>12}", flush=True)
-    if refusal:
-        print(f"(refused: {refusal})")
-    with BenchDaemon(args.pool_size, slot_bytes, pin="off") as daemon:
+    with BenchDaemon(pool_size, slot_bytes, pin="off", repo=repo) as daemon:
         daemon.wait_ready()
         client = KVDepotClient(daemon.socket, name="pool-capacity").connect(30)
         counts = [(fill(client, block_bytes, pool_bytes // len(MODELS), 100 + tag), block_bytes)
@@ -104,9 +94,44 @@ def main() -> int:
         held = sum(counted() * block_bytes for counted, block_bytes in counts if not isinstance(counted, str))
         stats = client.stats()
         client.close()
-    print(f"{'all of them in one pool, in turn':<46} {'':>10} {'':>12} {held / pool_bytes:>12.3f}")
-    print(f"the daemon's stats for the mix: {stats.kv_bytes / MiB:.0f} MiB of KV in "
-          f"{stats.used_slots * slot_bytes / MiB:.0f} MiB of slots, fragmentation {stats.fragmentation:.2f}")
+    return dict(alone=alone, mix=held / pool_bytes, stats=stats)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pool-size", default="256MiB")
+    parser.add_argument("--slot-size", default=None, help="the daemon's --slot-size (default: each tree's own)")
+    parser.add_argument("--compare", type=Path, help="another source tree, measured first")
+    parser.add_argument("--label", default="this", help="this tree's name in the table")
+    args = parser.parse_args()
+    pool_bytes = parse_size(args.pool_size)
+    slot_bytes = parse_size(args.slot_size) if args.slot_size else None
+    trees = ([("previous", args.compare.resolve())] if args.compare else []) + [(args.label, REPO)]
+    results = [(name, capacity(repo, args.pool_size, slot_bytes)) for name, repo in trees]
+    print(f"pool {pool_bytes / MiB:.0f} MiB; usable capacity = KV bytes held / pool bytes")
+    for name, result in results:
+        print(f"  {name}: slots of {result['stats'].pool.slot_bytes / KiB:g} KiB")
+    print(f"{'model':<46} {'block':>10}" + "".join(f" {name + ' held':>14} {'usable':>8}" for name, _ in results))
+    refusals = set()
+    for i, (model, block_bytes) in enumerate(MODELS):
+        cells = ""
+        for _, result in results:
+            got = result["alone"][i]
+            if isinstance(got, str):
+                refusals.add(got)
+                cells += f" {'refused':>14} {0:>8.3f}"
+            else:
+                cells += f" {got:>14} {got * block_bytes / pool_bytes:>8.3f}"
+        print(f"{model:<46} {block_bytes / MiB:>6.3f} MiB{cells}", flush=True)
+    print(f"{'all of them in one pool, in turn':<46} {'':>10}" + "".join(
+        f" {'':>14} {result['mix']:>8.3f}" for _, result in results))
+    for refusal in sorted(refusals):
+        print(f"(refused: {refusal})")
+    for name, result in results:
+        stats = result["stats"]
+        print(f"{name}: the daemon's stats for the mix: {stats.kv_bytes / MiB:.0f} MiB of KV in "
+              f"{stats.used_slots * stats.pool.slot_bytes / MiB:.0f} MiB of slots, "
+              f"fragmentation {stats.fragmentation:.2f}")
     return 0
 
 

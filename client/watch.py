@@ -100,7 +100,9 @@ def holds_lines(stats: pb.GetStatsResponse) -> list[str]:
         f"{_gib_of(stats.free_bytes)} free"
     ]
     for size in stats.block_sizes:
-        fill = f", {100 * size.block_bytes / slot:.0f}% of a slot each" if size.block_bytes else ""
+        span = -(-size.block_bytes // slot) if slot else 0
+        fill = (f", {span} slot{'s' * (span != 1)} a block, {100 * size.block_bytes / (span * slot):.0f}% full"
+                if span else "")
         plural = "s" if size.namespaces != 1 else ""
         lines.append(f"  blocks of {block_size(size.block_bytes)}: {size.used_slots} slots, "
                      f"{_gib_of(size.used_bytes)} of KV ({size.namespaces} namespace{plural}{fill})")

@@ -66,7 +66,8 @@ class Daemon:
         if "listen" not in self.options:
             args += ["--listen", self.socket]
         for name, value in self.options.items():
-            args += ["--" + name.replace("_", "-"), str(value)]
+            if value is not None:  # None: the daemon's own default
+                args += ["--" + name.replace("_", "-"), str(value)]
         return args
 
     def start(self, wait: bool = True) -> "Daemon":

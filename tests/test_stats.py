@@ -126,4 +126,4 @@ def test_stats_say_what_the_dram_holds_by_namespace_and_block_size(start_daemon,
 
     text = cli(daemon, "stats").stdout
     assert "of slots (33% of those slots' bytes empty: fragmentation)" in text
-    assert "blocks of 8 KiB: 20 slots" in text and "50% of a slot each" in text
+    assert "blocks of 8 KiB: 20 slots" in text and "1 slot a block, 50% full" in text

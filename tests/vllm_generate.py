@@ -166,7 +166,7 @@ def parse_args(argv=None):
                    help="round 2: reset vLLM's prefix cache (not the connector's), generate again")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                   help="tokens per KV block; the CPU attention backend needs a multiple of 32")
+                   help="tokens per KV block; the CPU attention backend needs a multiple of 32; 0: vLLM's default")
     p.add_argument("--compile", action="store_true",
                    help="let vLLM torch.compile the model (default: enforce_eager, ~20 s faster start)")
     p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
         dtype=a.dtype,
         seed=a.seed,
         max_model_len=a.max_model_len,
-        block_size=a.block_size,
+        **({"block_size": a.block_size} if a.block_size else {}),
         enable_prefix_caching=True,
         enforce_eager=not a.compile,
         distributed_executor_backend="uni",

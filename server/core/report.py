@@ -119,8 +119,11 @@ def visible_to(identity: Identity | None) -> Callable[[str], bool]:
 
 
 def kv_bytes(ns, used_slots: int, slot_bytes: int) -> int:
-    """KV bytes `used_slots` of `ns` hold; a slot of a block size not known counts as full."""
-    return used_slots * min(ns.block_bytes or slot_bytes, slot_bytes)
+    """KV bytes `used_slots` of `ns` hold: a shard takes ceil(block / slot)
+    slots of them; a slot of a block size not known counts as full."""
+    if not ns.block_bytes:
+        return used_slots * slot_bytes
+    return used_slots // -(-ns.block_bytes // slot_bytes) * ns.block_bytes
 
 
 def by_block_size(counts: dict, slot_bytes: int) -> list[BlockSizeReport]:
@@ -171,7 +174,7 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
     base.update(
         namespaces=[
             NamespaceReport(ns.name, ns.scope, counts[ns][2].copy(), counts[ns][1], counts[ns][0], ns.block_bytes,
-                            ns.block_bytes and counts[ns][0] * ns.block_bytes)
+                            ns.block_bytes and kv_bytes(ns, counts[ns][0], pool.slot_bytes))
             for ns in namespaces[:most]
         ],
         block_sizes=by_block_size(counts, pool.slot_bytes),

@@ -50,7 +50,7 @@ _EMPTY_RECORD = bytes(RECORD_BYTES)
 # The most bytes one shard may have, and the part of the pool that holds runs
 # of one span at a time (free_runs.py): at most this, and at most a sixteenth
 # of the pool, so that a small pool still serves several block sizes at once.
-EXTENT_BYTES = 64 << 20
+EXTENT_BYTES = 1 << 30
 EXTENTS_AT_LEAST = 16
 
 
@@ -391,6 +391,10 @@ class HostPool:
     def span_at(self, slot: int) -> int:
         """The slots of the run that starts at `slot`."""
         return self.slots.span_at(slot)
+
+    def run_bytes(self, slot: int) -> int:
+        """Bytes of the run that starts at `slot`: what its shard may have."""
+        return self.slots.span_at(slot) * self.slot_bytes
 
     def allocate(self, node: int | None = None, span: int = 1) -> int | None:
         """The first slot of a free run of `span`, of NUMA `node`'s range

@@ -86,11 +86,11 @@ class DiskMover(Tier):
         self._scopes[ns.digest] = ns.scope
 
     def recover(self) -> None:
-        # Records too large for a slot (a smaller --slot-size since) are left
-        # out: they can never be promoted.
+        # Records larger than the pool's largest run (a smaller pool since)
+        # are left out: they can never be promoted.
         for digest, key, rank in self.disk.keys():
             record = self.disk.record((digest, key, rank))
-            if record is not None and record.length <= self.pool.slot_bytes:
+            if record is not None and record.length <= self.pool.largest_shard:
                 self._add(digest, key, rank)
 
     def _add(self, digest: bytes, key: bytes, rank: int) -> None:
@@ -209,7 +209,7 @@ class DiskMover(Tier):
         if not self._promotion_room(ns):
             return None
         records = [self.disk.record((ns.digest, key, rank)) for rank in range(ns.tp_size)]
-        if any(r is None or r.length > self.pool.slot_bytes for r in records):
+        if any(r is None or r.length > self.pool.largest_shard for r in records):
             return None
         return tuple(r.length for r in records)
 
@@ -233,8 +233,9 @@ class DiskMover(Tier):
         future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._read_done, f, ns, key, done))
 
     def _read(self, digest: bytes, key: bytes, slots: list[int]) -> bool:
-        view, size = self.pool.slot_view, self.pool.slot_bytes
-        return all(self.disk.read((digest, key, rank), view(slot, size)) for rank, slot in enumerate(slots))
+        # Into each shard's run: the record's length, checked against it, never more.
+        view, run = self.pool.slot_view, self.pool.run_bytes
+        return all(self.disk.read((digest, key, rank), view(slot, run(slot))) for rank, slot in enumerate(slots))
 
     def _read_done(self, future, ns, key: bytes, done) -> None:
         self.promoting -= ns.tp_size

@@ -201,7 +201,7 @@ class RemoteTier(Tier):
             for rank in ranks:
                 at = i * ns.tp_size + rank
                 payload = sizes[at] - self._overhead(store_keys[at])
-                if not 0 < payload <= self.pool.slot_bytes:
+                if not 0 < payload <= self.pool.largest_shard:
                     break
                 lengths.append(payload)
             if len(lengths) == ns.tp_size:
@@ -287,7 +287,7 @@ class RemoteTier(Tier):
         payloads = []
         for value, store_key, length in zip(values, store_keys, lengths):
             try:
-                payload = fmt.decode(value, store_key, secrets, self.pool.slot_bytes)
+                payload = fmt.decode(value, store_key, secrets, self.pool.largest_shard)
             except fmt.Rejected as e:
                 return e.cause
             if len(payload) != length:

@@ -120,6 +120,7 @@ class WarmPool(Tier):
         self._progress = progress
         self.adopted_blocks = 0
         self.adopted_shards = 0
+        self.adopted_slots = 0
         self.adopt_discarded: dict[str, int] = {}
         # Kept blocks waiting for their chunks to come up, and their checks under way.
         self._adoption: Adoption | None = None
@@ -273,7 +274,7 @@ class WarmPool(Tier):
         waiting = f"; {adoption.left} more wait for their part of the pool to come up" * bool(adoption.left)
         log.info(
             "adopted %d block(s) (%d slots) from the kept pool in %.2f s%s; shards discarded: %s",
-            self.adopted_blocks, self.adopted_shards, checked.seconds, waiting, self._discarded_text(),
+            self.adopted_blocks, self.adopted_slots, checked.seconds, waiting, self._discarded_text(),
         )
 
     def _restore(self, checked: Checked, waited: bool = False) -> None:
@@ -295,6 +296,9 @@ class WarmPool(Tier):
             log.warning("an adopted block of %s is discarded: %s", getattr(block.spec, "model", "?"), error)
         self.adopted_blocks += len(kept) - len(refused)
         self.adopted_shards += sum(len(b.slots) for b in kept) - sum(len(b.slots) for b, _ in refused)
+        span = self.pool.span
+        self.adopted_slots += (sum(span(n) for b in kept for n in b.lengths)
+                               - sum(span(n) for b, _ in refused for n in b.lengths))
 
     def _discarded_text(self) -> str:
         return ", ".join(f"{n} {reason}" for reason, n in sorted(self.adopt_discarded.items())) or "none"
@@ -323,7 +327,7 @@ class WarmPool(Tier):
         self._finishing = None
         if not self._closed:
             log.info("adopted %d block(s) (%d slots) from the kept pool, the last as their part of the pool came "
-                     "up; shards discarded: %s", self.adopted_blocks, self.adopted_shards, self._discarded_text())
+                     "up; shards discarded: %s", self.adopted_blocks, self.adopted_slots, self._discarded_text())
 
     async def _adopt_late(self, adoption: Adoption, up: list) -> None:
         try:
