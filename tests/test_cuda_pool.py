@@ -34,7 +34,7 @@ def test_pinning_a_pool_on_a_disk_filesystem_fails_with_advice(tmp_path):
 
     from conftest import subprocess_env
 
-    from kvdepot.server.host.pool import filesystem_type
+    from kvdepot.server.host.pool_folder import filesystem_type
 
     if filesystem_type(str(tmp_path)) in ("tmpfs", "hugetlbfs", "ramfs"):
         pytest.skip(f"{tmp_path} is in memory here")

@@ -15,12 +15,12 @@ import threading
 
 import pytest
 
-from kvdepot.server.host.pool import filesystem_type
+from kvdepot.server.host.pool_folder import filesystem_type
+from kvdepot.server.host.shard_record import ShardRecord, data_hash
 from kvdepot.server.tiers import disk_io
 from kvdepot.server.tiers import disk_store as disk_module
-from kvdepot.server.tiers.disk_store import PAGE, DiskTier, DiskTierError, segment_header
 from kvdepot.server.tiers.disk_folder import probe_direct
-from kvdepot.server.host.shard_record import ShardRecord, data_hash
+from kvdepot.server.tiers.disk_store import PAGE, DiskTier, DiskTierError, segment_header
 
 NS = bytes(range(16))
 SEGMENT = 256 << 10

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvcache import attach_worker, block_of, prompt_keys
-from kvdepot.server.host.pool import _free_bytes
+
+from kvdepot.server.host.pool_folder import _free_bytes
 
 
 def hugetlbfs_with_room(need: int) -> str | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from kvdepot.errors import FailedPrecondition
 from kvdepot.server.core import index_check
 from kvdepot.server.core.blocks import PROMOTION, Block, BlockState
-from kvdepot.server.core.namespaces import Namespace, Namespaces
+from kvdepot.server.core.namespaces import Namespace, Namespaces, gone_from_dram, kept_namespace
 from kvdepot.server.core.requests import LookupStatus
 from kvdepot.server.core.shares import ScopedEviction
 from kvdepot.server.core.tiers import KeptBlock, TierStack
@@ -444,23 +444,3 @@ class BlockIndex:
         return cleared, pinned
 
 
-
-def gone_from_dram(gone: set[tuple[bytes, bytes]], namespaces: Namespaces, in_dram) -> list[tuple[Namespace, bytes]]:
-    """Of the (namespace digest, key) pairs a tier no longer holds, the blocks
-    DRAM does not hold either (`in_dram(ns, key)`): gone for good."""
-    keys: dict[bytes, list[bytes]] = {}
-    for digest, key in gone:
-        keys.setdefault(digest, []).append(key)
-    return [(ns, key) for ns in namespaces for key in keys.get(ns.digest, ()) if not in_dram(ns, key)]
-
-
-def kept_namespace(namespaces: Namespaces, kept: KeptBlock) -> Namespace:
-    """The namespace of a block adopted from the kept pool, with its ranks'
-    signatures as its first workers fixed them; raises when it is refused now (a
-    worker of another layout may have registered while it waited for its chunk)."""
-    ns = namespaces.of(kept.spec, kept.scope)
-    for rank, signature in kept.signatures.items():
-        if signature is not None and ns.rank_signatures.setdefault(rank, signature) != signature:
-            raise ValueError(f"rank {rank} of namespace {ns.name!r} has a worker of another layout now")
-    ns.note_block_bytes(max(kept.lengths, default=0))
-    return ns

@@ -183,3 +183,25 @@ class Namespaces:
 
     def __iter__(self) -> Iterator[Namespace]:
         return iter(self._by_identity.values())
+
+
+def gone_from_dram(gone: set[tuple[bytes, bytes]], namespaces: Namespaces, in_dram) -> list[tuple[Namespace, bytes]]:
+    """Of the (namespace digest, key) pairs a tier no longer holds, the blocks
+    DRAM does not hold either (`in_dram(ns, key)`): gone for good."""
+    keys: dict[bytes, list[bytes]] = {}
+    for digest, key in gone:
+        keys.setdefault(digest, []).append(key)
+    return [(ns, key) for ns in namespaces for key in keys.get(ns.digest, ()) if not in_dram(ns, key)]
+
+
+def kept_namespace(namespaces: Namespaces, kept) -> Namespace:
+    """The namespace of a block adopted from the kept pool (a core/tiers.py
+    KeptBlock), with its ranks'
+    signatures as its first workers fixed them; raises when it is refused now (a
+    worker of another layout may have registered while it waited for its chunk)."""
+    ns = namespaces.of(kept.spec, kept.scope)
+    for rank, signature in kept.signatures.items():
+        if signature is not None and ns.rank_signatures.setdefault(rank, signature) != signature:
+            raise ValueError(f"rank {rank} of namespace {ns.name!r} has a worker of another layout now")
+    ns.note_block_bytes(max(kept.lengths, default=0))
+    return ns

@@ -22,7 +22,8 @@ from kvdepot.server.daemon.config import ConfigError, Copy, DaemonConfig, descri
 from kvdepot.server.daemon.metrics import MetricsServer
 from kvdepot.server.daemon.startup import StartupError, notify_systemd, startup_progress
 from kvdepot.server.host.malloc_tuning import keep_freed_memory
-from kvdepot.server.host.pool import HostPool, choose_pool_dir, pool_folders
+from kvdepot.server.host.pool import HostPool
+from kvdepot.server.host.pool_folder import choose_pool_dir, pool_folders
 from kvdepot.server.native.depot import NativeDepot
 from kvdepot.server.tiers.disk import DiskMover
 from kvdepot.server.tiers.disk_store import SEGMENT_BYTES, DiskTier

@@ -18,7 +18,6 @@ import ctypes
 import logging
 import mmap
 import os
-import stat
 import time
 from collections.abc import Callable
 
@@ -37,13 +36,10 @@ from kvdepot.server.host.bring_up import (
 from kvdepot.server.host.free_runs import FreeRuns
 from kvdepot.server.host.free_slots import NodeSlots
 from kvdepot.server.host.own_files import open_own
+from kvdepot.server.host.pool_folder import PoolError, _free_bytes, _pin_hint, huge_page_bytes, pool_file_bytes
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES
 
 log = logging.getLogger("kvdepot.pool")
-
-
-class PoolError(RuntimeError):
-    """The pool cannot be created; the message says what to change."""
 
 
 _EMPTY_RECORD = bytes(RECORD_BYTES)
@@ -52,115 +48,6 @@ _EMPTY_RECORD = bytes(RECORD_BYTES)
 # of the pool, so that a small pool still serves several block sizes at once.
 EXTENT_BYTES = 1 << 30
 EXTENTS_AT_LEAST = 16
-
-
-def pool_file_bytes(num_slots: int, slot_bytes: int, page: int) -> int:
-    """The size of a pool file: slots, records and header, in whole pages."""
-    end = num_slots * slot_bytes + num_slots * RECORD_BYTES + HEADER_BYTES
-    return -(-end // page) * page
-
-
-def _meminfo(field: str) -> int:
-    with open("/proc/meminfo", encoding="utf-8") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name == field:
-                parts = value.split()
-                return int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    return 0
-
-
-def huge_page_bytes(directory: str) -> int | None:
-    """The page size of a hugetlbfs folder, None for any other filesystem."""
-    if filesystem_type(directory) != "hugetlbfs":
-        return None
-    st = os.statvfs(directory)
-    return st.f_bsize or _meminfo("Hugepagesize")
-
-
-def _free_bytes(directory: str) -> int:
-    if huge_page_bytes(directory):
-        # hugetlbfs without a size= limit reports no blocks: the pages free in
-        # the kernel's pool are what a file there can get.
-        st = os.statvfs(directory)
-        limit = st.f_bavail * st.f_bsize if st.f_blocks else None
-        free = _meminfo("HugePages_Free") * _meminfo("Hugepagesize")
-        return free if limit is None else min(limit, free)
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
-
-
-def filesystem_type(path: str) -> str:
-    """The type of the filesystem holding `path` (tmpfs, hugetlbfs, ext4...), from /proc/self/mounts."""
-    path = os.path.realpath(path)
-    best, best_type = "", "unknown"
-    try:
-        with open("/proc/self/mounts", encoding="utf-8") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mount_point = fields[1].replace("\\040", " ")
-                inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
-                if inside and len(mount_point) >= len(best):
-                    best, best_type = mount_point, fields[2]
-    except OSError:
-        pass
-    return best_type
-
-
-# The kernel pins (FOLL_LONGTERM) only anonymous and shared-memory pages, so
-# cudaHostRegister fails on a pool file in an ordinary disk filesystem.
-PINNABLE_FILESYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
-
-
-def own_pool_bytes(directory: str, prefix: str) -> int:
-    """Bytes of this user's pool files named `prefix`* in `directory`: an
-    earlier daemon's pool, which this one adopts or replaces."""
-    total = 0
-    for name in os.listdir(directory):
-        if name.startswith(prefix) and name.endswith(".pool"):
-            try:
-                st = os.lstat(os.path.join(directory, name))
-            except OSError:
-                continue
-            if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode):
-                total += st.st_blocks * 512
-    return total
-
-
-def pool_folders(setting: str, socket_dir: str | None) -> list[str]:
-    """The folders a pool file may be in: the configured one, or those `auto` picks from."""
-    if setting != "auto":
-        return [setting]
-    return [d for d in ("/dev/shm", socket_dir, "/tmp") if d and os.path.isdir(d)]
-
-
-def choose_pool_dir(setting: str, socket_dir: str | None, size: int, prefix: str = "") -> str:
-    """The folder for the pool file: the configured one, or the first with room
-    (counting the room the pool an earlier daemon left there takes)."""
-    if setting != "auto":
-        if not os.path.isdir(setting):
-            raise PoolError(f"pool_dir {setting} is not a folder")
-        return setting
-    candidates = pool_folders(setting, socket_dir)
-    for directory in candidates:
-        if _free_bytes(directory) + (own_pool_bytes(directory, prefix) if prefix else 0) >= size:
-            return directory
-    seen = ", ".join(f"{d} has {_free_bytes(d) / 2**30:.1f} GiB free" for d in candidates)
-    raise PoolError(
-        f"the pool ({size / 2**30:.1f} GiB) fits nowhere: {seen}. Lower --pool-size, "
-        "give the container a larger /dev/shm (docker --shm-size, or an emptyDir with "
-        "medium: Memory in Kubernetes), or set --pool-dir to a tmpfs or hugetlbfs with room."
-    )
-
-
-def _pin_hint(directory: str) -> str:
-    fs_type = filesystem_type(directory)
-    if fs_type in PINNABLE_FILESYSTEMS:
-        return ""
-    return (f": the pool is in {directory}, a {fs_type} filesystem, and the kernel pins only shared-memory "
-            "pages; set --pool-dir to /dev/shm, a tmpfs or a hugetlbfs mount")
 
 
 class HostPool:

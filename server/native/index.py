@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvdepot.server.core.blocks import BlockState
-from kvdepot.server.core.index import LookupResult, gone_from_dram, kept_namespace
-from kvdepot.server.core.namespaces import Namespace, Namespaces
+from kvdepot.server.core.index import LookupResult
+from kvdepot.server.core.namespaces import Namespace, Namespaces, gone_from_dram, kept_namespace
 from kvdepot.server.core.requests import LookupStatus
 from kvdepot.server.core.shares import ScopedEviction
 from kvdepot.server.core.tiers import KeptBlock, TierStack

@@ -20,7 +20,7 @@ import stat
 
 from kvdepot.server.host import pidlock
 from kvdepot.server.host.own_files import ForeignFile, owner_name
-from kvdepot.server.host.pool import filesystem_type
+from kvdepot.server.host.pool_folder import filesystem_type
 from kvdepot.server.host.shard_record import FORMAT_VERSION
 
 PAGE = 4096

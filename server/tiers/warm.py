@@ -23,7 +23,8 @@ from kvdepot.kept_pools import catalog_of as catalog_path
 from kvdepot.kept_pools import read_header
 from kvdepot.server.core.requests import NamespaceSpec
 from kvdepot.server.core.tiers import KeptBlock, Tier, TierStats
-from kvdepot.server.host.pool import HostPool, huge_page_bytes, pool_file_bytes
+from kvdepot.server.host.pool import HostPool
+from kvdepot.server.host.pool_folder import huge_page_bytes, pool_file_bytes
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES, ShardRecord, data_hash, pack
 from kvdepot.server.tiers.adoption import Adoption, Checked
 from kvdepot.server.tiers.catalog import IDENTITY_FIELDS, Catalog
