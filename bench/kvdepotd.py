@@ -39,7 +39,8 @@ class BenchDaemon:
                  "--pool-dir", pool_dir or self.folder, "--pin", pin,
                  # No metrics port: another daemon on the machine may hold the default one.
                  "--metrics-listen", "none", *extra],
-                stderr=log_file, text=True, env=env)
+                # From the tree's own folder: `-m` puts the working folder first on the path.
+                stderr=log_file, text=True, env=env, cwd=str(repo or REPO))
         self.pid = self.proc.pid
 
     def log(self) -> str:

@@ -97,13 +97,47 @@ def capacity(repo: Path, pool_size: str, slot_bytes: int | None) -> dict:
     return dict(alone=alone, mix=held / pool_bytes, stats=stats)
 
 
+def simulate(pool_bytes: int, slot_bytes: int) -> dict:
+    """The same fills on the pool's allocator alone (host/free_runs.py, as the
+    daemon cuts it for a pool of `pool_bytes`), with the
+    index's rule for room (evict the oldest block until the store's run fits):
+    node-scale pools, which this machine cannot hold in RAM."""
+    from collections import deque
+
+    from kvdepot.server.host.free_runs import FreeRuns
+    from kvdepot.server.host.pool import extent_bytes
+
+    num_slots = pool_bytes // slot_bytes
+    extent = max(1, extent_bytes(pool_bytes) // slot_bytes)
+
+    def run(fills) -> int:
+        runs = FreeRuns(num_slots, chunk_slots=(1 << 30) // slot_bytes, extent_slots=extent)
+        held: deque = deque()  # (slot, block bytes), oldest first
+        for block_bytes, nbytes in fills:
+            span = -(-block_bytes // slot_bytes)
+            for _ in range(nbytes // block_bytes):
+                while (slot := runs.allocate(None, span)) is None:
+                    old, old_bytes = held.popleft()
+                    runs.release(old, -(-old_bytes // slot_bytes))
+                held.append((slot, block_bytes))
+        return sum(b for _, b in held)
+
+    alone = [run([(block_bytes, 2 * pool_bytes)]) / block_bytes for _, block_bytes in MODELS]
+    mix = run([(block_bytes, pool_bytes // len(MODELS)) for _, block_bytes in MODELS]) / pool_bytes
+    return dict(alone=[int(a) for a in alone], mix=mix)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pool-size", default="256MiB")
     parser.add_argument("--slot-size", default=None, help="the daemon's --slot-size (default: each tree's own)")
     parser.add_argument("--compare", type=Path, help="another source tree, measured first")
     parser.add_argument("--label", default="this", help="this tree's name in the table")
+    parser.add_argument("--simulate", metavar="SIZE",
+                        help="instead, fill a pool of SIZE on this tree's allocator alone (no daemon, no RAM)")
     args = parser.parse_args()
+    if args.simulate:
+        return print_simulation(parse_size(args.simulate), parse_size(args.slot_size or "64KiB"))
     pool_bytes = parse_size(args.pool_size)
     slot_bytes = parse_size(args.slot_size) if args.slot_size else None
     trees = ([("previous", args.compare.resolve())] if args.compare else []) + [(args.label, REPO)]
@@ -132,6 +166,18 @@ def main() -> int:
         print(f"{name}: the daemon's stats for the mix: {stats.kv_bytes / MiB:.0f} MiB of KV in "
               f"{stats.used_slots * stats.pool.slot_bytes / MiB:.0f} MiB of slots, "
               f"fragmentation {stats.fragmentation:.2f}")
+    return 0
+
+
+def print_simulation(pool_bytes: int, slot_bytes: int) -> int:
+    result = simulate(pool_bytes, slot_bytes)
+    print(f"simulated pool {pool_bytes / 2**30:.0f} GiB of {slot_bytes / KiB:g} KiB slots (the allocator alone); "
+          "usable capacity = KV bytes held / pool bytes")
+    print(f"{'model':<46} {'block':>10} {'blocks held':>12} {'usable':>8}")
+    for (model, block_bytes), held in zip(MODELS, result["alone"]):
+        print(f"{model:<46} {block_bytes / MiB:>6.3f} MiB {held:>12} {held * block_bytes / pool_bytes:>8.3f}",
+              flush=True)
+    print(f"{'all of them in one pool, in turn':<46} {'':>10} {'':>12} {result['mix']:>8.3f}")
     return 0
 
 

@@ -43,11 +43,17 @@ log = logging.getLogger("kvdepot.pool")
 
 
 _EMPTY_RECORD = bytes(RECORD_BYTES)
-# The most bytes one shard may have, and the part of the pool that holds runs
-# of one span at a time (free_runs.py): at most this, and at most a sixteenth
-# of the pool, so that a small pool still serves several block sizes at once.
+# The part of the pool that holds runs of one span at a time (free_runs.py),
+# and so the most bytes one shard may have. Each span in use leaves at most
+# one extent partly empty, and each extent a tail shorter than a span: a
+# 128th of the pool keeps both under about 3% for a dozen block sizes up to
+# tens of MiB (bench/pool_capacity.py --simulate); at least 64 MiB (a 16th of
+# a smaller pool) so that big blocks fit a small pool, at most 1 GiB.
 EXTENT_BYTES = 1 << 30
-EXTENTS_AT_LEAST = 16
+
+
+def extent_bytes(pool_bytes: int) -> int:
+    return min(EXTENT_BYTES, max(pool_bytes // 128, min(64 << 20, pool_bytes // 16)))
 
 
 class HostPool:
@@ -90,7 +96,7 @@ class HostPool:
         self.placement = placement or numa.Placement()
         try:
             self.slots = FreeRuns(self.num_slots, self.placement.nodes, self.registration_bytes // slot_bytes,
-                                  max(1, min(EXTENT_BYTES, size // EXTENTS_AT_LEAST) // slot_bytes))
+                                  max(1, extent_bytes(size) // slot_bytes))
         except ValueError as e:
             raise PoolError(f"{e}: raise --pool-size or list fewer nodes in --numa") from None
         # {node: whether the kernel took the placement of its range}.
