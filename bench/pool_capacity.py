@@ -69,8 +69,11 @@ def fill(client: KVDepotClient, block_bytes: int, pool_bytes: int, tag: int):
         chunk = [f"{tag}:{len(keys) + i}".encode().ljust(32, b".")[:32] for i in range(batch)]
         keys += chunk
         job += 1
-        result = client.wait([client.submit_store(worker, tag * 100000 + job, chunk, list(range(batch)))], 60)
-        if not next(iter(result.values())).ok:
+        result = next(iter(client.wait([client.submit_store(worker, tag * 100000 + job, chunk,
+                                                             list(range(batch)))], 60).values()))
+        if not result.ok:  # shown: a fill cut short would read as capacity lost
+            print(f"  (a store of {block_bytes} B blocks failed after {len(keys) - batch} blocks: {result.error})",
+                  file=sys.stderr, flush=True)
             break
     return lambda: sum(client.lookup(engine, [key]).ready_blocks for key in keys)
 
