@@ -78,6 +78,18 @@ def fill(client: KVDepotClient, block_bytes: int, pool_bytes: int, tag: int):
     return lambda: sum(client.lookup(engine, [key]).ready_blocks for key in keys)
 
 
+def connect_when_up(daemon) -> KVDepotClient:
+    """A client, once the whole pool is up: the daemon serves with its first
+    chunk, and a fill that outran the rest would count their slots as lost."""
+    import time
+
+    client = KVDepotClient(daemon.socket, name="pool-capacity").connect(30)
+    deadline = time.monotonic() + 600
+    while (pool := client.stats().pool).online_slots < pool.num_slots and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return client
+
+
 def capacity(repo: Path, pool_size: str, slot_bytes: int | None) -> dict:
     """Each model alone, then the mix, with the daemon of source tree `repo`."""
     pool_bytes = parse_size(pool_size)
@@ -85,13 +97,13 @@ def capacity(repo: Path, pool_size: str, slot_bytes: int | None) -> dict:
     for tag, (_, block_bytes) in enumerate(MODELS):
         with BenchDaemon(pool_size, slot_bytes, pin="off", repo=repo) as daemon:
             daemon.wait_ready()
-            client = KVDepotClient(daemon.socket, name="pool-capacity").connect(30)
+            client = connect_when_up(daemon)
             counted = fill(client, block_bytes, pool_bytes, tag)
             alone.append(counted if isinstance(counted, str) else counted())
             client.close()
     with BenchDaemon(pool_size, slot_bytes, pin="off", repo=repo) as daemon:
         daemon.wait_ready()
-        client = KVDepotClient(daemon.socket, name="pool-capacity").connect(30)
+        client = connect_when_up(daemon)
         counts = [(fill(client, block_bytes, pool_bytes // len(MODELS), 100 + tag), block_bytes)
                   for tag, (_, block_bytes) in enumerate(MODELS)]
         held = sum(counted() * block_bytes for counted, block_bytes in counts if not isinstance(counted, str))
