@@ -196,8 +196,8 @@ def test_the_native_lanes_counts_agree_at_every_call_while_kept_blocks_wait(tmp_
     lane = Lane(library, pool, arc=False, tracing=False, max_unread=1024, check=True)
     try:
         pool.slots = NativeSlots(lane, pool.slots)
-        pool.hold({5 * 16 + 1, 7 * 16 + 2})  # kept shards in chunks 5 and 7, not up yet
-        pool.keep_only(set(pool.held))
+        pool.hold({5 * 16 + 1: 1, 7 * 16 + 2: 1})  # kept shards' runs in chunks 5 and 7, not up yet
+        pool.keep_only(dict(pool.held))
         assert lane.verify() == ""
         pool.add_online(5 * 16, 16)
         assert lane.verify() == ""
