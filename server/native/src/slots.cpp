@@ -77,12 +77,17 @@ int64_t Slots::span_at(int64_t slot) const {
   return extents_[extent_of(slot)].span;
 }
 
-bool Slots::in_use(int64_t slot) const {
+bool Slots::starts_run(int64_t slot) const {
   if (slot < 0 || slot >= num_slots_ || extents_.empty()) return false;
   const Extent& e = extents_[extent_of(slot)];
   int64_t offset = slot - e.first;
-  if (e.span == 0 || offset % e.span || offset + e.span > e.count) return false;
-  return std::find(e.runs.begin(), e.runs.end(), slot) == e.runs.end();
+  return e.span > 0 && offset % e.span == 0 && offset + e.span <= e.count;
+}
+
+bool Slots::in_use(int64_t slot) const {
+  if (!starts_run(slot)) return false;
+  const std::vector<int64_t>& free = extents_[extent_of(slot)].runs;
+  return std::find(free.begin(), free.end(), slot) == free.end();
 }
 
 // ---------------------------------------------------------------- bring-up
@@ -148,7 +153,9 @@ int64_t Slots::allocate(int32_t node, int64_t span) {
 }
 
 void Slots::release(int64_t slot) {
-  if (!in_use(slot)) throw std::invalid_argument(format("slot %lld does not start a run in use", (long long)slot));
+  // The index releases only runs it holds: checked as free_runs.py does, in
+  // O(1) (in_use, which the C calls check first, scans the extent's free runs).
+  if (!starts_run(slot)) throw std::invalid_argument(format("slot %lld does not start a run", (long long)slot));
   // A block dropped (evicted, cleared) must not come back at a restart, nor a
   // seal still on its way write its record (seal.cpp checks the epoch).
   if (records_) std::memset(record(slot), 0, RECORD_BYTES);

@@ -31,8 +31,11 @@ class Slots {
   // The first slot of a free run of `span`, of `node`'s range while it has
   // room; -1 when no range has.
   int64_t allocate(int32_t node, int64_t span);
-  // `slot` must start a run in use (in_use); std::invalid_argument otherwise.
+  // `slot` must start a run in use; std::invalid_argument where it starts no run.
   void release(int64_t slot);
+  // Whether `slot` is a run's first slot in an extent of runs (O(1)), and
+  // whether that run is in use (O(runs free in its extent)).
+  bool starts_run(int64_t slot) const;
   bool in_use(int64_t slot) const;
   // The span of `slot`'s extent's runs (0: a free extent, or out of the pool).
   int64_t span_at(int64_t slot) const;
