@@ -87,11 +87,19 @@ class Run:
                           t.loaded_blocks, t.failed_jobs, namespaces))
 
 
+# A block of 16 KiB in slots of its size, or in runs of 3 slots (2.5 of them).
+SLOTS = {"one_slot": 16 << 10, "runs": 6560}
+
+
+@pytest.mark.parametrize("slot", sorted(SLOTS))
 @pytest.mark.parametrize("eviction", ["lru", "arc"])
-def test_both_lanes_answer_the_same_requests_the_same(start_held_daemon, client_factory, eviction):
+def test_both_lanes_answer_the_same_requests_the_same(start_held_daemon, client_factory, eviction, slot):
     runs = []
+    slot_bytes = SLOTS[slot]
+    span = -(-(16 << 10) // slot_bytes)
     for lane in ("python", "native"):
-        daemon = start_held_daemon(env={"KVDEPOT_LANE": lane}, pool_size=f"{POOL_SLOTS * 16}KiB", eviction=eviction)
+        daemon = start_held_daemon(env={"KVDEPOT_LANE": lane}, pool_size=str(POOL_SLOTS * span * slot_bytes),
+                                   slot_size=str(slot_bytes), eviction=eviction)
         assert f"the {lane} lane" in daemon.log().lower()
         runs.append(Run(daemon, client_factory(daemon, name=lane)))
     keys = prompt_keys(48, prompt=77)
@@ -133,5 +141,7 @@ def test_both_lanes_answer_the_same_requests_the_same(start_held_daemon, client_
     # The sequence did what it is for: evictions, pins in flight, loads checked byte for byte.
     final = python[-1]
     assert final[3] > 0 and any(s[0] == "released" for s in python)
+    assert final[1] == sum(used for _, used, _ in final[7]) > 0
+    assert all(used == span * ready for _, used, ready in final[7]), "a block's run of slots was miscounted"
     assert any(s[0] == "load" and s[2] and s[3] == [] for s in python)
     assert not any(s[0] == "load" and s[2] and s[3] for s in python), "a load that ended ok brought wrong bytes"

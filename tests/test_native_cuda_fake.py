@@ -49,24 +49,25 @@ def fake(tmp_path_factory):
 class Rig:
     """A lane with one fake GPU, one worker of it, and what its memory holds."""
 
-    def __init__(self, fake, tmp_path):
+    def __init__(self, fake, tmp_path, page: int = PAGE, rows: int = ROWS):
         self.fake = fake
+        self.rows = rows
         self.pool = HostPool(size=256 * SLOT, slot_bytes=SLOT, directory=str(tmp_path), name="p", pin="off")
         self.lane = Lane(binding.load(build.build(quiet=True)), self.pool, arc=False, tracing=False,
                          max_unread=1 << 20, check=True)
         self.lane.add_namespace(NS, self.lane.scope("t", None), 1, "ns", bytes(16))
         self.lane.add_session(SESSION, SESSION, "s" * 32, 4096)
         self.keep = []  # host memory the "GPU" uses, alive while the lane is
-        self.cache = [self._memory(torch.randint(0, 256, (BLOCKS, PAGE), dtype=torch.uint8)) for _ in range(LAYERS)]
-        table = [self._ints([t.data_ptr() for t in self.cache]), self._ints([PAGE] * LAYERS),
-                 self._ints([k * PAGE for k in range(LAYERS)]), self._ints([PAGE] * LAYERS)]
+        self.cache = [self._memory(torch.randint(0, 256, (BLOCKS, page), dtype=torch.uint8)) for _ in range(LAYERS)]
+        table = [self._ints([t.data_ptr() for t in self.cache]), self._ints([page] * LAYERS),
+                 self._ints([k * page for k in range(LAYERS)]), self._ints([page] * LAYERS)]
         self.fence = self._ints([0])
         device = LaneDevice(0, True, 16384, 0, self.pool.registration_bytes // SLOT, self._stream(GATHER),
                             self._stream(SCATTER), self._api())
         self.lane.cuda_device(device)
-        self.lane.add_worker(SESSION, WORKER, NS, 0, BLOCKS, LAYERS * PAGE, None, 2)
+        self.lane.add_worker(SESSION, WORKER, NS, 0, BLOCKS, LAYERS * page, None, 2)
         self.lane.cuda_worker(SESSION, WORKER, LaneWorker(2, device=device, table=tuple(t.data_ptr() for t in table),
-                                                          pages_per_block=LAYERS, max_page_bytes=PAGE,
+                                                          pages_per_block=LAYERS, max_page_bytes=page,
                                                           fence=self.fence.data_ptr()))
         self.done: dict[int, tuple[bool, str]] = {}
         self.seq = 0
@@ -79,17 +80,17 @@ class Rig:
         return self._memory(torch.tensor(values, dtype=torch.int64))
 
     def _stream(self, function: int) -> LaneStream:
-        buffers = [self._memory(torch.zeros(ROWS * SLOT, dtype=torch.uint8)) for _ in range(2)]
+        buffers = [self._memory(torch.zeros(self.rows * SLOT, dtype=torch.uint8)) for _ in range(2)]
         host, gpu = self._ints([0] * RING), self._ints([0] * RING)
         hashes = {}
         if function == GATHER:  # a store's rows are hashed "on the GPU"
             keys = self._memory(torch.from_numpy(shard_hash.keys().reshape(-1).copy()))
-            scratch = [self._ints([0] * ROWS * (SLOT // 4096)) for _ in buffers]
+            scratch = [self._ints([0] * self.rows * (SLOT // 4096)) for _ in buffers]
             hashes = dict(hash_blocks=LaneKernel(HASH_BLOCKS, 128, 0, (8, 8, 8, 8, 8, 4)),
                           hash_rows=LaneKernel(HASH_ROWS, 32, 0, (8, 8, 4, 8)), hash_keys=keys.data_ptr(),
                           hash_scratch=tuple(t.data_ptr() for t in scratch))
-        return LaneStream(0x11, 0x12, tuple(b.data_ptr() for b in buffers), ROWS, (0x21, 0x22), (0x23, 0x24),
-                          host.data_ptr(), gpu.data_ptr(), RING, self._ints(list(range(ROWS))).data_ptr(),
+        return LaneStream(0x11, 0x12, tuple(b.data_ptr() for b in buffers), self.rows, (0x21, 0x22), (0x23, 0x24),
+                          host.data_ptr(), gpu.data_ptr(), RING, self._ints(list(range(self.rows))).data_ptr(),
                           LaneKernel(function, 128, 0, (8,) * 8 + (4,) * 3, programs=4), **hashes)
 
     def _api(self) -> dict[str, int]:
@@ -213,3 +214,37 @@ def test_a_stores_records_are_sealed_with_the_hash_the_gpu_took(rig):
         assert record.gpu_hashed and record.length == LAYERS * PAGE
         assert record.data_hash == shard_hash.gpu_hash(data)
     assert rig.lane.counts()["sealed"] == 5 and rig.lane.counts()["unsealed"] == 0
+
+
+@pytest.mark.parametrize("rows", [3, 8, 64])
+def test_blocks_of_several_slots_land_in_their_runs_and_load_back(fake, tmp_path, rows):
+    """A block of 2.5 slots takes a run of 3 slots in the pool and 3 rows of a
+    staging buffer (a chunk of `rows` rows holds rows // 3 blocks): its bytes
+    sit contiguous from its run's first slot, its record is sealed with the
+    hash of those bytes, and it loads back byte for byte."""
+    fake.fake_set_compute_done(1)
+    page = 5 * SLOT // 2 // LAYERS  # a block: 2.5 slots
+    rig = Rig(fake, tmp_path, page=page, rows=rows)
+    try:
+        ks = keys(11, 900)
+        sources = [3, 9, 10, 11, 12, 13, 20, 21, 30, 35, 36]  # the targets (53 and up) apart
+        rig.store(1, ks, sources)
+        assert rig.wait([1]) == {1: (True, "")}
+        assert rig.lane.counts()["used_slots"] == 3 * len(ks)
+        records = rig.records()
+        assert set(records) == set(ks)
+        for k, source in zip(ks, sources):
+            record, data = records[k]
+            assert record.length == LAYERS * page and data == rig.block(source)
+            assert record.data_hash == shard_hash.gpu_hash(data)
+        targets = [BLOCKS - 1 - i for i in range(len(ks))]
+        rig.load(2, ks, targets)
+        assert rig.wait([2]) == {2: (True, "")}
+        assert [rig.block(t) for t in targets] == [rig.block(s) for s in sources]
+    finally:
+        rig.close()
+
+
+def test_a_block_larger_than_the_staging_buffers_is_refused(fake, tmp_path):
+    with pytest.raises(Exception, match="does not fit the GPU's staging buffers"):
+        Rig(fake, tmp_path, page=5 * SLOT // 2 // LAYERS, rows=2)

@@ -196,8 +196,9 @@ def test_the_native_lanes_counts_agree_at_every_call_while_kept_blocks_wait(tmp_
     lane = Lane(library, pool, arc=False, tracing=False, max_unread=1024, check=True)
     try:
         pool.slots = NativeSlots(lane, pool.slots)
-        pool.hold({5 * 16 + 1, 7 * 16 + 2})  # kept shards in chunks 5 and 7, not up yet
-        pool.keep_only(set(pool.held))
+        # Kept shards' runs in chunks 5 and 7, not up yet: one slot, and three.
+        pool.hold({5 * 16 + 1: 1, 7 * 16 + 3: 3})
+        pool.keep_only(dict(pool.held))
         assert lane.verify() == ""
         pool.add_online(5 * 16, 16)
         assert lane.verify() == ""
@@ -205,7 +206,7 @@ def test_the_native_lanes_counts_agree_at_every_call_while_kept_blocks_wait(tmp_
         pool.let_go_held([5 * 16 + 1])
         assert lane.verify() == ""
         pool.add_online(7 * 16, 16)
-        assert lane.verify() == "" and pool.used_slots == 1
+        assert lane.verify() == "" and pool.used_slots == 3 and pool.span_at(7 * 16 + 3) == 3
     finally:
         lane.close()
         pool.close(discard=True)

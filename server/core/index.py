@@ -146,7 +146,7 @@ class BlockIndex:
 
     @property
     def pinned_slots(self) -> int:
-        return sum(len(b.held_slots()) for b in self._pinned)
+        return sum(self.pool.span_at(slot) for b in self._pinned for slot in b.held_slots())
 
     def blocks_of(self, ns: Namespace | None) -> list[Block]:
         return [b for b in self._blocks.values() if ns is None or b.ns is ns]

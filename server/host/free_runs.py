@@ -49,6 +49,8 @@ class FreeRuns:
         self.carved = bool(nodes)
         chunk_slots = chunk_slots or num_slots or 1
         extent_slots = max(1, min(extent_slots or chunk_slots, chunk_slots))
+        # The native lane cuts its own extents from these (server/native/src/slots.cpp).
+        self.chunk_slots, self.extent_slots = chunk_slots, extent_slots
         extents = cut_extents(self.ranges, chunk_slots, extent_slots)
         self._range = [r for r, _, _ in extents]
         self._first = [f for _, f, _ in extents]

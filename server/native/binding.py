@@ -38,6 +38,8 @@ class LaneConfig(ctypes.Structure):
         ("ranges", ctypes.POINTER(Range)),
         ("seed", ctypes.c_uint64),
         ("max_unread", ctypes.c_uint64),
+        ("chunk_slots", ctypes.c_int64),
+        ("extent_slots", ctypes.c_int64),
     ]
 
 
@@ -142,7 +144,8 @@ _SIGNATURES = {
     "kvd_clear": ([_P, _I64, ctypes.POINTER(_U64)], None),
     "kvd_restore": ([_P, _U32, ctypes.c_char_p, ctypes.POINTER(_I64), ctypes.POINTER(_U64), _U32, _INT], _INT),
     "kvd_release_slots": ([_P, ctypes.POINTER(_I64), ctypes.c_size_t, _INT], None),
-    "kvd_keep_only": ([_P, ctypes.POINTER(_I64), ctypes.c_size_t, _I64], None),
+    "kvd_keep_only": ([_P, ctypes.POINTER(_I64), ctypes.POINTER(_I64), ctypes.c_size_t, _I64], None),
+    "kvd_span_at": ([_P, _I64], _I64),
     "kvd_reserve_promotion": ([_P, _U32, ctypes.c_char_p, ctypes.POINTER(_U64), ctypes.POINTER(_I64)], _U64),
     "kvd_finish_promotion": ([_P, _U64, _INT], None),
     "kvd_holds": ([_P, _U64], _INT),
@@ -152,7 +155,7 @@ _SIGNATURES = {
     "kvd_counts": ([_P, ctypes.POINTER(_I64)], None),
     "kvd_free_in": ([_P, _U32], _I64),
     "kvd_set_online": ([_P, ctypes.POINTER(_I64), ctypes.POINTER(_I64), ctypes.c_size_t], None),
-    "kvd_add_online": ([_P, _I64, _I64, ctypes.POINTER(_I64), ctypes.c_size_t], _I64),
+    "kvd_add_online": ([_P, _I64, _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64), ctypes.c_size_t], _I64),
     "kvd_online_in": ([_P, _U32], _I64),
     "kvd_totals": ([_P, ctypes.POINTER(_U64)], None),
     "kvd_job_times": ([_P, ctypes.POINTER(_U64), ctypes.POINTER(ctypes.c_double), ctypes.POINTER(_U64)], None),

@@ -38,13 +38,18 @@ _LEVELS = {20: logging.INFO, 30: logging.WARNING, 40: logging.ERROR}
 
 
 class NativeSlots:
-    """The pool's free slots, which the lane keeps (host/free_slots.py's face)."""
+    """The pool's runs of slots, which the lane keeps (host/free_runs.py's
+    face). What depends on the extents' geometry alone (fits, max_span) is
+    asked of the FreeRuns the pool opened with: the lane cuts the same
+    extents from the same numbers."""
 
     def __init__(self, lane: Lane, slots):
         self._lane = lane
+        self._geometry = slots
         self.ranges = slots.ranges
         self.carved = slots.carved
         self.online = slots.online
+        self.max_span = slots.max_span
         if slots.online < sum(r.count for r in slots.ranges):
             lane.set_online(slots.online_runs())
 
@@ -58,19 +63,26 @@ class NativeSlots:
     def online_in(self, index: int) -> int:
         return self._lane.online_in(index)
 
-    def add_online(self, first: int, count: int, held=()) -> list[int]:
-        """`held`: the chunk's slots that kept blocks wait in (the lane counts them)."""
-        self.online += self._lane.add_online(first, count, list(held))  # the lane clears the free ones' records
+    def span_at(self, slot: int) -> int:
+        return self._lane.span_at(slot)
+
+    def fits(self, runs) -> dict[int, str]:
+        return self._geometry.fits(runs)
+
+    def add_online(self, first: int, count: int, held=None) -> list[int]:
+        """`held`: the chunk's runs ({first slot: span}) that kept blocks wait in (the lane counts them)."""
+        self.online += self._lane.add_online(first, count, dict(held or {}))  # the lane clears the free ones' records
         return []
 
     def keep_only(self, used, kept_waiting: int = 0) -> list[int]:
-        self._lane.keep_only(used, kept_waiting)
+        """`used`: runs, {first slot: span}."""
+        self._lane.keep_only(dict(used), kept_waiting)
         return []  # the lane has cleared the free slots' records
 
-    def allocate(self, node=None):
+    def allocate(self, node=None, span: int = 1):
         raise RuntimeError("the native lane allocates the pool's slots")
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, span: int = 1) -> None:
         raise RuntimeError("the native lane releases the pool's slots")
 
 

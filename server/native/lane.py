@@ -28,6 +28,11 @@ LOOKUP_END, LOOKUP_ABSENT, LOOKUP_STORING, LOOKUP_STOP = 0, 1, 2, 3
 READY, STORING, ALL = 0, 1, 2
 
 
+def _runs(runs: dict[int, int]):
+    """Runs ({first slot: span}) as the lane takes them: two arrays."""
+    return (_I64 * len(runs))(*runs.keys()), (_I64 * len(runs))(*runs.values())
+
+
 def _counters(values) -> Counters:
     return Counters(*[int(v) for v in values])
 
@@ -43,6 +48,7 @@ class Lane:
             records_base=pool.base_address + pool.size, arc=int(arc), tracing=int(tracing), check=int(check),
             n_ranges=len(ranges), ranges=self._ranges,
             seed=int.from_bytes(os.urandom(8), "little"), max_unread=max_unread,
+            chunk_slots=pool.slots.chunk_slots, extent_slots=pool.slots.extent_slots,
         )
         error = ctypes.create_string_buffer(512)
         handle = lib.kvd_open(ctypes.byref(config), error, len(error))
@@ -190,9 +196,13 @@ class Lane:
     def release_slots(self, slots: list[int], waited: bool = False) -> None:
         self._lib.kvd_release_slots(self._h, (_I64 * len(slots))(*slots), len(slots), waited)
 
-    def keep_only(self, used, kept_waiting: int = 0) -> None:
-        used = list(used)
-        self._lib.kvd_keep_only(self._h, (_I64 * len(used))(*used), len(used), kept_waiting)
+    def keep_only(self, used: dict[int, int], kept_waiting: int = 0) -> None:
+        """`used`: runs, {first slot: span}."""
+        firsts, spans = _runs(used)
+        self._lib.kvd_keep_only(self._h, firsts, spans, len(used), kept_waiting)
+
+    def span_at(self, slot: int) -> int:
+        return self._lib.kvd_span_at(self._h, slot)
 
     def reserve_promotion(self, ns_id: int, tp_size: int, key: bytes, lengths: tuple) -> tuple[int, list[int]]:
         slots = (_I64 * tp_size)()
@@ -234,8 +244,10 @@ class Lane:
         firsts, counts = [r[0] for r in ranges], [r[1] for r in ranges]
         self._lib.kvd_set_online(self._h, (_I64 * len(ranges))(*firsts), (_I64 * len(ranges))(*counts), len(ranges))
 
-    def add_online(self, first: int, count: int, held: list[int]) -> int:
-        return self._lib.kvd_add_online(self._h, first, count, (_I64 * len(held))(*held), len(held))
+    def add_online(self, first: int, count: int, held: dict[int, int]) -> int:
+        """`held`: kept blocks' runs, {first slot: span}; returns the slots that came online."""
+        firsts, spans = _runs(held)
+        return self._lib.kvd_add_online(self._h, first, count, firsts, spans, len(held))
 
     def online_in(self, index: int) -> int:
         return self._lib.kvd_online_in(self._h, index)

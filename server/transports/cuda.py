@@ -216,6 +216,12 @@ class CudaTransport(Transport):
             raise InvalidArgument("all tensors of a worker must be on one GPU")
         if not self._pool.pinned:
             raise FailedPrecondition("the daemon's pool is not pinned, so it cannot serve CUDA workers")
+        span, rows = self._pool.span(layout.block_bytes), self._staging_bytes // self._pool.slot_bytes
+        if self._mode == "dma" and span > rows:  # a block takes `span` rows of a staging buffer
+            raise InvalidArgument(
+                f"a block of {layout.block_bytes} bytes takes {span} pool slots of {self._pool.slot_bytes} bytes, "
+                f"and the daemon's GPU staging buffers (--staging-bytes {self._staging_bytes}) hold {rows}: "
+                "the daemon needs a larger --staging-bytes for this layout")
         mappings, addresses = [], []
         try:
             for tensor, handle in zip(layout.tensors, ipc):

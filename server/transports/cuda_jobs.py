@@ -17,15 +17,16 @@ from kvdepot.server.transports import copy_kernel, cuda_calls
 from kvdepot.server.transports.cuda_streams import CopyStream, staging_chunks
 
 
-def _runs(slots: list[int], slots_per_registration: int) -> list[tuple[int, int, int]]:
-    """(first slot, first row, count) of each run of consecutive slots inside one
-    CUDA registration of the pool (a DMA copy cannot cross two)."""
+def _runs(slots: list[int], slots_per_registration: int, span: int = 1) -> list[tuple[int, int, int]]:
+    """(first slot, first block, blocks) of each run of blocks whose runs of
+    `span` slots follow each other inside one CUDA registration of the pool
+    (a DMA copy cannot cross two)."""
     runs = []
-    for row, slot in enumerate(slots):
-        if runs and runs[-1][0] + runs[-1][2] == slot and slot % slots_per_registration:
+    for at, slot in enumerate(slots):
+        if runs and runs[-1][0] + runs[-1][2] * span == slot and slot % slots_per_registration:
             runs[-1][2] += 1
         else:
-            runs.append([slot, row, 1])
+            runs.append([slot, at, 1])
     return [tuple(r) for r in runs]
 
 
@@ -33,6 +34,7 @@ class JobQueue:
     def __init__(self, pool, spin_bytes: int, chunk_bytes: int, programs: int):
         self._pool_base = pool.base_address
         self._slot_bytes = pool.slot_bytes
+        self._span = pool.span
         # A DMA copy cannot cross two CUDA registrations of the pool.
         self._per_registration = pool.registration_bytes // pool.slot_bytes
         self._spin_bytes = spin_bytes
@@ -58,7 +60,8 @@ class JobQueue:
             ids, first_id, keep_alive = stream.ring.gpu, span[0], None
             stream.ring.host[span[0] : span[0] + n] = job.block_ids
             fence_at = (stream.ring.host, span[0] + n)
-        self._copy_via_staging(copies, stream, job.slots, ids, first_id, span, to_host, job.trace)
+        self._copy_via_staging(copies, stream, job.slots, ids, first_id, span, to_host, job.trace,
+                               self._span(job.worker.layout.block_bytes))
         fence = None
         if state.event is not None:
             # The fence the worker's compute wrote, read after the copy.
@@ -70,7 +73,7 @@ class JobQueue:
         # driver's default, without the GIL): waking a thread that sleeps in the
         # driver costs such a job a noticeable part of its time. Behind other jobs,
         # or for a big job, the thread sleeps instead of spinning a core.
-        spin = stream.idle and n * self._slot_bytes <= self._spin_bytes
+        spin = stream.idle and n * self._span(job.worker.layout.block_bytes) * self._slot_bytes <= self._spin_bytes
         end = stream.end_event(blocking=not spin)
         # A store ends with its last transfer, a load with its last scatter.
         cuda_calls.record(end[1], stream.handle if to_host else stream.kernels_handle)
@@ -97,7 +100,8 @@ class JobQueue:
                     readback = torch.empty(1, dtype=torch.int64, pin_memory=True)
                     readback.copy_(copies.fence, non_blocking=True)
                     fence = (readback, 0, job.transport_state.fence_seq)
-                spin = stream.idle and len(job.block_ids) * self._slot_bytes <= self._spin_bytes
+                nbytes = len(job.block_ids) * self._span(job.worker.layout.block_bytes) * self._slot_bytes
+                spin = stream.idle and nbytes <= self._spin_bytes
                 end = stream.end_event(blocking=not spin)
                 cuda_calls.record(end[1], stream.handle)
             finally:
@@ -108,15 +112,20 @@ class JobQueue:
         stream.track(end, job, (block_ids, slots), fence)
 
     def _copy_via_staging(self, copies, stream: CopyStream, slots, ids, first_id: int, span, to_host: bool,
-                          trace=None) -> None:
+                          trace=None, block_span: int = 1) -> None:
         """Pages to or from a ring of staging buffers by kernel, on the direction's
         kernel stream; buffer rows to or from pool slots by the copy engines, one
         transfer per run of consecutive slots. Chunk by chunk, each side waits
         only for the other's part of the same buffer, so transfers of one chunk
         overlap the kernel of the next. ids[first_id:] hold the job's block ids:
-        on the host side of the ring (span) until uploaded here."""
+        on the host side of the ring (span) until uploaded here. A block
+        takes `block_span` slots in the pool and as many rows of a buffer:
+        block i of a chunk sits at buffer + i * pitch, the pitch the kernel
+        takes where it took a row's bytes (server/native/src/cuda.cpp alike)."""
         programs = self._programs or copy_kernel.staging_programs(copies.device.index)
         slot_bytes, pool_base = self._slot_bytes, self._pool_base
+        pitch = block_span * slot_bytes
+        per_chunk = max(1, stream.rows // block_span)
         transfers, kernels = stream.handle, stream.kernels_handle
         n = len(slots)
         uploaded = span is None
@@ -130,7 +139,7 @@ class JobQueue:
                 stamp("ids_up")
 
         def launch(first: int, count: int, buffer: int) -> None:
-            copy_kernel.launch_at(copies.table, ids, first_id + first, count, stream.positions, buffer, slot_bytes,
+            copy_kernel.launch_at(copies.table, ids, first_id + first, count, stream.positions, buffer, pitch,
                                   to_host, self._chunk_bytes, programs, stream.kernels, kernels)
             stamp("kernel")
 
@@ -138,14 +147,14 @@ class JobQueue:
             if trace is not None and stage not in trace:
                 trace[stage] = jobtrace.now()
 
-        for first, count in staging_chunks(n, stream.rows, not to_host and stream.idle):
+        for first, count in staging_chunks(n, per_chunk, not to_host and stream.idle):
             b = stream.next_buffer
             stream.next_buffer = (b + 1) % len(stream.buffers)
             buffer = stream.buffer_addresses[b]
             filled, drained = stream.filled_handles[b], stream.drained_handles[b]
             # Pool side and buffer side of each transfer, in the job's direction.
-            runs = [(pool_base + slot * slot_bytes, buffer + row * slot_bytes, k * slot_bytes)
-                    for slot, row, k in _runs(slots[first : first + count], self._per_registration)]
+            runs = [(pool_base + slot * slot_bytes, buffer + at * pitch, k * pitch)
+                    for slot, at, k in _runs(slots[first : first + count], self._per_registration, block_span)]
             if to_host:
                 upload()
                 if stream.used[b]:

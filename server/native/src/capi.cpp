@@ -35,6 +35,19 @@ std::vector<Key> keys_of(const uint8_t* blob, uint32_t n) {
 
 void put_counters(const Counters& c, uint64_t* out) { std::memcpy(out, c.v, sizeof c.v); }
 
+Slots::Runs runs_of(const int64_t* firsts, const int64_t* spans, size_t n) {
+  Slots::Runs runs;
+  for (size_t i = 0; i < n; i++) runs.emplace_back(firsts[i], spans[i]);
+  return runs;
+}
+
+// The slots of the runs that start at `slots` (those in use).
+int64_t run_slots(const Slots& pool, const int64_t* slots, size_t n) {
+  int64_t total = 0;
+  for (size_t i = 0; i < n; i++) total += pool.in_use(slots[i]) ? pool.span_at(slots[i]) : 0;
+  return total;
+}
+
 }  // namespace
 
 extern "C" {
@@ -316,11 +329,14 @@ KVD_API int kvd_restore(Lane* lane, uint32_t ns, const uint8_t* key, const int64
                         uint32_t tp, int waited) {
   if (!lane) return 0;
   std::lock_guard<std::mutex> lock(lane->mutex);
-  if (waited) lane->slots->no_longer_waiting(tp);
+  Slots& pool = *lane->slots;
+  if (waited) lane->slots->no_longer_waiting(run_slots(pool, slots, tp));
   Namespace* space = lane->index->ns(ns);
-  if (!space || space->tp != tp) {
+  bool placed = true;  // adoption placed each rank's run (free_runs.py fits)
+  for (uint32_t i = 0; i < tp; i++) placed &= pool.in_use(slots[i]);
+  if (!space || space->tp != tp || !placed) {
     for (uint32_t i = 0; i < tp; i++)
-      if (slots[i] >= 0 && slots[i] < lane->slots->num_slots()) lane->slots->release(slots[i]);
+      if (pool.in_use(slots[i])) pool.release(slots[i]);
     return 0;
   }
   Key k;
@@ -333,16 +349,24 @@ KVD_API int kvd_restore(Lane* lane, uint32_t ns, const uint8_t* key, const int64
 KVD_API void kvd_release_slots(Lane* lane, const int64_t* slots, size_t n, int waited) {
   if (!lane) return;
   std::lock_guard<std::mutex> lock(lane->mutex);
-  if (waited) lane->slots->no_longer_waiting((int64_t)n);
+  Slots& pool = *lane->slots;
+  if (waited) pool.no_longer_waiting(run_slots(pool, slots, n));
   for (size_t i = 0; i < n; i++)
-    if (slots[i] >= 0 && slots[i] < lane->slots->num_slots()) lane->slots->release(slots[i]);
+    if (pool.in_use(slots[i])) pool.release(slots[i]);
 }
 
-KVD_API void kvd_keep_only(Lane* lane, const int64_t* used, size_t n, int64_t kept_waiting) {
+// `used`: runs, their first slots and spans (free_runs.py fits() accepted them).
+KVD_API void kvd_keep_only(Lane* lane, const int64_t* firsts, const int64_t* spans, size_t n, int64_t kept_waiting) {
   if (!lane) return;
   std::lock_guard<std::mutex> lock(lane->mutex);
-  lane->slots->keep_only(std::vector<int64_t>(used, used + n));
+  lane->slots->keep_only(runs_of(firsts, spans, n));
   lane->slots->set_kept_waiting(kept_waiting);
+}
+
+KVD_API int64_t kvd_span_at(Lane* lane, int64_t slot) {
+  if (!lane) return 0;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  return lane->slots->span_at(slot);
 }
 
 KVD_API uint64_t kvd_reserve_promotion(Lane* lane, uint32_t ns, const uint8_t* key, const uint64_t* lengths, int64_t* slots) {
@@ -437,10 +461,12 @@ KVD_API void kvd_set_online(Lane* lane, const int64_t* firsts, const int64_t* co
   lane->slots->set_online(ranges);
 }
 
-KVD_API int64_t kvd_add_online(Lane* lane, int64_t first, int64_t count, const int64_t* held, size_t n_held) {
+// `held`: the runs (first slots, spans) of kept blocks waiting for other chunks.
+KVD_API int64_t kvd_add_online(Lane* lane, int64_t first, int64_t count, const int64_t* held, const int64_t* spans,
+                               size_t n_held) {
   if (!lane) return 0;
   std::lock_guard<std::mutex> lock(lane->mutex);
-  return lane->slots->add_online(first, count, std::vector<int64_t>(held, held + n_held));
+  return lane->slots->add_online(first, count, runs_of(held, spans, n_held));
 }
 
 KVD_API int64_t kvd_online_in(Lane* lane, uint32_t range) {

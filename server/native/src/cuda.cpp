@@ -280,8 +280,17 @@ void CudaTransport::add_device(const CudaDeviceConfig& config) {
   devices_[config.index] = std::move(device);
 }
 
+uint64_t CudaTransport::span(const Worker& worker) const {
+  return std::max<uint64_t>(1, (worker.block_bytes + slot_bytes_ - 1) / slot_bytes_);
+}
+
 void CudaTransport::open_worker(Worker& worker, int device, const uint64_t table[4], uint64_t pages_per_block,
                                 uint64_t max_page_bytes, uint64_t fence) {
+  const CudaDeviceConfig& config = devices_.at(device)->config;
+  // A block takes `span` rows of a staging buffer (cuda.py checks this first, with the option to raise).
+  if (span(worker) > std::min(config.store.rows, config.load.rows))
+    throw Refusal{INVALID_ARGUMENT, format("a block of %llu bytes does not fit the GPU's staging buffers",
+                                           (unsigned long long)worker.block_bytes)};
   worker.device_index = device;
   std::memcpy(worker.table, table, sizeof worker.table);
   worker.pages_per_block = pages_per_block;
@@ -493,7 +502,8 @@ void CudaTransport::enqueue(Job& job, CopyStream& stream, bool to_host) {
   }
   // A small job on an idle stream is asked for closely once it should have
   // ended (a sleeping thread would make it late); others are asked less often.
-  bool spin = stream.idle() && n * slot_bytes_ <= config.spin_bytes;
+  uint64_t nbytes = n * span(*job.worker) * slot_bytes_;  // its runs of slots
+  bool spin = stream.idle() && nbytes <= config.spin_bytes;
   int64_t queued_ns = now_ns();
   void* event = nullptr;
   {
@@ -512,7 +522,7 @@ void CudaTransport::enqueue(Job& job, CopyStream& stream, bool to_host) {
     std::lock_guard<std::mutex> lock(stream.mutex);
     int64_t hash_index = hashing(stream, to_host) ? job.span_start + (int64_t)n + 1 : -1;
     stream.pending.push_back(
-        Tracked{event, &job, fence_index, job.fence_seq, queued_ns, n * slot_bytes_, spin, hash_index, n});
+        Tracked{event, &job, fence_index, job.fence_seq, queued_ns, nbytes, spin, hash_index, n});
   }
   stream.wake.notify_one();
 }
@@ -522,6 +532,10 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
   const CudaStreamConfig& c = stream.config;
   const Worker& w = *job.worker;
   uint64_t n = job.slots.size();
+  // A block takes `span` slots in the pool and `span` rows of slot_bytes in a
+  // staging buffer: block i of a chunk sits at buffer + i * pitch, and the
+  // kernels take the pitch where they took a row's bytes.
+  uint64_t span = this->span(w), pitch = span * slot_bytes_, per_chunk = std::max<uint64_t>(1, c.rows / span);
   void* transfers = stream.stream();
   bool uploaded = false;
   auto upload = [&](void* on) {
@@ -539,7 +553,7 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
     if (work >= (1ull << 31) - (1ull << 20)) throw std::runtime_error("a job too large for one launch of the copy kernel");
     launch_kernel(c.copy, (unsigned)std::min<uint64_t>(work, c.copy.programs), 1,
                   {c.ring_gpu + 8 * ((uint64_t)job.span_start + first), c.positions, w.table[0], w.table[1], w.table[2],
-                   w.table[3], buffer, slot_bytes_, w.pages_per_block, chunks, work},
+                   w.table[3], buffer, pitch, w.pages_per_block, chunks, work},
                   on);
     stamp(job, KERNEL);
   };
@@ -548,7 +562,7 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
   auto hash = [&](uint64_t first, uint64_t count, int b, void* on) {
     uint64_t length = w.block_bytes, per_row = (length + 4095) / 4096;
     launch_kernel(c.hash_blocks, (unsigned)per_row, (unsigned)count,
-                  {c.buffers[b], slot_bytes_, length, c.hash_keys, c.hash_scratch[b], per_row}, on);
+                  {c.buffers[b], pitch, length, c.hash_keys, c.hash_scratch[b], per_row}, on);
     launch_kernel(c.hash_rows, (unsigned)count, 1,
                   {c.hash_scratch[b], length, per_row, c.ring_host + 8 * ((uint64_t)job.span_start + n + 1 + first)}, on);
   };
@@ -563,33 +577,35 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
     }
     stream.owner[b] = on;
   };
-  bool one_stream = n * slot_bytes_ <= ONE_STREAM_BYTES && n <= c.rows;
+  bool one_stream = n * pitch <= ONE_STREAM_BYTES && n <= per_chunk;
   uint8_t kernel_side = one_stream ? COPY_STREAM : KERNEL_STREAM;
-  for (auto& chunk : staging_chunks(n, c.rows, !one_stream && !to_host && stream.idle())) {
+  for (auto& chunk : staging_chunks(n, per_chunk, !one_stream && !to_host && stream.idle())) {
     uint64_t first = chunk.first, count = chunk.second;
     int b = stream.next_buffer;
     stream.next_buffer = (b + 1) % 2;
     uint64_t buffer = c.buffers[b];
-    // Runs of consecutive slots inside one CUDA registration of the pool (a DMA copy cannot cross two).
+    // Blocks whose runs of slots follow each other inside one CUDA
+    // registration of the pool (a DMA copy cannot cross two), one transfer
+    // each: `count` blocks from block `at` of the chunk.
     struct Run {
       int64_t slot;
-      uint64_t row, count;
+      uint64_t at, count;
     };
     std::vector<Run> runs;
-    for (uint64_t row = 0; row < count; row++) {
-      int64_t slot = job.slots[first + row];
-      if (!runs.empty() && runs.back().slot + (int64_t)runs.back().count == slot &&
+    for (uint64_t at = 0; at < count; at++) {
+      int64_t slot = job.slots[first + at];
+      if (!runs.empty() && runs.back().slot + (int64_t)(runs.back().count * span) == slot &&
           (uint64_t)slot % device.per_registration)
         runs.back().count++;
       else
-        runs.push_back({slot, row, 1});
+        runs.push_back({slot, at, 1});
     }
     auto transfer_runs = [&] {
       for (Run& r : runs) {
         uint8_t* pool = pool_ + (uint64_t)r.slot * slot_bytes_;
-        void* rows = reinterpret_cast<void*>(buffer + r.row * slot_bytes_);
-        check(to_host ? api_.memcpy_async(pool, rows, r.count * slot_bytes_, MEMCPY_DEFAULT, transfers)
-                      : api_.memcpy_async(rows, pool, r.count * slot_bytes_, MEMCPY_DEFAULT, transfers),
+        void* rows = reinterpret_cast<void*>(buffer + r.at * pitch);
+        check(to_host ? api_.memcpy_async(pool, rows, r.count * pitch, MEMCPY_DEFAULT, transfers)
+                      : api_.memcpy_async(rows, pool, r.count * pitch, MEMCPY_DEFAULT, transfers),
               "cudaMemcpyAsync");
       }
     };

@@ -56,6 +56,8 @@ class CudaTransport : public Transport {
   static uint64_t entries(const Job& job, const CopyStream& stream);
   void check(int code, const char* what) const;
   void set_device(int index);
+  // The slots (and staging rows) one of the worker's blocks takes.
+  uint64_t span(const Worker& worker) const;
   void gate_run();
 
   CudaApi api_;

@@ -127,9 +127,16 @@ std::vector<std::pair<uint32_t, int64_t>> Index::held_by_scope() const {
   return used;
 }
 
+int64_t Index::held_span(const Block& block) const {
+  int64_t n = 0;
+  for (const Shard& shard : block.shards)
+    if (shard.slot >= 0) n += slots_.span_at(shard.slot);
+  return n;
+}
+
 int64_t Index::pinned_slots() const {
   int64_t n = 0;
-  for (uint32_t b : pinned_) n += blocks_[b].held_slots();
+  for (uint32_t b : pinned_) n += held_span(blocks_[b]);
   return n;
 }
 
@@ -143,7 +150,7 @@ size_t Index::eviction_size() const {
 // ---------------------------------------------------------------- stores
 
 Index::Reservation Index::reserve_store(Namespace& ns, uint32_t rank, const Key* keys, size_t n, uint64_t job,
-                                        int32_t node) {
+                                        int32_t node, int64_t span) {
   Reservation r;
   Policy& order = policy(ns.scope);
   int64_t room = storing_room(ns.scope);
@@ -159,21 +166,21 @@ Index::Reservation Index::reserve_store(Namespace& ns, uint32_t rank, const Key*
         continue;
       }
     }
-    if (room <= 0) {
+    if (room < span) {
       r.not_stored = (uint32_t)(n - position);
       return r;
     }
     bool created = b == NIL;
     if (created) b = create(ns, keys[position]);
     pin(b);  // before making room, so that eviction cannot take it
-    int64_t slot = allocate_slot(b, ns.scope, node);
+    int64_t slot = allocate_slot(b, ns.scope, node, span);
     if (slot < 0) {
       unpin(b);
       if (created) erase(b);
       r.not_stored = (uint32_t)(n - position);
       return r;
     }
-    room--;
+    room -= span;
     Block& block = blocks_[b];
     if (created) {
       block.live = true;
@@ -184,7 +191,7 @@ Index::Reservation Index::reserve_store(Namespace& ns, uint32_t rank, const Key*
     block.writers |= bit;
     block.shards[rank].writer = job;
     if (starts_storing) hooks_.changed(ns, block.ik.key, Change::STORING);
-    count(ns, 1, 1, 0);
+    count(ns, span, span, 0);
     r.writes.push_back({(uint32_t)position, b});
   }
   return r;
@@ -202,7 +209,7 @@ void Index::finish_shard(uint32_t b, uint32_t rank, bool ok) {
   uint64_t bit = 1ull << rank;
   block.writers &= ~bit;
   unpin(b);
-  count(ns, 0, -1, 0);
+  count(ns, 0, -slots_.span_at(block.shards[rank].slot), 0);
   if (!ok) {
     if (!block.writers) hooks_.changed(ns, block.ik.key, Change::DROPPED);
     drop_shard(b, rank);
@@ -224,7 +231,7 @@ void Index::drop_shard(uint32_t b, uint32_t rank) {
   int64_t slot = block.shards[rank].slot;
   block.shards[rank].slot = -1;
   if (slot >= 0) {
-    count(*ns(block.ik.ns), -1, 0, 0);
+    count(*ns(block.ik.ns), -slots_.span_at(slot), 0, 0);
     slots_.release(slot);
   }
   if (block.held_slots() == 0 && !block.writers && block.pins == 0) {
@@ -298,13 +305,14 @@ void Index::finish_loads(const std::vector<uint32_t>& blocks) {
 
 // ---------------------------------------------------------------- room
 
-int64_t Index::allocate_slot(uint32_t incoming, uint32_t scope, int32_t node) {
+int64_t Index::allocate_slot(uint32_t incoming, uint32_t scope, int32_t node, int64_t span) {
   Scope& s = scopes_[scope];
-  bool at_quota = s.quota >= 0 && s.held >= s.quota;
-  int64_t slot = at_quota ? -1 : slots_.allocate(node);
+  auto at_quota = [&] { return s.quota >= 0 && s.held + span > s.quota; };
+  int64_t slot = at_quota() ? -1 : slots_.allocate(node, span);
   if (slot >= 0) return slot;
   // A full pool (the steady state), or a scope at its quota: each new block
-  // evicts one, of the scope that shares.py says gives up a slot.
+  // evicts, of the scope that shares.py says gives up a slot, until a run of
+  // its span is free (policy order, as core/index.py).
   const IndexKey incoming_key = blocks_[incoming].ik;
   while (slot < 0) {
     uint32_t victim = NIL;
@@ -322,7 +330,8 @@ int64_t Index::allocate_slot(uint32_t incoming, uint32_t scope, int32_t node) {
     drop(victim);
     hooks_.evicted(ns);
     hooks_.changed(ns, key, was_ready ? Change::EVICTED : Change::DROPPED);
-    slot = slots_.allocate(node);
+    if (at_quota()) continue;  // the scope evicts its own until its quota has room
+    slot = slots_.allocate(node, span);
   }
   return slot;
 }
@@ -345,9 +354,9 @@ void Index::drop(uint32_t b) {
   int64_t held = 0;
   for (Shard& shard : block.shards) {
     if (shard.slot >= 0) {
+      held += slots_.span_at(shard.slot);
       slots_.release(shard.slot);
       shard.slot = -1;
-      held++;
     }
   }
   count(ns, -held, 0, -(int64_t)block.ready);

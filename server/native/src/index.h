@@ -1,62 +1,10 @@
 // The block index (port of server/core/index.py), its eviction orders
-// (eviction.py, shares.py) and the pool's free slots (host/free_slots.py).
+// (eviction.py, shares.py); the pool's runs of slots are slots.h's.
 #pragma once
 
-#include "lane.h"
+#include "slots.h"
 
 namespace kvd {
-
-// The pool's free slots, one stack per NUMA range (free_slots.py FreeSlots),
-// and what a slot's release does to the pool (host/pool.py HostPool.release):
-// its record cleared, its epoch bumped.
-class Slots {
- public:
-  struct Range {
-    int32_t node;  // -1: the whole pool, not carved
-    int64_t first;
-    int64_t count;
-  };
-  Slots(int64_t num_slots, std::vector<Range> ranges, uint8_t* records);
-  int64_t allocate(int32_t node);  // -1 when none is free
-  void release(int64_t slot);
-  // After adoption: every online slot but `used` is free, and its record cleared.
-  void keep_only(const std::vector<int64_t>& used);
-  // While the pool comes up (host/bring_up.py): only these [first, first +
-  // count) ranges are online, every slot free; then more come online, free
-  // and their records cleared.
-  void set_online(const std::vector<std::pair<int64_t, int64_t>>& ranges);
-  // Returns how many came online; `held` (kept blocks' slots waiting for
-  // their other chunks) come online taken, their records kept.
-  int64_t add_online(int64_t first, int64_t count, const std::vector<int64_t>& held);
-  int64_t free() const { return free_; }
-  int64_t free_in(size_t range) const { return (int64_t)stacks_[range].size(); }
-  int64_t online() const { return online_count_; }
-  // Slots taken for kept blocks that wait for their other chunks (no block holds them yet).
-  int64_t kept_waiting() const { return kept_waiting_; }
-  void set_kept_waiting(int64_t n) { kept_waiting_ = n; }
-  void no_longer_waiting(int64_t n) { kept_waiting_ -= n; }
-  int64_t online_in(size_t range) const { return online_in_[range]; }
-  int64_t num_slots() const { return num_slots_; }
-  const std::vector<Range>& ranges() const { return ranges_; }
-  uint64_t epoch(int64_t slot) const { return epochs_[slot].load(std::memory_order_acquire); }
-  uint8_t* record(int64_t slot) const { return records_ ? records_ + slot * RECORD_BYTES : nullptr; }
-
- private:
-  void fill(const std::vector<int64_t>& used, bool clear_records);
-
-  int64_t num_slots_;
-  std::vector<Range> ranges_;
-  size_t range_of(int64_t slot) const;
-
-  std::vector<std::vector<int64_t>> stacks_;
-  int64_t free_ = 0;
-  std::vector<bool> online_;
-  std::vector<int64_t> online_in_;
-  int64_t online_count_ = 0;
-  int64_t kept_waiting_ = 0;
-  uint8_t* records_;
-  std::unique_ptr<std::atomic<uint64_t>[]> epochs_;
-};
 
 // What the index tells the rest of the lane.
 class IndexHooks {
@@ -86,7 +34,9 @@ class Index {
     uint32_t already = 0;
     uint32_t not_stored = 0;
   };
-  Reservation reserve_store(Namespace& ns, uint32_t rank, const Key* keys, size_t n, uint64_t job, int32_t node);
+  // Runs of `span` slots for the shards `keys` still need, on NUMA `node` first (the worker's).
+  Reservation reserve_store(Namespace& ns, uint32_t rank, const Key* keys, size_t n, uint64_t job, int32_t node,
+                            int64_t span);
   void finish_stores(const std::vector<uint32_t>& blocks, uint32_t rank, bool ok, uint64_t length,
                      const std::vector<uint64_t>* hashes = nullptr);
 
@@ -141,7 +91,9 @@ class Index {
   void count(Namespace& ns, int64_t held, int64_t storing, int64_t ready);
   void pin(uint32_t b);
   void unpin(uint32_t b);
-  int64_t allocate_slot(uint32_t incoming, uint32_t scope, int32_t node);
+  int64_t allocate_slot(uint32_t incoming, uint32_t scope, int32_t node, int64_t span);
+  // The slots of a block's runs (every count of slots counts runs' slots).
+  int64_t held_span(const Block& block) const;
   int64_t storing_room(uint32_t scope);
   void finish_shard(uint32_t b, uint32_t rank, bool ok);
   void drop_shard(uint32_t b, uint32_t rank);

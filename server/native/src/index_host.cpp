@@ -32,15 +32,18 @@ Index::Next Index::lookup(const Namespace& ns, const Key* keys, size_t n, size_t
 // ---------------------------------------------------------------- tiers
 
 uint32_t Index::reserve_promotion(Namespace& ns, const Key& key, const std::vector<uint64_t>& lengths) {
-  if (storing_room(ns.scope) < ns.tp) return NIL;  // a tenant's share, as for its stores
+  std::vector<int64_t> spans;
+  int64_t total = 0;
+  for (uint32_t rank = 0; rank < ns.tp; rank++) total += spans.emplace_back(slots_.span(lengths[rank]));
+  if (storing_room(ns.scope) < total) return NIL;  // a tenant's share, as for its stores
   uint32_t b = create(ns, key);
   blocks_[b].has_lengths = true;
   for (uint32_t rank = 0; rank < ns.tp; rank++) blocks_[b].shards[rank].length = lengths[rank];
   for (uint32_t rank = 0; rank < ns.tp; rank++) {
     pin(b);  // before making room, so that eviction cannot take it
-    int64_t slot = allocate_slot(b, ns.scope, -1);
+    int64_t slot = allocate_slot(b, ns.scope, -1, spans[rank]);
     if (slot < 0) {
-      int held = blocks_[b].held_slots();
+      int64_t held = held_span(blocks_[b]);
       for (Shard& shard : blocks_[b].shards)
         if (shard.slot >= 0) slots_.release(shard.slot);
       count(ns, -held, -held, 0);
@@ -51,7 +54,7 @@ uint32_t Index::reserve_promotion(Namespace& ns, const Key& key, const std::vect
     blocks_[b].shards[rank].slot = slot;
     blocks_[b].shards[rank].writer = PROMOTION;
     blocks_[b].writers |= 1ull << rank;
-    count(ns, 1, 1, 0);
+    count(ns, spans[rank], spans[rank], 0);
   }
   blocks_[b].promoted = true;
   blocks_[b].live = true;
@@ -82,7 +85,7 @@ bool Index::restore(Namespace& ns, const Key& key, const std::vector<int64_t>& s
   block.ready = true;
   block.live = true;
   map_[block.ik] = b;
-  count(ns, (int64_t)slots.size(), 0, 1);
+  count(ns, held_span(block), 0, 1);
   if (oldest) Eviction::insert_oldest(*this, policy(ns.scope), b);
   else Eviction::insert(*this, policy(ns.scope), b);
   hooks_.changed(ns, key, Change::READY);
@@ -133,12 +136,13 @@ std::string Index::verify() const {
     if (!block.live) continue;
     live++;
     in_order += block.list != 0;
-    int n = block.held_slots();
+    int64_t n = held_span(block);
     slots += n;
     used[block.ik.ns] += n;
     ready[block.ik.ns] += block.ready;
     held[block.scope] += n;
-    storing[block.scope] += __builtin_popcountll(block.writers);
+    for (uint32_t rank = 0; rank < block.tp; rank++)
+      if ((block.writers >> rank) & 1) storing[block.scope] += slots_.span_at(block.shards[rank].slot);
     if ((block.pins > 0) != (pinned_.count(b) > 0)) return format("block %u: pins %u but pinned set disagrees", b, block.pins);
     if (block.ready && (uint32_t)__builtin_popcountll(block.committed) != block.tp)
       return format("block %u is ready with %d of %u ranks committed", b, __builtin_popcountll(block.committed),

@@ -298,7 +298,8 @@ Submitted Jobs::submit(Session& session, JobRequest& request, int64_t received_n
   if (tracing && received_ns) job->trace.push_back({0, received_ns});
   Submitted answer;
   if (request.kind == JobKind::STORE) {
-    Index::Reservation r = index_.reserve_store(ns, worker->rank, keys.data(), keys.size(), request.job, worker->node);
+    Index::Reservation r = index_.reserve_store(ns, worker->rank, keys.data(), keys.size(), request.job, worker->node,
+                                                slots_.span(worker->block_bytes));
     for (auto& write : r.writes) {
       job->blocks.push_back(write.second);
       job->block_ids.push_back(request.block_ids[write.first]);

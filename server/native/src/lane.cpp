@@ -35,7 +35,8 @@ Lane::Lane(const LaneConfig& c) : config(c) {
   epoll_ctl(epoll_fd, EPOLL_CTL_ADD, stop_fd, &ev);
   std::vector<Slots::Range> ranges;
   for (uint32_t i = 0; i < c.n_ranges; i++) ranges.push_back({c.ranges[i].node, c.ranges[i].first, c.ranges[i].count});
-  slots.reset(new Slots(c.num_slots, ranges, reinterpret_cast<uint8_t*>(c.records_base)));
+  slots.reset(new Slots(c.num_slots, ranges, c.chunk_slots, c.extent_slots, c.slot_bytes,
+                        reinterpret_cast<uint8_t*>(c.records_base)));
   index.reset(new Index(*slots, *this, c.arc != 0, c.num_slots, c.seed));
   completions.reset(new Completions(event_fd));
   jobs.reset(new Jobs(*index, *slots, events, *completions, *this));

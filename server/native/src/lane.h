@@ -5,7 +5,7 @@
 // here is a port of a rule there, named after it, with the same errors. This
 // header holds the data model the lane's parts share; each .cpp file is one
 // part: index.cpp (the block index), eviction.cpp (LRU, ARC, shares),
-// slots.cpp (the pool's free slots), jobs.cpp (sessions, workers, jobs),
+// slots.cpp (the pool's runs of slots), jobs.cpp (sessions, workers, jobs),
 // wire.cpp (the job socket's protobuf frames), conns.cpp (the job socket's
 // connections), shm.cpp and cuda.cpp (the transports' copies), seal.cpp
 // (records of the kept pool), capi.cpp (the C functions Python calls).

@@ -32,6 +32,9 @@ struct LaneConfig {
   const Range* ranges;
   uint64_t seed;
   uint64_t max_unread;
+  // How the pool is cut into extents of runs (host/free_runs.py).
+  int64_t chunk_slots;
+  int64_t extent_slots;
 };
 
 class Lane : public IndexHooks, public Replies {
