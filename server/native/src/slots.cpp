@@ -47,6 +47,7 @@ Slots::Slots(int64_t num_slots, std::vector<Range> ranges, int64_t chunk_slots, 
       }
     }
   }
+  in_use_.assign((size_t)std::max<int64_t>(0, num_slots), 0);
   state_.resize(ranges_.size());
   online_in_.assign(ranges_.size(), 0);
   used_in_.assign(ranges_.size(), 0);
@@ -84,11 +85,7 @@ bool Slots::starts_run(int64_t slot) const {
   return e.span > 0 && offset % e.span == 0 && offset + e.span <= e.count;
 }
 
-bool Slots::in_use(int64_t slot) const {
-  if (!starts_run(slot)) return false;
-  const std::vector<int64_t>& free = extents_[extent_of(slot)].runs;
-  return std::find(free.begin(), free.end(), slot) == free.end();
-}
+bool Slots::in_use(int64_t slot) const { return starts_run(slot) && in_use_[(size_t)slot]; }
 
 // ---------------------------------------------------------------- bring-up
 
@@ -132,6 +129,7 @@ void Slots::reset(const Runs& used, bool clear) {
     Extent& extent = extents_[e];
     extent.span = extent.used = 0;
     extent.runs.clear();
+    std::fill(in_use_.begin() + extent.first, in_use_.begin() + extent.first + extent.count, 0);
     if (extent.online) place(e, used_by[e], clear);
   }
 }
@@ -153,9 +151,8 @@ int64_t Slots::allocate(int32_t node, int64_t span) {
 }
 
 void Slots::release(int64_t slot) {
-  // The index releases only runs it holds: checked as free_runs.py does, in
-  // O(1) (in_use, which the C calls check first, scans the extent's free runs).
-  if (!starts_run(slot)) throw std::invalid_argument(format("slot %lld does not start a run", (long long)slot));
+  if (!in_use(slot)) throw std::invalid_argument(format("slot %lld does not start a run in use", (long long)slot));
+  in_use_[(size_t)slot] = 0;
   // A block dropped (evicted, cleared) must not come back at a restart, nor a
   // seal still on its way write its record (seal.cpp checks the epoch).
   if (records_) std::memset(record(slot), 0, RECORD_BYTES);
@@ -198,6 +195,7 @@ int64_t Slots::take(size_t i, int64_t span) {
   Extent& extent = extents_[e];
   int64_t slot = extent.runs.back();
   extent.runs.pop_back();
+  in_use_[(size_t)slot] = 1;
   extent.used++;
   used_in_[i] += span;
   if (extent.runs.empty()) unlist_partial(e);
@@ -220,6 +218,8 @@ void Slots::place(size_t e, const Runs& runs, bool clear) {
   Extent& extent = extents_[e];
   size_t i = extent.range;
   extent.runs.clear();
+  std::fill(in_use_.begin() + extent.first, in_use_.begin() + extent.first + extent.count, 0);
+  for (auto& run : runs) in_use_[(size_t)run.first] = 1;
   if (runs.empty()) {
     extent.span = extent.used = 0;
     state_[i].free_extents.push_back(e);

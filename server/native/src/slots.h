@@ -31,10 +31,10 @@ class Slots {
   // The first slot of a free run of `span`, of `node`'s range while it has
   // room; -1 when no range has.
   int64_t allocate(int32_t node, int64_t span);
-  // `slot` must start a run in use; std::invalid_argument where it starts no run.
+  // `slot` must start a run in use; std::invalid_argument otherwise.
   void release(int64_t slot);
-  // Whether `slot` is a run's first slot in an extent of runs (O(1)), and
-  // whether that run is in use (O(runs free in its extent)).
+  // Whether `slot` is a run's first slot in an extent of runs, and whether
+  // that run is in use (a block's, or held for a kept one).
   bool starts_run(int64_t slot) const;
   bool in_use(int64_t slot) const;
   // The span of `slot`'s extent's runs (0: a free extent, or out of the pool).
@@ -103,6 +103,7 @@ class Slots {
   std::vector<RangeState> state_;
   std::vector<int64_t> online_in_;
   std::vector<int64_t> used_in_;
+  std::vector<uint8_t> in_use_;  // per slot: it starts a run in use
   uint64_t listed_ = 0;
   int64_t kept_waiting_ = 0;
   uint8_t* records_;
