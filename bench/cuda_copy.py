@@ -201,18 +201,18 @@ def through_daemon(socket: str, layout: str, sizes: list[int], reps: int, depth:
         # Enough jobs for a steady state, but about 1 GB at least.
         count = max(3 * depth, (1 << 30) // (n * BLOCK))
 
-        def fresh_keys():
+        def fresh_keys(n=n):
             return [os.urandom(32) for _ in range(n)]
 
-        def store():
+        def store(low=low):
             jobs.wait(jobs.run("store", fresh_keys(), low))
 
         loaded_keys = fresh_keys()
 
-        def load():
+        def load(loaded_keys=loaded_keys, high=high):
             jobs.wait(jobs.run("load", loaded_keys, high))
 
-        def both():
+        def both(loaded_keys=loaded_keys, low=low, high=high):
             a = jobs.run("store", fresh_keys(), low)
             b = jobs.run("load", loaded_keys, high)
             jobs.wait(a, b)
@@ -349,7 +349,8 @@ def main() -> int:
                         help="also measure how much the copies slow a bf16 matmul on the same GPU")
     parser.add_argument("--pool-size", default="24GiB")
     parser.add_argument("--pool-dir", default=None,
-                        help="the daemon's --pool-dir (default: a folder in /dev/shm); a hugetlbfs mount for huge pages")
+                        help="the daemon's --pool-dir (default: a folder in /dev/shm); "
+                             "a hugetlbfs mount for huge pages")
     args, daemon_args = parser.parse_known_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
@@ -388,7 +389,8 @@ def main() -> int:
         vs = ""
         if layout == "per_layer" and n in baseline:
             vs = f"{r['store'] / baseline[n]['store']:.1f}x/{r['load'] / baseline[n]['load']:.1f}x"
-        print(f"{layout:<12} {n:>6} {cell(r['store'], ceiling['d2h']):>15} {cell(r['store_sustained'], ceiling['d2h']):>15} "
+        print(f"{layout:<12} {n:>6} {cell(r['store'], ceiling['d2h']):>15} "
+              f"{cell(r['store_sustained'], ceiling['d2h']):>15} "
               f"{cell(r['load'], ceiling['h2d']):>15} {cell(r['load_sustained'], ceiling['h2d']):>15} "
               f"{cell(r['both'], ceiling['both']):>15} {cell(r['both_sustained'], ceiling['both']):>15} {vs:>12}")
     for n, b in baseline.items():
@@ -398,7 +400,7 @@ def main() -> int:
     if slowdown:
         print(f"bf16 matmul: {slowdown['alone']:.0f} TFLOP/s alone, {slowdown['with_copies']:.0f} with "
               f"{slowdown['copy_gbps']:.1f} GB/s of copies running ({slowdown['with_copies'] / slowdown['alone']:.2f})")
-    for layout, n, r in rows:
+    for layout, _, r in rows:
         if "latency_ms" in r:
             print(f"{layout}: submit-to-completion of a 16-block store: {r['latency_ms']:.2f} ms")
     return 0

@@ -71,7 +71,12 @@ def attach_worker(client, seed: int, layout: str = "per_layer"):
     return worker, engine, tensors
 
 
+def tier(stats, name: str):
+    """Tier `name`'s row of a stats reply."""
+    [found] = [t for t in stats.tiers if t.name == name]
+    return found
+
+
 def dram(stats):
     """The kept pool's row of a stats reply."""
-    [tier] = [t for t in stats.tiers if t.name == "dram"]
-    return tier
+    return tier(stats, "dram")

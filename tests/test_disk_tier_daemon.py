@@ -12,14 +12,13 @@ import time
 import torch
 
 from conftest import settled, subprocess_env, wait_until
-from kvcache import NUM_BLOCKS, attach_worker, block_of, prompt_keys
+from kvcache import NUM_BLOCKS, attach_worker, block_of, prompt_keys, tier
 
 POOL_SLOTS = 256  # the test daemons' 4 MiB pool of 16 KiB slots
 
 
 def disk(stats):
-    [tier] = [t for t in stats.tiers if t.name == "disk"]
-    return tier
+    return tier(stats, "disk")
 
 
 def start(start_daemon, tmp_path, size="32MiB", **options):
@@ -37,15 +36,18 @@ def fill_round(client, worker, tensors, round_: int, job_id: int) -> list[torch.
     return saved
 
 
-def fill_rounds(client, worker, tensors, rounds: int, first_job: int) -> list[list[torch.Tensor]]:
-    """Stores `rounds` rounds, each on disk before the next is stored: a block
-    DRAM evicts before the disk's writer reached it is not written (by design),
-    and one the writer holds is not evicted, so without the wait a busy machine
-    decides which rounds the disk has and which DRAM still holds."""
+def fill_rounds(client, worker, tensors, rounds: int, first_job: int, below: str = "disk") -> list[list[torch.Tensor]]:
+    """Stores `rounds` rounds, each in the tier `below` DRAM before the next is
+    stored: a block DRAM evicts before the tier's writer reached it is not
+    written (by design), and one the writer holds is not evicted, so without
+    the wait a busy machine decides which rounds the tier has and which DRAM
+    still holds. (The tier hears of commits after the store's answer: at once
+    in the Python lane, a moment later in the native one.)"""
     saved = []
     for r in range(rounds):
         saved.append(fill_round(client, worker, tensors, r, first_job + r))
-        wait_until(lambda: disk(client.stats()).written_shards >= (r + 1) * NUM_BLOCKS, what=f"round {r} on disk")
+        wait_until(lambda r=r: tier(client.stats(), below).written_shards >= (r + 1) * NUM_BLOCKS,
+                   what=f"round {r} in the {below} tier")
     return saved
 
 

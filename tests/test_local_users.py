@@ -188,13 +188,13 @@ def test_a_name_planted_at_the_tcp_lock_is_refused_by_its_owner(shared_tmp, tmp_
     if plant == "symlink":
         as_nobody("ln", "-s", str(precious), str(lock))
     else:
-        as_nobody("sh", "-c", f"echo 'pid 1 (call +1-555-0100 to unlock)' > {lock}")
+        as_nobody("sh", "-c", f"echo 'pid 1 (call xyzzy-plugh to unlock)' > {lock}")
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     proc = run_daemon(*daemon_args(address, shared_tmp, "--auth-token-file", str(token)))
     assert proc.returncode == 1, proc.stderr
     assert str(lock) in proc.stderr and f"uid {NOBODY}" in proc.stderr
-    assert "555" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "xyzzy" not in proc.stderr and "Traceback" not in proc.stderr
     assert precious.read_text() == "root's data\n"
 
 

@@ -6,16 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import wait_until
-from kvcache import NUM_BLOCKS, attach_worker, prompt_keys
-from test_disk_tier_daemon import POOL_SLOTS, fill_round, fill_rounds, load_and_check, wait_ready
+from kvcache import NUM_BLOCKS, attach_worker, prompt_keys, tier
+from test_disk_tier_daemon import POOL_SLOTS, fill_rounds, load_and_check, wait_ready
 
 LAUNCHER = str(Path(__file__).with_name("daemon_with_memory_tier.py"))
-
-
-def tier(stats, name: str):
-    [found] = [t for t in stats.tiers if t.name == name]
-    return found
 
 
 def test_a_third_tier_serves_what_dram_evicted(start_daemon, client_factory):
@@ -23,15 +17,7 @@ def test_a_third_tier_serves_what_dram_evicted(start_daemon, client_factory):
     client = client_factory(daemon)
     worker, engine, tensors = attach_worker(client, seed=1)
     rounds = 3 * POOL_SLOTS // NUM_BLOCKS
-    saved = []
-    for r in range(rounds):
-        saved.append(fill_round(client, worker, tensors, r, 100 + r))
-        # Each round in the tier before the next evicts it from DRAM: the
-        # tier is told of commits after the store's answer (at once in the
-        # Python lane, a moment later in the native one), and a block DRAM
-        # evicted first is not written (by design, as for the disk).
-        wait_until(lambda r=r: tier(client.stats(), "memory").written_shards >= (r + 1) * NUM_BLOCKS,
-                   what=f"round {r} in the memory tier")
+    saved = fill_rounds(client, worker, tensors, rounds, 100, below="memory")
     assert tier(client.stats(), "memory").written_shards == rounds * NUM_BLOCKS
     for r in range(rounds):
         keys = prompt_keys(NUM_BLOCKS, prompt=r)
