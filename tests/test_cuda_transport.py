@@ -28,7 +28,8 @@ WITHOUT_COMPUTE_WAIT = str(Path(__file__).resolve().parent / "daemon_without_com
 
 def gpu_daemon(start_daemon, **options):
     # Pinning needs shared memory: the pool goes in /dev/shm (a folder of its own there, see conftest).
-    return start_daemon(pin="on", pool_dir="/dev/shm", pool_size="64MiB", slot_size="16KiB", **options)
+    options = {"slot_size": "16KiB", **options}
+    return start_daemon(pin="on", pool_dir="/dev/shm", pool_size="64MiB", **options)
 
 
 def gpu_worker(client, seed: int):
@@ -51,11 +52,15 @@ def same(a, b) -> bool:
 
 
 # The default copies; staging buffers of 4 slots, so that a job is many chunks
-# and the ring of buffers wraps inside one job; and the kernel-only mode.
+# and the ring of buffers wraps inside one job; the kernel-only mode; and both
+# with 6 KiB slots, where a 16 KiB block takes a run of 3 (8 KiB ones 2) and a
+# staging row is a run, not a slot.
 COPY_MODES = {
     "dma": {},
     "dma-small-staging": {"staging_bytes": str(4 * 16384)},
     "kernel": {"copy_mode": "kernel"},
+    "dma-runs": {"slot_size": "6KiB", "staging_bytes": str(4 * 16384)},
+    "kernel-runs": {"copy_mode": "kernel", "slot_size": "6KiB"},
 }
 
 

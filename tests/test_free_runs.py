@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from kvdepot.server.host.carving import carve
 from kvdepot.server.host.free_runs import FreeRuns, cut_extents
-from kvdepot.server.host.free_slots import carve
 
 
 def check(runs: FreeRuns, held: dict[int, int]) -> None:
@@ -87,6 +87,10 @@ def test_random_allocations_and_releases_keep_runs_apart(seed):
         check(runs, held)
 
 
+def slots_of(ranges) -> set[int]:
+    return {first + k for first, count in ranges for k in range(count)}
+
+
 def test_kept_runs_come_back_where_they_were_and_bad_ones_are_refused():
     runs = FreeRuns(64, chunk_slots=32, extent_slots=16)
     kept = {0: 4, 4: 4, 16: 2, 34: 1, 33: 2, 20: 3}
@@ -97,7 +101,7 @@ def test_kept_runs_come_back_where_they_were_and_bad_ones_are_refused():
     good = {s: n for s, n in kept.items() if s not in refused}
     free = runs.keep_only(good)
     check(runs, good)
-    assert set(free) == set(range(64)) - {s + k for s, n in good.items() for k in range(n)}
+    assert slots_of(free) == set(range(64)) - {s + k for s, n in good.items() for k in range(n)}
     assert runs.allocate(span=4) == 8
 
 
@@ -109,6 +113,15 @@ def test_chunks_come_online_with_their_kept_runs_taken():
     assert runs.allocate(span=16) is None
     free = runs.add_online(32, 32, {32: 8})
     assert runs.kept_waiting == 8 and runs.online == 64  # slots, not runs
-    assert 32 not in free and 40 in free
+    assert free == [(40, 8), (48, 16)]  # two extents of 16
     assert runs.allocate(span=8) == 40
     assert runs.allocate(span=16) == 48
+
+
+def test_a_tib_pool_of_64_kib_slots_is_freed_as_ranges_not_slots():
+    # 16M slots in 1 GiB extents: adoption's "every other slot is free" is
+    # one range an extent, and one more beside each kept run.
+    runs = FreeRuns(1 << 24, chunk_slots=1 << 14, extent_slots=1 << 14)
+    free = runs.keep_only({1 << 14: 3})
+    assert len(free) == 1024 and free[:2] == [(0, 1 << 14), ((1 << 14) + 3, (1 << 14) - 3)]
+    assert sum(count for _, count in free) == runs.free == (1 << 24) - 3

@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvdepot.server.daemon.config import ConfigError, load_config
 from kvdepot.server.host import numa
-from kvdepot.server.host.free_slots import FreeSlots, SlotRange, carve
+from kvdepot.server.host.carving import SlotRange, carve
+from kvdepot.server.host.free_runs import FreeRuns
 from kvdepot.server.host.pool import HostPool, PoolError
 
 LAUNCHER = str(Path(__file__).with_name("daemon_with_numa.py"))
@@ -121,11 +122,11 @@ def test_placement_follows_the_setting(tmp_path):
 # ------------------------------------------------------------ the free slots
 
 
-def test_free_slots_take_the_nodes_own_range_then_the_emptiest():
+def test_free_runs_take_the_nodes_own_range_then_the_emptiest():
     assert carve(10, (0, 1, 3)) == [SlotRange(0, 0, 4), SlotRange(1, 4, 3), SlotRange(3, 7, 3)]
     with pytest.raises(ValueError):
         carve(1, (0, 1))
-    free = FreeSlots(8, (0, 1))
+    free = FreeRuns(8, (0, 1), extent_slots=1)
     assert [free.allocate(1) for _ in range(4)] == [4, 5, 6, 7]   # node 1's range, lowest first
     assert free.allocate(1) == 0                                   # full: spills to node 0
     assert free.allocate(7) == 1                                   # a node the pool is not carved over: any
@@ -135,9 +136,9 @@ def test_free_slots_take_the_nodes_own_range_then_the_emptiest():
     assert free.allocate(None) == 5 and free.allocate(0) is None and free.free == 0
     free.release(0)
     assert free.allocate(1) == 0
-    assert FreeSlots(4).allocate(1) == 0                           # not carved: one range of no node
-    kept = FreeSlots(8, (0, 1))
-    assert kept.keep_only({0, 4, 5}) == [3, 2, 1, 7, 6] and kept.free == 5
+    assert FreeRuns(4).allocate(1) == 0                             # not carved: one range of no node
+    kept = FreeRuns(8, (0, 1), extent_slots=1)
+    assert kept.keep_only({0: 1, 4: 1, 5: 1}) == [(1, 1), (2, 1), (3, 1), (6, 1), (7, 1)] and kept.free == 5
     assert kept.allocate(1) == 6
 
 

@@ -19,7 +19,7 @@ from kvdepot.server.core.counters import Counters, JobTimes
 from kvdepot.server.core.tenants import Identity
 from kvdepot.server.core.tiers import TierStats
 from kvdepot.server.core.transport import GpuStats
-from kvdepot.server.host.free_slots import NodeSlots
+from kvdepot.server.host.carving import NodeSlots
 
 # Characters of a client's name that a report shows (the client chose it).
 CLIENT_NAME_CHARS = 256
@@ -74,7 +74,7 @@ class Report:
     used_slots: int
     eviction: str
     tiers: list[TierStats]
-    # The pool's NUMA nodes (host/free_slots.py): for anyone, like the pool.
+    # The pool's NUMA nodes (host/carving.py): for anyone, like the pool.
     numa_nodes: list[NodeSlots] = field(default_factory=list)
     numa_carved: bool = False
     # What the DRAM holds (pool-wide, for anyone): KV bytes in used slots,

@@ -14,7 +14,7 @@ it. A store finds room in O(1): a free run in an extent of its span, else a
 free extent. The waste is each shard's rounding up to a slot and each
 extent's tail.
 
-The pool keeps its NUMA carving (free_slots.carve): a run asked for on a node
+The pool keeps its NUMA carving (carving.carve): a run asked for on a node
 comes from that node's range while it has room, else from the range with the
 most free slots that has room. While the pool comes up only some extents are
 online; `add_online` brings a chunk's in.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Mapping, Sequence
 
-from kvdepot.server.host.free_slots import carve
+from kvdepot.server.host.carving import carve
 
 
 def cut_extents(ranges, chunk_slots: int, extent_slots: int) -> list[tuple[int, int, int]]:
@@ -124,7 +124,7 @@ class FreeRuns:
     def add_online(self, first: int, count: int, held: Mapping[int, int] = {}) -> list[int]:
         """The extents inside [first, first + count) come online, free but the
         runs `held` ({first slot: span}, kept blocks, taken); returns the
-        slots that came online outside those runs."""
+        slots that came online outside those runs, as (first, count) ranges."""
         free = []
         held_by = self._by_extent(held)
         for e in self._extents_within(first, count):
@@ -136,8 +136,7 @@ class FreeRuns:
             runs = held_by.pop(e, {})
             self._place(e, runs)
             self.kept_waiting += sum(runs.values())
-            taken = {s + k for s, span in runs.items() for k in range(span)}
-            free.extend(s for s in range(self._first[e], self._first[e] + self._count[e]) if s not in taken)
+            free += self._outside(e, runs)
         return free
 
     def no_longer_waiting(self, n: int) -> None:
@@ -146,7 +145,8 @@ class FreeRuns:
     def keep_only(self, used: Mapping[int, int], kept_waiting: int = 0) -> list[int]:
         """Every online extent free but the runs `used` ({first slot: span},
         which fits() accepted; `kept_waiting` of their slots are held for
-        kept blocks); returns the online slots outside those runs."""
+        kept blocks); returns the online slots outside those runs, as
+        (first, count) ranges: a TiB pool has 16M slots, too many to list."""
         self.kept_waiting = kept_waiting
         self._used_in = [0] * len(self.ranges)
         self._free_extents = [[] for _ in self.ranges]
@@ -159,8 +159,7 @@ class FreeRuns:
                 continue
             runs = by_extent.get(e, {})
             self._place(e, runs)
-            taken = {s + k for s, span in runs.items() for k in range(span)}
-            free.extend(s for s in range(self._first[e], self._first[e] + self._count[e]) if s not in taken)
+            free += self._outside(e, runs)
         return sorted(free)
 
     def fits(self, runs: Mapping[int, int]) -> dict[int, str]:
@@ -254,6 +253,18 @@ class FreeRuns:
         self._runs[e] = [s for s in range(first + (count // span - 1) * span, first - 1, -span) if s not in runs]
         if self._runs[e]:
             self._partial[i].setdefault(span, {})[e] = None
+
+    def _outside(self, e: int, runs: Mapping[int, int]) -> list[tuple[int, int]]:
+        """Extent `e`'s slots outside `runs`, as (first, count) ranges."""
+        out, at = [], self._first[e]
+        for slot in sorted(runs):
+            if slot > at:
+                out.append((at, slot - at))
+            at = max(at, slot + runs[slot])
+        end = self._first[e] + self._count[e]
+        if at < end:
+            out.append((at, end - at))
+        return out
 
     def _by_extent(self, runs: Mapping[int, int]) -> dict[int, dict[int, int]]:
         by: dict[int, dict[int, int]] = {}

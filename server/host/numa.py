@@ -3,7 +3,7 @@
 On a machine of two CPU sockets each socket has its own memory and its own
 PCIe root complexes, and half the GPUs hang off each. A GPU's DMA into memory
 of the other socket crosses the socket link (UPI, Infinity Fabric). So the
-pool is carved into one range of slots per NUMA node (free_slots.py), each
+pool is carved into one range of slots per NUMA node (carving.py), each
 range's pages are placed on its node (mbind, before they are faulted in), and
 a GPU's stores take slots of its own node.
 

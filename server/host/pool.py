@@ -33,8 +33,8 @@ from kvdepot.server.host.bring_up import (
     cuda_runtime,
     interleaved,
 )
+from kvdepot.server.host.carving import NodeSlots
 from kvdepot.server.host.free_runs import FreeRuns
-from kvdepot.server.host.free_slots import NodeSlots
 from kvdepot.server.host.own_files import open_own
 from kvdepot.server.host.pool_folder import PoolError, _free_bytes, _pin_hint, huge_page_bytes, pool_file_bytes
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES
@@ -314,8 +314,7 @@ class HostPool:
         records stay."""
         self._chunk_up[self.chunk_of(first)] = 1
         held = {slot: span for slot, span in self.held.items() if first <= slot < first + count}
-        for slot in self.slots.add_online(first, count, held):
-            self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
+        self._clear_records(self.slots.add_online(first, count, held))
 
     def hold(self, runs: dict[int, int]) -> None:
         """Kept blocks' runs ({first slot: span}) to take, not free, as their chunks come up
@@ -338,8 +337,11 @@ class HostPool:
         """After adoption: the runs `used` ({first slot: span}) hold blocks;
         every other online slot is free and its record cleared."""
         waiting = sum(span for slot, span in self.held.items() if self.is_online(slot))
-        for slot in self.slots.keep_only(used, waiting):
-            self.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES] = _EMPTY_RECORD
+        self._clear_records(self.slots.keep_only(used, waiting))
+
+    def _clear_records(self, ranges) -> None:
+        for first, count in ranges:
+            self.records[first * RECORD_BYTES : (first + count) * RECORD_BYTES] = bytes(count * RECORD_BYTES)
 
     def numa_nodes(self) -> list[NodeSlots]:
         """Each node's range, use and GPUs; a pool not carved is one entry."""
