@@ -133,7 +133,7 @@ OPTIONS = [
         "slot_size", "pool", "64KiB",
         "The pool's unit: a block of one TP rank (all its layers) takes as many consecutive slots as its "
         "bytes need, so a block wastes less than a slot. Smaller wastes less and costs more records "
-        "(64 bytes a slot). A hint for a new pool: a kept pool is adopted with the slot size it has.",
+        "(128 bytes a slot). A hint for a new pool: a kept pool is adopted with the slot size it has.",
         size=True,
     ),
     Option(
