@@ -382,6 +382,9 @@ def main() -> int:
     args, args.daemon_args = parser.parse_known_args()
     if args.plot:
         return plot_main(args)
+    if args.files:  # the value of a daemon option given as "--name value" lands here
+        parser.error(f"{' '.join(args.files)}: files are read only with --plot; give the daemon's options "
+                     "as --name=value (e.g. --slot-size=64KiB)")
     if args.role == "worker":
         return worker_main(args)
     return node_main(args)
