@@ -125,7 +125,8 @@ def measure(model: LlamaShape, n: int, context: int, mode: str, steps: int, warm
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--running", default=None, help="running requests N (default 64,256; --tiny 4,16)")
-    parser.add_argument("--context", type=int, default=None, help="tokens of context a request (default 1024; --tiny 64)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="tokens of context a request (default 1024; --tiny 64)")
     parser.add_argument("--mode", choices=["graph", "eager", "both"], default=None,
                         help="CUDA graph replays (default), eager, or both (--tiny: eager)")
     parser.add_argument("--steps", type=int, default=200, help="timed steps an N and mode")

@@ -35,9 +35,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvdepot.settings import parse_size  # noqa: E402
-from kvdepot.server.tiers.disk_store import DiskTier  # noqa: E402
 from kvdepot.server.host.shard_record import ShardRecord, data_hash  # noqa: E402
+from kvdepot.server.tiers.disk_store import DiskTier  # noqa: E402
+from kvdepot.settings import parse_size  # noqa: E402
 
 CHUNK = 16 << 20
 PAGE = 4096

@@ -129,8 +129,11 @@ void Slots::reset(const Runs& used, bool clear) {
     Extent& extent = extents_[e];
     extent.span = extent.used = 0;
     extent.runs.clear();
-    std::fill(in_use_.begin() + extent.first, in_use_.begin() + extent.first + extent.count, 0);
-    if (extent.online) place(e, used_by[e], clear);
+    if (extent.online) {
+      place(e, used_by[e], clear);  // which sets its runs' in-use flags
+    } else {
+      std::fill(in_use_.begin() + extent.first, in_use_.begin() + extent.first + extent.count, 0);
+    }
   }
 }
 
