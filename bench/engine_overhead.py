@@ -68,10 +68,9 @@ SCHEDULER_CALLS = (
 def run_engine(args) -> int:
     """One engine process: keeps N requests running, writes the per-step scheduler times."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+    from connector_overhead import Workload
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from connector_overhead import Workload
     from vllm_generate import kvdepot_kv_transfer_config
 
     kwargs = {}

@@ -44,9 +44,9 @@ _TRACE_DIR = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else N
 os.environ["KVDEPOT_TRACE_JOBS"] = f"{_TRACE_DIR}/daemon.jsonl"
 
 import torch  # noqa: E402
-
 from cuda_copy import BLOCK, BLOCK_SIZE, make_cache, peak  # noqa: E402
 from kvdepotd import BenchDaemon  # noqa: E402
+
 from kvdepot import jobtrace  # noqa: E402
 from kvdepot.client import KVDepotClient  # noqa: E402
 

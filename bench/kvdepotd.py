@@ -53,7 +53,7 @@ class BenchDaemon:
                 raise SystemExit("kvdepotd did not start:\n" + self.log())
             time.sleep(0.1)
 
-    def __enter__(self) -> "BenchDaemon":
+    def __enter__(self) -> BenchDaemon:
         return self
 
     def __exit__(self, kind, value, traceback) -> None:

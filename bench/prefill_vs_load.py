@@ -50,9 +50,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from kvdepot.client import KVDepotClient  # noqa: E402
 from kvdepotd import BenchDaemon  # noqa: E402
 from llama_shape import LLAMA_8B, TINY, LlamaShape, selfcheck  # noqa: E402
+
+from kvdepot.client import KVDepotClient  # noqa: E402
 
 REPLY = "@@reply "
 
