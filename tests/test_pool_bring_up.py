@@ -299,3 +299,15 @@ def test_blocks_adopted_as_their_chunk_comes_up_go_before_blocks_stored_since_th
     store(4, prompt_keys(4, prompt=10))  # 4 evicted: kept ones, not those stored since
     assert held(since) == 4
     assert held(kept) == 24 - early - 4
+
+
+def test_a_daemon_stopped_while_its_pool_comes_up_does_not_say_the_pool_is_up(start_daemon, tmp_path):
+    gate = tmp_path / "bring-up-gate"
+    gate.touch()
+    daemon = start_daemon(pool_size="1MiB", pin_chunk_bytes="64KiB",
+                          launcher=str(Path(__file__).with_name("daemon_with_held_bring_up.py")),
+                          env={"KVDEPOT_TEST_BRING_UP_GATE": str(gate)})
+    assert daemon.stop() == 0
+    log = daemon.log()
+    assert "pool up: all" not in log
+    assert "stopped bringing the pool up with" in log and "of 1.00 MiB up" in log

@@ -234,10 +234,12 @@ class HostPool:
         def finished(error: str) -> None:
             seconds = time.monotonic() - self._bring_started
             what = "faulted in and pinned" if self.pinned else "faulted in"
+            shown = (self.num_slots - total + done[0]) * self.slot_bytes
             if error:
-                shown = (self.num_slots - total + done[0]) * self.slot_bytes
                 log.error("the pool serves %s of %s: %s", amount(shown), amount(self.size), error)
                 failed(error)
+            elif done[0] < total:  # stop_bringing_up: the daemon stops
+                log.info("stopped bringing the pool up with %s of %s up", amount(shown), amount(self.size))
             else:
                 log.info("pool up: all %s %s %.2f s after it was opened (%.2f s waiting on page faults, "
                          "%.2f s pinning)", amount(self.size), what, seconds, self._up.fault_seconds,
