@@ -62,6 +62,7 @@ ADOPTED = re.compile(r"adopted (\d+) block\(s\) \((\d+) slots\) from the kept po
 ADOPTED_LATE = re.compile(r"adopted (\d+) block\(s\) \((\d+) slots\) from the kept pool, the last as.*"
                           r"shards discarded: (.*)")
 POOL_READY = re.compile(r"pool ready in ([\d.]+) s")
+POOL_UP = re.compile(r"pool up: all|all of it up")
 
 
 class Daemon:
@@ -99,6 +100,13 @@ class Daemon:
                 raise SystemExit(f"kvdepotd ({self.name}) did not start:\n{self.log()[-6000:]}")
             time.sleep(POLL)
         return time.monotonic() - self.started
+
+    def wait_for(self, line: re.Pattern, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not line.search(self.log()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"kvdepotd ({self.name}) never logged {line.pattern!r}:\n{self.log()[-6000:]}")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -249,6 +257,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=64, help="blocks a store job")
     p.add_argument("--pin", default="off", help="the daemon's --pin (on with CUDA: the start then pins too)")
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--logs", default=None, help="copy the daemons' logs into this folder")
     args = p.parse_args()
     # The lookup clients are made before their daemon listens: their "not available" lines are expected.
     logging.getLogger("kvdepot.client").setLevel(logging.ERROR)
@@ -286,6 +295,8 @@ def main() -> int:
 
         warm.start("--fresh")
         warm.wait_ready()
+        # Stores take the slots that are up: a fill before the whole pool is up would evict.
+        warm.wait_for(POOL_UP)
         keys, out["fill"], last_batch = fill(warm, num_slots, args.batch)
         f = out["fill"]
         print(f"filled: {f['blocks']} blocks in {f['store_s']:.2f} s ({f['store_gbps']:.2f} GB/s); "
@@ -301,6 +312,11 @@ def main() -> int:
         for daemon in (cold, warm):
             if daemon.running:
                 daemon.kill()
+        if args.logs:
+            os.makedirs(args.logs, exist_ok=True)
+            for name in sorted(os.listdir(folder)):
+                if name.endswith(".log"):
+                    shutil.copy(os.path.join(folder, name), args.logs)
         removed = remove_pools(pool_dir, prefixes)
         if made_dir:
             shutil.rmtree(pool_dir, ignore_errors=True)
