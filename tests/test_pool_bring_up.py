@@ -15,6 +15,7 @@ from test_warm_restart import SLOT_BYTES, flip, slot_of
 
 from kvdepot.server.host import numa
 from kvdepot.server.host.pool import HostPool
+from kvdepot.server.host.shard_record import MAGIC
 
 SLOT = 64 << 10
 CHUNK = 16 * SLOT  # 16 slots a chunk
@@ -59,6 +60,26 @@ def test_a_new_pool_serves_with_its_first_chunk_and_hands_out_only_slots_that_ar
         assert rest == set(range(16, 1024)) and pool.allocate() is None
     finally:
         pool.close(discard=True)
+
+
+def test_after_a_restart_the_chunks_holding_the_newest_kept_blocks_come_up_first(tmp_path):
+    pool = open_pool(tmp_path, name="kept")
+    for first, count in bring_up_rest(pool):
+        pool.add_online(first, count)
+    # Sealed records (their magic and generation) in chunks 3, 40 and 20, stored in that order;
+    # chunk 9 holds a record of another format.
+    for chunk, generation in ((3, 11), (40, 12), (20, 13)):
+        slot = chunk * 16 + 2
+        pool.records[slot * 128 : slot * 128 + 24] = MAGIC + bytes(8) + generation.to_bytes(8, "little")
+    pool.records[9 * 16 * 128 : 9 * 16 * 128 + 8] = b"x" * 8
+    pool.close()
+    kept = open_pool(tmp_path, name="kept", adopt=True)
+    try:
+        came = bring_up_rest(kept)
+        assert came[:4] == [(20 * 16, 16), (40 * 16, 16), (3 * 16, 16), (9 * 16, 16)]
+        assert sorted(came) == [(first, 16) for first in range(16, 1024, 16)]
+    finally:
+        kept.close(discard=True)
 
 
 def test_numa_ranges_come_up_together(tmp_path):

@@ -21,6 +21,8 @@ import os
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from kvdepot.kept_pools import HEADER_BYTES, pack_header
 from kvdepot.keys import KEY_VERSION
 from kvdepot.server.host import numa
@@ -37,12 +39,13 @@ from kvdepot.server.host.carving import NodeSlots
 from kvdepot.server.host.free_runs import FreeRuns
 from kvdepot.server.host.own_files import open_own
 from kvdepot.server.host.pool_folder import PoolError, _free_bytes, _pin_hint, huge_page_bytes, pool_file_bytes
-from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES
+from kvdepot.server.host.shard_record import FORMAT_VERSION, MAGIC, RECORD_BYTES
 
 log = logging.getLogger("kvdepot.pool")
 
 
 _EMPTY_RECORD = bytes(RECORD_BYTES)
+_MAGIC_WORD = np.uint64(int.from_bytes(MAGIC, "little"))
 # The part of the pool that holds runs of one span at a time (free_runs.py),
 # and so the most bytes one shard may have. Each span in use leaves at most
 # one extent partly empty, and each extent a tail shorter than a span: a
@@ -171,13 +174,13 @@ class HostPool:
     def _bring_up_first(self, required: bool) -> None:
         """Faults in and pins the chunks the daemon serves with (the first of
         each NUMA range), now; the others follow in bring_up_rest, those
-        holding a kept block's record first."""
+        holding a kept block's record first, the newest blocks' first."""
         chunks = self._chunks()
         first = sorted({r.first // chunks[0][1] for r in self.slots.ranges})
         rest = [i for i in interleaved(chunks, self.slots.ranges) if i not in set(first)]
         if self.adopted:
-            kept = {i for i in rest if self._holds_records(*chunks[i])}
-            rest = sorted(kept) + [i for i in rest if i not in kept]
+            kept = {i: self._newest(*chunks[i]) for i in rest if self._holds_records(*chunks[i])}
+            rest = sorted(kept, key=lambda i: (-kept[i], i)) + [i for i in rest if i not in kept]
         self._rest = rest
         started = time.monotonic()
         wanted = [self._byte_range(chunks[i]) for i in first]
@@ -208,6 +211,16 @@ class HostPool:
 
     def _holds_records(self, first: int, count: int) -> bool:
         return self.records[first * RECORD_BYTES : (first + count) * RECORD_BYTES] != bytes(count * RECORD_BYTES)
+
+    def _newest(self, first: int, count: int) -> int:
+        """The highest generation a record of these slots claims (0 for none).
+        Chunks holding the newest kept blocks come up first: they are the
+        ones engines most likely ask for again. Not checked yet: a torn
+        record can only move its chunk in the order."""
+        words = np.frombuffer(self.records[first * RECORD_BYTES : (first + count) * RECORD_BYTES], dtype="<u8")
+        words = words.reshape(count, RECORD_BYTES // 8)
+        generations = words[words[:, 0] == _MAGIC_WORD, 2]  # the magic, then format, flags, generation
+        return int(generations.max()) if len(generations) else 0
 
     def _byte_range(self, chunk: tuple[int, int]) -> tuple[int, int]:
         return chunk[0] * self.slot_bytes, chunk[1] * self.slot_bytes
