@@ -179,8 +179,9 @@ class HostPool:
         first = sorted({r.first // chunks[0][1] for r in self.slots.ranges})
         rest = [i for i in interleaved(chunks, self.slots.ranges) if i not in set(first)]
         if self.adopted:
-            kept = {i: self._newest(*chunks[i]) for i in rest if self._holds_records(*chunks[i])}
-            rest = sorted(kept, key=lambda i: (-kept[i], i)) + [i for i in rest if i not in kept]
+            newest = {i: self._newest(*chunks[i]) for i in rest}
+            kept = sorted((i for i in rest if newest[i] >= 0), key=lambda i: (-newest[i], i))
+            rest = kept + [i for i in rest if newest[i] < 0]
         self._rest = rest
         started = time.monotonic()
         wanted = [self._byte_range(chunks[i]) for i in first]
@@ -209,16 +210,16 @@ class HostPool:
         return (f"bringing the pool up: {nbytes / scale:.1f} of {self.size / scale:.1f} {unit} "
                 f"({100 * nbytes / self.size:.0f}%)")
 
-    def _holds_records(self, first: int, count: int) -> bool:
-        return self.records[first * RECORD_BYTES : (first + count) * RECORD_BYTES] != bytes(count * RECORD_BYTES)
-
     def _newest(self, first: int, count: int) -> int:
-        """The highest generation a record of these slots claims (0 for none).
-        Chunks holding the newest kept blocks come up first: they are the
-        ones engines most likely ask for again. Not checked yet: a torn
-        record can only move its chunk in the order."""
+        """The highest generation a record of these slots claims: 0 where
+        none is sealed, -1 where every record is empty. Chunks holding the
+        newest kept blocks come up first, as the ones engines most likely ask
+        for again. Not checked yet: a torn record can only move its chunk in
+        the order."""
         words = np.frombuffer(self.records[first * RECORD_BYTES : (first + count) * RECORD_BYTES], dtype="<u8")
         words = words.reshape(count, RECORD_BYTES // 8)
+        if not words.any():
+            return -1
         generations = words[words[:, 0] == _MAGIC_WORD, 2]  # the magic, then format, flags, generation
         return int(generations.max()) if len(generations) else 0
 
