@@ -4,8 +4,9 @@ A chunk is one CUDA registration of whole slots (HostPool.registration_bytes),
 so that no DMA run crosses two. The daemon serves as soon as its first chunks
 are up (HostPool._bring_up_first: the first of each NUMA range); the rest come
 up behind it on a thread of their own (`start`), those holding kept blocks
-first (the newest blocks' first), each chunk faulted in on several threads while the one before it is
-registered, and the depot takes each chunk's slots as it comes.
+first (the newest blocks' first), each chunk faulted in on several threads
+while the one before it is registered, and the depot takes each chunk's slots
+as it comes.
 
 Page faults of one tmpfs file run in parallel (fallocate would take the
 file's lock), and a pool that does not fit fails here with a clear error
