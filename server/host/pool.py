@@ -21,8 +21,6 @@ import os
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from kvdepot.kept_pools import HEADER_BYTES, pack_header
 from kvdepot.keys import KEY_VERSION
 from kvdepot.server.host import numa
@@ -39,13 +37,12 @@ from kvdepot.server.host.carving import NodeSlots
 from kvdepot.server.host.free_runs import FreeRuns
 from kvdepot.server.host.own_files import open_own
 from kvdepot.server.host.pool_folder import PoolError, _free_bytes, _pin_hint, huge_page_bytes, pool_file_bytes
-from kvdepot.server.host.shard_record import FORMAT_VERSION, MAGIC, RECORD_BYTES
+from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES, newest_generation
 
 log = logging.getLogger("kvdepot.pool")
 
 
 _EMPTY_RECORD = bytes(RECORD_BYTES)
-_MAGIC_WORD = np.uint64(int.from_bytes(MAGIC, "little"))
 # The part of the pool that holds runs of one span at a time (free_runs.py),
 # and so the most bytes one shard may have. Each span in use leaves at most
 # one extent partly empty, and each extent a tail shorter than a span: a
@@ -216,12 +213,7 @@ class HostPool:
         newest kept blocks come up first, as the ones engines most likely ask
         for again. Not checked yet: a torn record can only move its chunk in
         the order."""
-        words = np.frombuffer(self.records[first * RECORD_BYTES : (first + count) * RECORD_BYTES], dtype="<u8")
-        words = words.reshape(count, RECORD_BYTES // 8)
-        if not words.any():
-            return -1
-        generations = words[words[:, 0] == _MAGIC_WORD, 2]  # the magic, then format, flags, generation
-        return int(generations.max()) if len(generations) else 0
+        return newest_generation(self.records[first * RECORD_BYTES : (first + count) * RECORD_BYTES])
 
     def _byte_range(self, chunk: tuple[int, int]) -> tuple[int, int]:
         return chunk[0] * self.slot_bytes, chunk[1] * self.slot_bytes
