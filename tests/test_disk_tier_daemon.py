@@ -145,10 +145,12 @@ def test_a_full_disk_drops_blocks_and_fails_nothing(start_daemon, client_factory
     daemon = start(start_daemon, tmp_path, size="2MiB")  # a tenth of what goes through
     client = client_factory(daemon)
     worker, engine, tensors = attach_worker(client, seed=4)
-    for r in range(10):
-        fill_round(client, worker, tensors, r, 1 + r)
-    # The writer follows the commits: it has filled the disk once it evicts.
-    tier = wait_until(lambda: (t := disk(client.stats())).evicted_shards > 0 and t, what="the disk evicting")
+    # Each round waits for the writer: a block it has not written yet is not
+    # evicted from DRAM, so without the wait a slow writer keeps round 0 in
+    # DRAM and the miss below would be a hit.
+    fill_rounds(client, worker, tensors, 10, 1)
+    tier = disk(client.stats())
+    assert tier.evicted_shards > 0
     assert tier.bytes <= tier.capacity_bytes == 2 << 20
     assert client.stats().totals.failed_jobs == 0
     # What the disk dropped is a plain miss.
