@@ -10,9 +10,13 @@
    room for one pool only.
 2. Fill: a daemon on the bench's address, and a CPU worker of this process
    (shared-memory transport) that stores blocks of exactly one slot (a
-   block-major KV cache: 32 layers, K and V, 16 tokens, 8 heads, head dim 128,
-   bf16 = 2 MiB), --batch blocks a job, distinct keys, until every slot holds
-   a block; then the time until every record is sealed (hashed, tiers/warm.py).
+   block-major KV cache: K and V, 16 tokens, head dim 128, bf16, and as many
+   heads (up to 8) and layers as fill the slot: 32 layers of 8 heads for the
+   default 2 MiB, one layer of 2 heads for 16 KiB),
+   --batch blocks a job, distinct keys, until every slot holds a block; then
+   the time until every record is sealed (hashed, tiers/warm.py). Smaller
+   slots give as many blocks as a large pool in a few GiB: what a restart
+   does per block (reading the records, adopting) shows on any machine.
 3. Warm: SIGTERM, and a daemon started again on the same address adopts the
    pool: from its process start to "ready on", the adoption's own seconds
    (its log line), and to the first lookup of a new client that finds every
@@ -27,9 +31,11 @@ start and imports. The pool files are removed at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -50,8 +56,8 @@ from kvdepot.defaults import grpc_target  # noqa: E402
 from kvdepot.keys import KEY_VERSION  # noqa: E402
 from kvdepot.settings import parse_size  # noqa: E402
 
-LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * HEADS * HEAD_DIM * 2  # 2 MiB
+HEAD_DIM, BLOCK_SIZE = 128, 16
+HEAD_BYTES = 2 * BLOCK_SIZE * HEAD_DIM * 2  # K and V of one head of one layer: 8 KiB
 NAMESPACE = dict(model="warm-restart-bench", kv_dtype="bfloat16", block_size=BLOCK_SIZE, layout="block_major",
                  tp_size=1, key_version=KEY_VERSION)
 POLL = 0.002
@@ -134,6 +140,28 @@ def dram(client):
     return tier
 
 
+LOOKUP_PART = 1 << 16  # keys a lookup: 2 MiB of them, under gRPC's 4 MiB a message
+
+
+@dataclasses.dataclass
+class Looked:
+    available: bool
+    not_yet: bool
+    ready_blocks: int
+
+
+def lookup_all(client, engine, keys: list[bytes]) -> Looked:
+    """A lookup of `keys`, in parts of LOOKUP_PART: the ready blocks up to the first that is not."""
+    ready = 0
+    for first in range(0, max(1, len(keys)), LOOKUP_PART):
+        part = keys[first : first + LOOKUP_PART]
+        result = client.lookup(engine, part)
+        ready += result.ready_blocks
+        if not result.available or result.ready_blocks < len(part):
+            return Looked(result.available, result.not_yet, ready)
+    return Looked(True, False, ready)
+
+
 def first_lookup(daemon: Daemon, keys: list[bytes], want: int, timeout: float = 600) -> dict:
     """Seconds from the daemon's process start to its "ready on" log line, and
     until a new client's lookup of `keys` answers READY with `want` blocks
@@ -152,7 +180,7 @@ def first_lookup(daemon: Daemon, keys: list[bytes], want: int, timeout: float = 
                 ready_s = time.monotonic() - daemon.started
             if hit_s is None and want and any(client.lookup(engine, [key]).ready_blocks for key in sample):
                 hit_s = time.monotonic() - daemon.started
-            result = client.lookup(engine, keys)
+            result = lookup_all(client, engine, keys)
             if result.available and not result.not_yet and result.ready_blocks == want:
                 lookup_s = time.monotonic() - daemon.started
                 # The line is written before any call is answered: seen late only by the polling.
@@ -179,12 +207,18 @@ def measure_start(daemon: Daemon, keys: list[bytes], want: int, *extra: str) -> 
     return row
 
 
-def fill(daemon: Daemon, num_slots: int, batch: int) -> tuple[list[bytes], dict, torch.Tensor]:
+def block_shape(slot_bytes: int) -> tuple[int, int]:
+    """(layers, heads) of a block of `slot_bytes` (a multiple of HEAD_BYTES)."""
+    heads = math.gcd(slot_bytes // HEAD_BYTES, 8)
+    return slot_bytes // HEAD_BYTES // heads, heads
+
+
+def fill(daemon: Daemon, num_slots: int, batch: int, shape: tuple[int, int]) -> tuple[list[bytes], dict, torch.Tensor]:
     """Stores `num_slots` blocks of distinct keys; returns the keys, the
     figures, and the cache of the last batch (for the check at the end)."""
     client = KVDepotClient(daemon.socket, name="warm-restart-fill").connect(30)
-    cache = torch.randn(batch, LAYERS, 2, BLOCK_SIZE, HEADS, HEAD_DIM).to(torch.bfloat16)
-    assert cache[0].numel() * cache.element_size() == BLOCK_BYTES
+    layers, heads = shape
+    cache = torch.randn(batch, layers, 2, BLOCK_SIZE, heads, HEAD_DIM).to(torch.bfloat16)
     marks = cache.view(torch.int16).view(batch, -1)
     worker = client.register_worker(NAMESPACE, rank=0, tensors=[cache], block_dim=0)
     keys = keys_of(num_slots, "warm-restart")
@@ -211,7 +245,8 @@ def fill(daemon: Daemon, num_slots: int, batch: int) -> tuple[list[bytes], dict,
         time.sleep(0.01)
     sealed_s = time.monotonic() - started - stored_s
     client.close()
-    figures = {"blocks": num_slots, "store_s": stored_s, "store_gbps": num_slots * BLOCK_BYTES / stored_s / 1e9,
+    stored_bytes = num_slots * layers * heads * HEAD_BYTES
+    figures = {"blocks": num_slots, "store_s": stored_s, "store_gbps": stored_bytes / stored_s / 1e9,
                "sealed_after_s": sealed_s}
     return keys, figures, cache.clone()
 
@@ -252,7 +287,7 @@ def pool_prefix(socket: str) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pool-size", default="4GiB", help="e.g. 4GiB here, 16GiB or more on a GPU machine")
-    p.add_argument("--slot-size", default="2MiB", help="must be 2MiB: the bench's blocks are that size")
+    p.add_argument("--slot-size", default="2MiB", help="a multiple of 8KiB: a block is that size")
     p.add_argument("--pool-dir", default=None, help="default: a new folder in /dev/shm (it must have room)")
     p.add_argument("--batch", type=int, default=64, help="blocks a store job")
     p.add_argument("--pin", default="off", help="the daemon's --pin (on with CUDA: the start then pins too)")
@@ -263,15 +298,15 @@ def main() -> int:
     logging.getLogger("kvdepot.client").setLevel(logging.ERROR)
 
     pool_bytes, slot_bytes = parse_size(args.pool_size), parse_size(args.slot_size)
-    if slot_bytes != BLOCK_BYTES:
-        raise SystemExit(f"--slot-size must be {BLOCK_BYTES} bytes (2MiB): the bench's blocks are that size")
+    if slot_bytes % HEAD_BYTES or not slot_bytes:
+        raise SystemExit(f"--slot-size must be a multiple of {HEAD_BYTES >> 10} KiB: a block of one head of one layer")
     num_slots = pool_bytes // slot_bytes
     made_dir = args.pool_dir is None
     if made_dir:
         st = os.statvfs("/dev/shm")
         free = st.f_bavail * st.f_frsize
         # One pool at a time, its records, and the fill's KV cache copies in /dev/shm.
-        need = pool_bytes + num_slots * 128 + 4 * args.batch * BLOCK_BYTES + (64 << 20)
+        need = pool_bytes + num_slots * 128 + 4 * args.batch * slot_bytes + (64 << 20)
         if free < need:
             raise SystemExit(f"/dev/shm has {free / 2**30:.2f} GiB free; a {pool_bytes / 2**30:.2f} GiB pool needs "
                              f"about {need / 2**30:.2f} GiB: lower --pool-size or give --pool-dir (a tmpfs with room)")
@@ -287,7 +322,7 @@ def main() -> int:
            "num_slots": num_slots, "pool_dir": pool_dir, "pin": args.pin, "rows": rows}
     wall = time.monotonic()
     try:
-        print(f"pool {num_slots * slot_bytes / 2**30:.2f} GiB, {num_slots} slots of {slot_bytes >> 20} MiB, "
+        print(f"pool {num_slots * slot_bytes / 2**30:.2f} GiB, {num_slots} slots of {slot_bytes / 2**20:g} MiB, "
               f"in {pool_dir}; pin {args.pin}", flush=True)
         rows["cold (--fresh)"] = measure_start(cold, keys_of(8, "absent"), 0, "--fresh")
         cold.stop()
@@ -297,7 +332,7 @@ def main() -> int:
         warm.wait_ready()
         # Stores take the slots that are up: a fill before the whole pool is up would evict.
         warm.wait_for(POOL_UP)
-        keys, out["fill"], last_batch = fill(warm, num_slots, args.batch)
+        keys, out["fill"], last_batch = fill(warm, num_slots, args.batch, block_shape(slot_bytes))
         f = out["fill"]
         print(f"filled: {f['blocks']} blocks in {f['store_s']:.2f} s ({f['store_gbps']:.2f} GB/s); "
               f"every record sealed {f['sealed_after_s']:.2f} s after the last store", flush=True)
