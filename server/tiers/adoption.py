@@ -17,21 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvdepot.server.host.pool import HostPool
-from kvdepot.server.host.shard_record import RECORD_BYTES, ShardRecord, hash_of, unpack
+from kvdepot.server.host.shard_record import ShardRecord, hash_of, unpack_all
 from kvdepot.server.tiers.catalog import Catalog
-
-
-def recorded_slots(records, num_slots: int) -> list[int]:
-    """The slots whose record is not all zeros, in one vectorised pass: a TiB
-    pool of 64 KiB slots has 16M records, most of them empty (a block's run
-    has its record at its first slot), and a loop over them in Python would
-    hold the start for seconds."""
-    import torch  # here: a daemon that adopts nothing need not load it
-
-    if not num_slots:
-        return []
-    words = torch.frombuffer(records, dtype=torch.int64, count=num_slots * RECORD_BYTES // 8)
-    return words.view(num_slots, RECORD_BYTES // 8).ne(0).any(dim=1).nonzero().flatten().tolist()
 
 
 @dataclass
@@ -73,8 +60,8 @@ class Adoption:
         self.pool = pool
         self.catalog = catalog
         # One set of hashing threads for every check, at start and as chunks come up.
-        self._hashing = concurrent.futures.ThreadPoolExecutor(threads or min(16, os.cpu_count() or 1),
-                                                              thread_name_prefix="kvdepot-adopt")
+        self._threads = threads or min(16, os.cpu_count() or 1)
+        self._hashing = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="kvdepot-adopt")
         self.waiting: list[Candidate] = []
         self.left = 0  # candidates still waiting, after take_up
         # The waiting candidates by each chunk not up yet that holds one of their shards.
@@ -91,30 +78,37 @@ class Adoption:
         if why:
             warn(f"{why}: the pool's blocks cannot be named and are discarded")
         pool, catalog = self.pool, self.catalog
+        found, reasons = unpack_all(pool.records)
+        for reason, count in reasons.items():
+            self._discard(self.discarded, reason, count)
+        known = {ns: catalog.identity(ns) for ns in {record.ns for _, record in found}}
+        largest = pool.largest_shard
         parts: dict[tuple[bytes, bytes], list[tuple[int, ShardRecord]]] = {}
-        for slot in recorded_slots(pool.records, pool.num_slots):
-            record, reason = unpack(pool.records[slot * RECORD_BYTES : (slot + 1) * RECORD_BYTES])
-            if record is None:
-                if reason != "empty":
-                    self._discard(self.discarded, reason)
-                continue
-            if not 0 < record.length <= pool.largest_shard:
+        for slot, record in found:
+            if not 0 < record.length <= largest:
                 self._discard(self.discarded, "torn")
-            elif catalog.identity(record.ns) is None:
+            elif known[record.ns] is None:
                 self._discard(self.discarded, "unknown_namespace")
             else:
                 parts.setdefault((record.ns, record.key), []).append((slot, record))
         # A run must sit where the pool's extents put runs of its span.
-        misplaced = pool.slots.fits({slot: pool.span(r.length) for shards in parts.values() for slot, r in shards})
+        span = pool.span
+        misplaced = pool.slots.fits({slot: span(r.length) for shards in parts.values() for slot, r in shards})
+        signatures = {ns: catalog.signatures(ns) for ns, identity in known.items() if identity is not None}
         for (digest, key), shards in parts.items():
-            if any(slot in misplaced for slot, _ in shards):
+            if misplaced and any(slot in misplaced for slot, _ in shards):
                 bad = sum(slot in misplaced for slot, _ in shards)
                 self._discard(self.discarded, "misplaced", bad)
                 if len(shards) > bad:
                     self._discard(self.discarded, "incomplete", len(shards) - bad)
                 continue
-            identity = catalog.identity(digest)
+            identity = known[digest]
             tp_size = identity[6]
+            if len(shards) == 1 == tp_size == shards[0][1].tp_size:  # most blocks: one rank, stored once
+                generation = shards[0][1].generation
+                self.generation = max(self.generation, generation)
+                self.waiting.append(Candidate(identity, signatures[digest], key, shards, generation, digest))
+                continue
             by_rank: dict[int, tuple[int, ShardRecord]] = {}
             for slot, r in sorted(shards, key=lambda s: s[1].generation):
                 if r.tp_size == tp_size:
@@ -129,7 +123,7 @@ class Adoption:
                 continue
             generation = max(r.generation for _, r in by_rank.values())
             self.generation = max(self.generation, generation)
-            self.waiting.append(Candidate(identity, catalog.signatures(digest), key,
+            self.waiting.append(Candidate(identity, signatures[digest], key,
                                           [by_rank[r] for r in range(tp_size)], generation, digest))
 
     def close(self) -> None:
@@ -186,8 +180,14 @@ class Adoption:
         result = Checked()
         shards = [shard for c in candidates for shard in c.shards]
         view = self.pool.slot_view
-        hashes = iter(list(self._hashing.map(lambda s: hash_of(s[1], view(s[0], s[1].length)), shards,
-                                             chunksize=64)))
+
+        def hash_all(part: list[tuple[int, ShardRecord]]) -> list[int]:
+            return [hash_of(record, view(slot, record.length)) for slot, record in part]
+
+        # A few parts a thread, not a task a shard: a future costs more than hashing a small shard.
+        step = max(16, -(-len(shards) // (4 * self._threads)))
+        parts = [shards[i : i + step] for i in range(0, len(shards), step)]
+        hashes = iter([h for hashed in self._hashing.map(hash_all, parts) for h in hashed])
         for candidate in candidates:
             bad = sum(next(hashes) != record.data_hash for _, record in candidate.shards)
             if bad:

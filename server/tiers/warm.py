@@ -285,11 +285,15 @@ class WarmPool(Tier):
             self.adopt_discarded[reason] = self.adopt_discarded.get(reason, 0) + n
         if checked.bad_slots:
             self.host.free_kept(checked.bad_slots)
+        specs: dict[tuple, tuple[NamespaceSpec, str]] = {}  # one per namespace, not per block
         kept = []
         for c in checked.blocks:
-            fields = dict(zip(IDENTITY_FIELDS, c.identity))
-            scope = fields.pop("scope")
-            kept.append(KeptBlock(NamespaceSpec(**fields), scope, c.signatures, c.key, c.slots, c.lengths))
+            if c.identity not in specs:
+                fields = dict(zip(IDENTITY_FIELDS, c.identity))
+                scope = fields.pop("scope")
+                specs[c.identity] = NamespaceSpec(**fields), scope
+            spec, scope = specs[c.identity]
+            kept.append(KeptBlock(spec, scope, c.signatures, c.key, c.slots, c.lengths))
         refused = self.host.restore(kept, waited)
         for block, error in refused:  # a limit lowered since, a spec no longer valid, a key stored anew
             reason = "stored_anew" if isinstance(error, KeyError) else "namespace_refused"
