@@ -44,6 +44,16 @@ def kept_and_restarted_behind_gate(start_daemon, client_factory, tmp_path, lane,
     return daemon, gate, keys, tensors
 
 
+def started_with_kept_blocks_waiting(start_daemon, client_factory, tmp_path, lane):
+    """kept_and_restarted_behind_gate, started: also the keys whose kept copy waits, and a client."""
+    daemon, gate, keys, _ = kept_and_restarted_behind_gate(start_daemon, client_factory, tmp_path, lane)
+    [pool] = daemon.folder.glob("*.pool")
+    waiting = [key for key in keys if slot_of(pool, key) >= SLOTS_PER_CHUNK]
+    gate.touch()
+    daemon.start()
+    return daemon, gate, keys, waiting, client_factory(daemon, name="second", backoff_max=0.5)
+
+
 @pytest.mark.parametrize("lane", ["python", "native"])
 def test_a_clear_while_kept_blocks_wait_for_their_chunk_holds_once_it_comes_up(
         start_daemon, client_factory, tmp_path, lane):
@@ -111,12 +121,8 @@ def test_a_key_stored_anew_while_its_kept_copy_waits_survives_the_next_restart(
         start_daemon, client_factory, tmp_path, lane):
     """A restart while the pool still comes up (a large pool takes minutes):
     the key stored anew meanwhile was committed and sealed, and must come back."""
-    daemon, gate, keys, _ = kept_and_restarted_behind_gate(start_daemon, client_factory, tmp_path, lane)
-    [pool] = daemon.folder.glob("*.pool")
-    waiting = [key for key in keys if slot_of(pool, key) >= SLOTS_PER_CHUNK]
-    gate.touch()
-    daemon.start()
-    client = client_factory(daemon, name="second", backoff_max=0.5)
+    daemon, gate, keys, waiting, client = started_with_kept_blocks_waiting(start_daemon, client_factory, tmp_path,
+                                                                            lane)
     worker, engine, _ = attach_worker(client, seed=9)
     anew = waiting[-1]
     store(client, worker, 2, [anew])  # its kept copy still waits for its chunk
@@ -131,6 +137,32 @@ def test_a_key_stored_anew_while_its_kept_copy_waits_survives_the_next_restart(
                or "more wait" not in daemon.log(), what="adoption over")
     discarded = dict(dram(client.stats()).discarded)
     assert client.lookup(engine, [anew]).ready_blocks == 1, f"the block stored anew is lost: discarded {discarded}"
+
+
+@pytest.mark.parametrize("lane", ["python", "native"])
+def test_a_key_stored_anew_while_its_kept_copy_waits_is_served_with_its_new_bytes(
+        start_daemon, client_factory, tmp_path, lane):
+    """When its chunk comes up, the kept copy of a key stored anew meanwhile is
+    discarded (stored_anew), never served over the new bytes; every other kept
+    block of the chunks comes back."""
+    from kvcache import block_of
+
+    daemon, gate, keys, waiting, client = started_with_kept_blocks_waiting(start_daemon, client_factory, tmp_path,
+                                                                            lane)
+    worker, engine, tensors = attach_worker(client, seed=11)  # other bytes than the kept ones
+    anew = waiting[len(waiting) // 2]
+    store(client, worker, 2, [anew])
+    gate.unlink()
+    wait_until(lambda: "the last as their part of the pool came up" in daemon.log(), what="the late adoption")
+    assert dict(dram(client.stats()).discarded).get("stored_anew") == 1
+    assert sum(client.lookup(engine, [key]).ready_blocks for key in keys) == len(keys)
+    expected = [t.clone() for t in block_of(tensors, "per_layer", 0)]
+    for t in tensors:
+        t.zero_()
+    job = client.submit_load(worker, 3, [anew], [5])
+    assert client.wait([job], 30)[job].ok
+    for want, got in zip(expected, block_of(tensors, "per_layer", 5), strict=True):
+        assert torch.equal(want.view(torch.int16), got.view(torch.int16)), "the kept copy was served over the new one"
 
 
 @pytest.mark.parametrize("lane", ["python", "native"])

@@ -224,11 +224,12 @@ class BlockIndex:
         """Kept blocks, ready, their slots taken, oldest first (a refused one frees its slots); `waited`
         (held until now): older than any block stored since the start, in at the eviction order's old end."""
         refused = []
+        known: dict = {}
         for block_kept in reversed(kept) if waited else kept:
             slots = sum(map(self.pool.span_at, block_kept.slots))
             self.pool.slots.no_longer_waiting(slots if waited else 0)
             try:
-                ns = kept_namespace(self.namespaces, block_kept)
+                ns = kept_namespace(self.namespaces, block_kept, known)
                 if (ns.id, block_kept.key) in self._blocks:
                     raise KeyError("stored anew while its chunk came up")
             except Exception as e:

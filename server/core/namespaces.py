@@ -194,14 +194,22 @@ def gone_from_dram(gone: set[tuple[bytes, bytes]], namespaces: Namespaces, in_dr
     return [(ns, key) for ns in namespaces for key in keys.get(ns.digest, ()) if not in_dram(ns, key)]
 
 
-def kept_namespace(namespaces: Namespaces, kept) -> Namespace:
+def kept_namespace(namespaces: Namespaces, kept, known: dict | None = None) -> Namespace:
     """The namespace of a block adopted from the kept pool (a core/tiers.py
-    KeptBlock), with its ranks'
-    signatures as its first workers fixed them; raises when it is refused now (a
-    worker of another layout may have registered while it waited for its chunk)."""
-    ns = namespaces.of(kept.spec, kept.scope)
-    for rank, signature in kept.signatures.items():
-        if signature is not None and ns.rank_signatures.setdefault(rank, signature) != signature:
-            raise ValueError(f"rank {rank} of namespace {ns.name!r} has a worker of another layout now")
+    KeptBlock), with its ranks' signatures as its first workers fixed them;
+    raises when it is refused now (a worker of another layout may have
+    registered while it waited for its chunk). `known`: the namespaces this
+    found for earlier blocks of one restore (which holds their KeptBlocks):
+    blocks of one namespace share their signatures' dict, so a chunk of them
+    is looked up and checked once, not once a block."""
+    mark = (kept.spec, kept.scope, id(kept.signatures))
+    ns = known.get(mark) if known is not None else None
+    if ns is None:
+        ns = namespaces.of(kept.spec, kept.scope)
+        for rank, signature in kept.signatures.items():
+            if signature is not None and ns.rank_signatures.setdefault(rank, signature) != signature:
+                raise ValueError(f"rank {rank} of namespace {ns.name!r} has a worker of another layout now")
+        if known is not None:
+            known[mark] = ns
     ns.note_block_bytes(max(kept.lengths, default=0))
     return ns

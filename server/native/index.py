@@ -133,18 +133,35 @@ class NativeIndex:
         self.lane.release_slots(list(slots), waited=True)
 
     def restore(self, kept: Sequence[KeptBlock], waited: bool = False) -> list[tuple[KeptBlock, Exception]]:
-        """As core/index.py's; the slots of blocks it refuses go back to the lane."""
+        """As core/index.py's; the slots of blocks it refuses go back to the lane.
+        Each run of blocks of one namespace goes to the lane in one call."""
         refused = []
+        known: dict = {}
+        run: list[KeptBlock] = []
+        run_ns: tuple[int, int] | None = None
+
+        def flush() -> None:
+            if not run:
+                return
+            ns_id, tp = run_ns
+            went = self.lane.restore_many(ns_id, tp, [b.key for b in run], [s for b in run for s in b.slots],
+                                          [n for b in run for n in b.lengths], waited)
+            refused.extend((b, KeyError("stored anew while its chunk came up")) for b, ok in zip(run, went) if not ok)
+            run.clear()
+
         # Late (waited): each goes in at the old end, the newest first (core/index.py says why).
         for block_kept in reversed(kept) if waited else kept:
             try:
-                ns = kept_namespace(self.namespaces, block_kept)
+                ns = kept_namespace(self.namespaces, block_kept, known)
             except Exception as e:
                 self.lane.release_slots(list(block_kept.slots), waited)
                 refused.append((block_kept, e))
                 continue
-            if not self.lane.restore(ns.id, block_kept.key, block_kept.slots, block_kept.lengths, waited):
-                refused.append((block_kept, KeyError("stored anew while its chunk came up")))
+            if run_ns != (ns.id, len(block_kept.slots)):
+                flush()
+                run_ns = (ns.id, len(block_kept.slots))
+            run.append(block_kept)
+        flush()
         self._after_call()
         self._send_changes()
         return refused

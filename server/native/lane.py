@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 
+from kvdepot.defaults import KEY_BYTES
 from kvdepot.errors import from_status, status_code
 from kvdepot.server.core.counters import DURATION_BUCKETS, Counters, JobTimes
 from kvdepot.server.core.requests import JobKind, JobRequest
@@ -187,11 +188,21 @@ class Lane:
         self._lib.kvd_clear(self._h, -1 if ns_id is None else ns_id, out)
         return out[0], out[1]
 
-    def restore(self, ns_id: int, key: bytes, slots: list[int], lengths: tuple, waited: bool = False) -> bool:
-        """False (its slots freed) when the index holds the key already.
-        `waited`: its slots were held for adoption, and are counted out."""
-        return bool(self._lib.kvd_restore(self._h, ns_id, key, (_I64 * len(slots))(*slots),
-                                          (_U64 * len(lengths))(*lengths), len(slots), waited))
+    def restore_many(self, ns_id: int, tp: int, keys: list[bytes], slots: list[int], lengths: list[int],
+                     waited: bool = False) -> list[bool]:
+        """Kept blocks of one namespace back in the index, ready, in order:
+        `slots` and `lengths` hold each block's `tp` ranks in turn. Whether
+        each went in (not when the index holds its key already: its slots are
+        freed). `waited`: their slots were held for adoption, and are counted out."""
+        count = len(keys)
+        blob = b"".join(keys)
+        if len(blob) != count * KEY_BYTES or len(slots) != count * tp or len(lengths) != count * tp:
+            raise ValueError(f"{count} blocks of {tp} ranks need {count * tp} slots and lengths and "
+                             f"{KEY_BYTES}-byte keys")
+        restored = (ctypes.c_uint8 * count)()
+        self._lib.kvd_restore_many(self._h, ns_id, count, tp, blob, (_I64 * len(slots))(*slots),
+                                   (_U64 * len(lengths))(*lengths), waited, restored)
+        return [bool(x) for x in restored]
 
     def release_slots(self, slots: list[int], waited: bool = False) -> None:
         self._lib.kvd_release_slots(self._h, (_I64 * len(slots))(*slots), len(slots), waited)

@@ -39,6 +39,9 @@ SEAL_BATCH_SECONDS = 0.002
 # store's shards are not sealed (not kept across a restart), so that stores
 # outrunning the hashing cannot grow the backlog without bound.
 MAX_UNSEALED = 1 << 16
+# Kept blocks brought back in one go as their chunk comes up, between which
+# the loop answers calls: a few ms of work each.
+RESTORE_PART = 2048
 
 
 def pick_pool_file(directory: str, prefix: str, slot_bytes: int, pool_bytes: int,
@@ -344,10 +347,24 @@ class WarmPool(Tier):
             return  # held: the next daemon adopts them
         # Cleared during the check: clear() freed their slots already.
         gone = {slot for c in up if c.dropped for slot in c.slots}
-        checked.blocks = [c for c in checked.blocks if not c.dropped]
-        checked.bad_slots = [slot for slot in checked.bad_slots if slot not in gone]
+        failed = Checked(bad_slots=[slot for slot in checked.bad_slots if slot not in gone],
+                         discarded=checked.discarded)
+        # In parts, the loop free between them: a chunk of a large pool holds
+        # hundreds of thousands of small blocks, and calls would wait seconds.
+        # The newest part first: each goes in at the eviction order's old end.
+        blocks = checked.blocks
+        parts = [blocks[i : i + RESTORE_PART] for i in range(0, len(blocks), RESTORE_PART)][::-1]
         try:
-            self._restore(checked, waited=True)
+            self._restore(failed, waited=True)
+            for part in parts:
+                part = [c for c in part if not c.dropped]  # cleared while the loop was free
+                self._restore(Checked(blocks=part), waited=True)
+                for candidate in part:
+                    candidate.settled = True
+                self.pool.let_go_held([slot for c in part for slot in c.slots])
+                await asyncio.sleep(0)
+                if self._closed:
+                    return  # the rest held: the next daemon adopts them
         except Exception:  # (the gathers that wait for this task would swallow it)
             log.exception("bringing %d checked kept block(s) back as the pool came up failed: their slots "
                           "stay taken until the next start", len(checked.blocks))

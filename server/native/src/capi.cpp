@@ -323,27 +323,43 @@ KVD_API void kvd_clear(Lane* lane, int64_t ns, uint64_t* out) {
   out[1] = counts.second;
 }
 
-// `waited`: the block's slots were held for adoption (Slots::kept_waiting),
-// counted out in the same locked step.
-KVD_API int kvd_restore(Lane* lane, uint32_t ns, const uint8_t* key, const int64_t* slots, const uint64_t* lengths,
-                        uint32_t tp, int waited) {
-  if (!lane) return 0;
-  std::lock_guard<std::mutex> lock(lane->mutex);
+// One kept block back in the index, under the lane's lock. `waited`: its
+// slots were held for adoption (Slots::kept_waiting), counted out in the same
+// locked step.
+static bool restore_one(Lane* lane, Namespace* space, const uint8_t* key, const int64_t* slots,
+                        const uint64_t* lengths, uint32_t tp, bool waited) {
   Slots& pool = *lane->slots;
-  if (waited) lane->slots->no_longer_waiting(run_slots(pool, slots, tp));
-  Namespace* space = lane->index->ns(ns);
+  if (waited) pool.no_longer_waiting(run_slots(pool, slots, tp));
   bool placed = true;  // adoption placed each rank's run (free_runs.py fits)
   for (uint32_t i = 0; i < tp; i++) placed &= pool.in_use(slots[i]);
   if (!space || space->tp != tp || !placed) {
     for (uint32_t i = 0; i < tp; i++)
       if (pool.in_use(slots[i])) pool.release(slots[i]);
-    return 0;
+    return false;
   }
   Key k;
   std::memcpy(k.b, key, KEY_BYTES);
   // Held for adoption until now: stored before every block stored since the restart.
   return lane->index->restore(*space, k, std::vector<int64_t>(slots, slots + tp),
-                              std::vector<uint64_t>(lengths, lengths + tp), waited != 0);
+                              std::vector<uint64_t>(lengths, lengths + tp), waited);
+}
+
+// `count` kept blocks of namespace `ns`, in order, each of `tp` ranks: keys
+// (count * KEY_BYTES), slots and lengths (count * tp, block by block). One call
+// and one lock for a chunk's blocks, not one a block. `restored[i]`: whether
+// block i went in (not when the index holds its key already: its slots are
+// freed); returns how many did.
+KVD_API uint64_t kvd_restore_many(Lane* lane, uint32_t ns, uint64_t count, uint32_t tp, const uint8_t* keys,
+                                  const int64_t* slots, const uint64_t* lengths, int waited, uint8_t* restored) {
+  if (!lane) return 0;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  Namespace* space = lane->index->ns(ns);
+  uint64_t done = 0;
+  for (uint64_t i = 0; i < count; i++) {
+    restored[i] = restore_one(lane, space, keys + i * KEY_BYTES, slots + i * tp, lengths + i * tp, tp, waited != 0);
+    done += restored[i];
+  }
+  return done;
 }
 
 KVD_API void kvd_release_slots(Lane* lane, const int64_t* slots, size_t n, int waited) {
