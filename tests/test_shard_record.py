@@ -7,11 +7,21 @@ from __future__ import annotations
 import random
 import struct
 
+import pytest
 import xxhash
 
 from kvdepot.server.host import shard_record
-from kvdepot.server.host.shard_record import (FLAG_GPU_HASH, FLAG_SEALED, FORMAT_VERSION, MAGIC, RECORD_BYTES,
-                                              ShardRecord, pack, unpack, unpack_all)
+from kvdepot.server.host.shard_record import (
+    FLAG_GPU_HASH,
+    FLAG_SEALED,
+    FORMAT_VERSION,
+    MAGIC,
+    RECORD_BYTES,
+    ShardRecord,
+    pack,
+    unpack,
+    unpack_all,
+)
 
 FIELDS = shard_record._FIELDS  # the layout under test: a record is built field by field below
 
@@ -58,10 +68,12 @@ def test_every_kind_of_record_is_read_as_unpack_reads_it():
     assert reasons == {"format": 2, "torn": 4}
 
 
-def test_a_pool_of_random_damage_is_read_as_unpack_reads_it():
+@pytest.mark.parametrize("window", [shard_record.UNPACK_WINDOW, 7])  # and windows that split the pool oddly
+def test_a_pool_of_random_damage_is_read_as_unpack_reads_it(monkeypatch, window):
+    monkeypatch.setattr(shard_record, "UNPACK_WINDOW", window)
     rng = random.Random(28)
     kinds = []
-    for i in range(4000):
+    for _ in range(4000):
         record = bytearray(pack(ShardRecord(rng.randbytes(16), rng.randbytes(32), rng.randrange(4), 4,
                                             rng.randrange(1, 1 << 30), rng.getrandbits(64), rng.getrandbits(64),
                                             gpu_hashed=rng.random() < 0.5)))

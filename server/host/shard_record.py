@@ -104,7 +104,7 @@ def unpack(raw) -> tuple[ShardRecord | None, str]:
     return ShardRecord(ns, key, rank, tp_size, length, hashed, generation, bool(flags & FLAG_GPU_HASH)), ""
 
 
-# The same layout as numpy reads it, for reading a pool's records all at once
+# The same layout as numpy reads it, for reading a pool's records many at once
 # (void, not "S", fields: numpy strips the trailing zero bytes of an "S" value).
 _TABLE = np.dtype([("magic", "<u8"), ("version", "<u4"), ("flags", "<u4"), ("generation", "<u8"),
                    ("ns", f"V{NS_DIGEST_BYTES}"), ("key", f"V{KEY_BYTES}"), ("rank", "<u4"), ("tp_size", "<u4"),
@@ -113,44 +113,53 @@ assert _TABLE.itemsize == RECORD_BYTES
 _MAGIC_WORD = int.from_bytes(MAGIC, "little")
 
 
+# Records read at once by unpack_all: 128 MiB of them, whatever the pool's size.
+UNPACK_WINDOW = 1 << 20
+
+
 def unpack_all(records) -> tuple[list[tuple[int, ShardRecord]], dict[str, int]]:
     """Every record in `records` (whole records, one after another; slot i's
     at i * RECORD_BYTES) as unpack reads one: the (slot, record) of those that
     unpack, and how many did not, by reason ("empty" is not counted). The
-    checks run over all of them at once (numpy) but each record's own hash,
-    so that a pool of millions of records is read in a fraction of a second."""
-    table = np.frombuffer(records, dtype=_TABLE)
-    words = np.frombuffer(records, dtype="<u8").reshape(-1, RECORD_BYTES // 8)
-    slots = np.flatnonzero(words.any(axis=1))  # most records of a pool are empty (a run's is at its first slot)
-    found = table[slots]
+    checks run over a window of records at once (numpy), but each record's
+    own hash: what is left a record is that hash and the record's object."""
+    view = memoryview(records).cast("B")
+    found: list[tuple[int, ShardRecord]] = []
     reasons: dict[str, int] = {}
+    count = len(view) // RECORD_BYTES
+    for first in range(0, count, UNPACK_WINDOW):
+        last = min(count, first + UNPACK_WINDOW)
+        _unpack_window(view[first * RECORD_BYTES : last * RECORD_BYTES], first, found, reasons)
+    return found, reasons
+
+
+def _unpack_window(view: memoryview, first_slot: int, found: list, reasons: dict[str, int]) -> None:
+    words = np.frombuffer(view, dtype="<u8").reshape(-1, RECORD_BYTES // 8)
+    at = np.flatnonzero(words.any(axis=1))  # most records of a pool are empty (a run's is at its first slot)
+    table = np.frombuffer(view, dtype=_TABLE)[at]
 
     def discard(reason: str, mask) -> None:
-        if count := int(np.count_nonzero(mask)):
-            reasons[reason] = reasons.get(reason, 0) + count
+        if n := int(np.count_nonzero(mask)):
+            reasons[reason] = reasons.get(reason, 0) + n
 
-    ours = found["magic"] == _MAGIC_WORD
-    discard("format", ~ours & (found["magic"] != 0))  # an all-zero magic is "empty"
-    discard("format", ours & (found["version"] != FORMAT_VERSION))
-    ours &= found["version"] == FORMAT_VERSION
-    view = memoryview(records).cast("B")
-    at = (slots[ours] * RECORD_BYTES).tolist()
-    held = np.fromiter((xxhash.xxh3_64_intdigest(view[a : a + _FIELDS.size]) for a in at), dtype="<u8", count=len(at))
-    whole = np.zeros(len(found), dtype=bool)
-    whole[ours] = held == found["hash"][ours]
+    ours = table["magic"] == _MAGIC_WORD
+    discard("format", ~ours & (table["magic"] != 0))  # an all-zero magic is "empty"
+    discard("format", ours & (table["version"] != FORMAT_VERSION))
+    ours &= table["version"] == FORMAT_VERSION
+    offsets = (at[ours] * RECORD_BYTES).tolist()
+    held = np.fromiter((xxhash.xxh3_64_intdigest(view[o : o + _FIELDS.size]) for o in offsets), dtype="<u8",
+                       count=len(offsets))
+    whole = np.zeros(len(table), dtype=bool)
+    whole[ours] = held == table["hash"][ours]
     discard("torn", ours & ~whole)
-    sealed = whole & (found["flags"] & FLAG_SEALED != 0)
-    fits = (found["tp_size"] >= 1) & (found["rank"] < found["tp_size"])
+    sealed = whole & (table["flags"] & FLAG_SEALED != 0)
+    fits = (table["tp_size"] >= 1) & (table["rank"] < table["tp_size"])
     discard("torn", sealed & ~fits)
-    good = found[sealed & fits]
-    records_found = [
-        (slot, ShardRecord(ns, key, rank, tp_size, length, data_hash, generation, bool(flags & FLAG_GPU_HASH)))
-        for slot, ns, key, rank, tp_size, length, data_hash, generation, flags in zip(
-            slots[sealed & fits].tolist(), good["ns"].tolist(), good["key"].tolist(), good["rank"].tolist(),
-            good["tp_size"].tolist(), good["length"].tolist(), good["data_hash"].tolist(),
-            good["generation"].tolist(), good["flags"].tolist(), strict=True)
-    ]
-    return records_found, reasons
+    keep = sealed & fits
+    good = table[keep]
+    columns = (good[name].tolist() for name in ("ns", "key", "rank", "tp_size", "length", "data_hash", "generation"))
+    gpu_hashed = (good["flags"] & FLAG_GPU_HASH != 0).tolist()
+    found += zip((at[keep] + first_slot).tolist(), map(ShardRecord._make, zip(*columns, gpu_hashed)), strict=True)
 
 
 def newest_generation(records) -> int:
