@@ -199,10 +199,11 @@ def kept_namespace(namespaces: Namespaces, kept, known: dict | None = None) -> N
     KeptBlock), with its ranks' signatures as its first workers fixed them;
     raises when it is refused now (a worker of another layout may have
     registered while it waited for its chunk). `known`: the namespaces this
-    found for earlier blocks of one restore (which holds their KeptBlocks):
-    blocks of one namespace share their signatures' dict, so a chunk of them
-    is looked up and checked once, not once a block."""
-    mark = (kept.spec, kept.scope, id(kept.signatures))
+    found for earlier blocks of one restore (which holds their KeptBlocks, so
+    the ids stay theirs): blocks of one namespace share their spec and their
+    signatures' dict, so a chunk of them is looked up and checked once, not
+    once a block."""
+    mark = (id(kept.spec), kept.scope, id(kept.signatures))
     ns = known.get(mark) if known is not None else None
     if ns is None:
         ns = namespaces.of(kept.spec, kept.scope)

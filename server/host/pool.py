@@ -14,6 +14,7 @@ and, in the file's last page, a header that says how the file is laid out:
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import mmap
@@ -108,6 +109,7 @@ class HostPool:
         # yet (tiers/adoption.py): taken as their chunk comes up, not freed
         # (hold, let_go_held).
         self.held: dict[int, int] = {}
+        self._held_order: list[int] = []  # held's slots, sorted (add_online)
         if not adopt and self._file_size > _free_bytes(directory):
             what = "huge pages free (HugePages_Free in /proc/meminfo)" if self.huge_pages else "free"
             raise PoolError(
@@ -321,13 +323,19 @@ class HostPool:
         thread), but those `held` for kept blocks (tiers/warm.py), whose
         records stay."""
         self._chunk_up[self.chunk_of(first)] = 1
-        held = {slot: span for slot, span in self.held.items() if first <= slot < first + count}
+        # By the sorted slots: a large pool holds hundreds of thousands of kept runs, and a pass
+        # over all of them a chunk would hold the loop for a second.
+        order = self._held_order
+        held = {slot: self.held[slot] for slot in order[bisect.bisect_left(order, first) :
+                                                          bisect.bisect_left(order, first + count)]
+                if slot in self.held}
         self._clear_records(self.slots.add_online(first, count, held))
 
     def hold(self, runs: dict[int, int]) -> None:
         """Kept blocks' runs ({first slot: span}) to take, not free, as their chunks come up
         (keep_only and add_online count those up as waiting in the slots)."""
         self.held = dict(runs)
+        self._held_order = sorted(self.held)
 
     def let_go_held(self, slots) -> None:
         """Held slots whose blocks were adopted or discarded (the index

@@ -12,6 +12,7 @@ other record is discarded and counted, never served.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -36,11 +37,11 @@ class Candidate:
     dropped: bool = False
     settled: bool = False  # restored or discarded after its check
 
-    @property
+    @functools.cached_property
     def slots(self) -> list[int]:
         return [slot for slot, _ in self.shards]
 
-    @property
+    @functools.cached_property
     def lengths(self) -> tuple[int, ...]:
         return tuple(record.length for _, record in self.shards)
 

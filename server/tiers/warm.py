@@ -41,7 +41,7 @@ SEAL_BATCH_SECONDS = 0.002
 MAX_UNSEALED = 1 << 16
 # Kept blocks brought back in one go as their chunk comes up, between which
 # the loop answers calls: a few ms of work each.
-RESTORE_PART = 2048
+RESTORE_PART = 512
 
 
 def pick_pool_file(directory: str, prefix: str, slot_bytes: int, pool_bytes: int,
@@ -130,6 +130,7 @@ class WarmPool(Tier):
         self._adoption: Adoption | None = None
         self._finishing: Adoption | None = None  # its last checks under way, once none waits
         self._late: list[asyncio.Future] = []
+        self._restoring = asyncio.Lock()  # one late chunk's blocks back at a time
         self._closed = False
         # One thread: a batch at a time, so that hashing takes at most a
         # core and its memory bandwidth from the copies.
@@ -343,36 +344,44 @@ class WarmPool(Tier):
         except Exception:  # its blocks stay held, their records for the next daemon
             log.exception("checking kept blocks as the pool came up failed")
             return
-        if self._closed:
-            return  # held: the next daemon adopts them
+        # One chunk's blocks at a time: several chunks' parts in turn would
+        # each take the loop between two steps of a call.
+        async with self._restoring:
+            if self._closed:
+                return  # held: the next daemon adopts them
+            try:
+                done = await self._restore_late(up, checked)
+            except Exception:  # (the gathers that wait for this task would swallow it)
+                log.exception("bringing %d checked kept block(s) back as the pool came up failed: their slots "
+                              "stay taken until the next start", len(checked.blocks))
+                return
+            finally:
+                for candidate in up:
+                    candidate.settled = True
+            if done:
+                self.pool.let_go_held([slot for c in up for slot in c.slots])
+
+    async def _restore_late(self, up: list, checked: Checked) -> bool:
+        """The checked blocks back in parts, the loop free between them: a chunk
+        of a large pool holds hundreds of thousands of small blocks, and calls
+        would wait seconds. False when the daemon closed meanwhile (the rest
+        held: the next daemon adopts them)."""
         # Cleared during the check: clear() freed their slots already.
         gone = {slot for c in up if c.dropped for slot in c.slots}
-        failed = Checked(bad_slots=[slot for slot in checked.bad_slots if slot not in gone],
-                         discarded=checked.discarded)
-        # In parts, the loop free between them: a chunk of a large pool holds
-        # hundreds of thousands of small blocks, and calls would wait seconds.
-        # The newest part first: each goes in at the eviction order's old end.
+        self._restore(Checked(bad_slots=[slot for slot in checked.bad_slots if slot not in gone],
+                              discarded=checked.discarded), waited=True)
         blocks = checked.blocks
-        parts = [blocks[i : i + RESTORE_PART] for i in range(0, len(blocks), RESTORE_PART)][::-1]
-        try:
-            self._restore(failed, waited=True)
-            for part in parts:
-                part = [c for c in part if not c.dropped]  # cleared while the loop was free
-                self._restore(Checked(blocks=part), waited=True)
-                for candidate in part:
-                    candidate.settled = True
-                self.pool.let_go_held([slot for c in part for slot in c.slots])
-                await asyncio.sleep(0)
-                if self._closed:
-                    return  # the rest held: the next daemon adopts them
-        except Exception:  # (the gathers that wait for this task would swallow it)
-            log.exception("bringing %d checked kept block(s) back as the pool came up failed: their slots "
-                          "stay taken until the next start", len(checked.blocks))
-            return
-        finally:
-            for candidate in up:
+        # The newest part first: each goes in at the eviction order's old end.
+        for first in reversed(range(0, len(blocks), RESTORE_PART)):
+            part = [c for c in blocks[first : first + RESTORE_PART] if not c.dropped]  # cleared meanwhile
+            self._restore(Checked(blocks=part), waited=True)
+            for candidate in part:
                 candidate.settled = True
-        self.pool.let_go_held([slot for c in up for slot in c.slots])
+            self.pool.let_go_held([slot for c in part for slot in c.slots])
+            await asyncio.sleep(0)
+            if self._closed:
+                return False
+        return True
 
     def clear(self, ns) -> None:
         """Kept blocks of `ns` (every namespace's when None) still waiting for
