@@ -208,17 +208,19 @@ def main() -> int:
                 counters: dict[str, int] = {}
                 calls_ns: dict[str, int] = {}
                 calls: dict[str, int] = {}
-                order = [c for r in range(args.rounds) for c in (("conn", "plain") if r % 2 == 0 else ("plain", "conn"))]
+                order = [c for r in range(args.rounds)
+                         for c in (("conn", "plain") if r % 2 == 0 else ("plain", "conn"))]
                 for i, config in enumerate(order):
                     out = scratch / f"{config}-{n}-{i}.json"
-                    cmd = [sys.executable, __file__, "--engine", config, "--running", str(n), "--steps", str(args.steps),
-                           "--warmup", str(args.warmup), "--model", str(model), "--socket", daemon.socket,
-                           "--seed", str(n), "--connector", args.connector, "--connector-config", args.connector_config, "--out", str(out)]  # fmt: skip
+                    cmd = [sys.executable, __file__, "--engine", config, "--running", str(n),
+                           "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", str(model),
+                           "--socket", daemon.socket, "--seed", str(n), "--connector", args.connector,
+                           "--connector-config", args.connector_config, "--out", str(out)]
                     if args.calls:
                         cmd.append("--calls")
                     t0 = time.monotonic()
-                    proc = subprocess.run(cmd, env=vllm_env(scratch / f"vllm-{config}-{n}-{i}"), stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, text=True)  # fmt: skip
+                    proc = subprocess.run(cmd, env=vllm_env(scratch / f"vllm-{config}-{n}-{i}"),
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                     if proc.returncode != 0:
                         raise SystemExit(f"engine process ({config}, N={n}) failed:\n{proc.stderr[-4000:]}")
                     doc = json.loads(out.read_text())
@@ -253,15 +255,18 @@ def main() -> int:
 
     wall = time.monotonic() - started
     print(f"vLLM {vllm.__version__} (CPU), torch {torch.__version__}, Python {platform.python_version()}, "
-          f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}; `{' '.join([Path(sys.executable).name] + sys.argv)}`; "
+          f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}; "
+          f"`{' '.join([Path(sys.executable).name] + sys.argv)}`; "
           f"{args.rounds} engine processes per configuration and N; total {wall:.0f} s\n")  # fmt: skip
     print("| running | measured steps / config | sched p50 no conn (us) | sched p50 conn (us) | **p50 ratio** | "
-          "sched mean no conn | sched mean conn | **mean ratio** | sched p99 no conn / conn | hit tokens / loads / stores |")  # fmt: skip
+          "sched mean no conn | sched mean conn | **mean ratio** | sched p99 no conn / conn | "
+          "hit tokens / loads / stores |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         c, p, cc = r["conn"], r["plain"], r["connector_counters"]
         print(f"| {r['running']} | {r['steps']} | {p['p50_us']:.0f} | {c['p50_us']:.0f} | **{r['ratio_p50']:.3f}** | "
-              f"{p['mean_us']:.0f} | {c['mean_us']:.0f} | **{r['ratio_mean']:.3f}** | {p['p99_us']:.0f} / {c['p99_us']:.0f} | "
+              f"{p['mean_us']:.0f} | {c['mean_us']:.0f} | **{r['ratio_mean']:.3f}** | "
+              f"{p['p99_us']:.0f} / {c['p99_us']:.0f} | "
               f"{cc.get('hit_tokens', '-')} / {cc.get('loads', 0)} / {cc.get('stores', 0)} |")  # fmt: skip
     if args.calls:
         print("\nConnector methods the Scheduler called, µs per measured step (timers included):\n")

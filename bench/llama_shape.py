@@ -231,7 +231,7 @@ def selfcheck(device, dtype=torch.bfloat16, prompt: int = 40, strict: bool = Tru
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, s.vocab, (prompt + 1,), generator=generator).to(device) for _ in range(2)]
     ks, vs, expected = [], [], []
-    for i, tokens in enumerate(prompts):
+    for tokens in prompts:
         cache = [torch.zeros(2, num_blocks, s.block_size, s.kv_heads, s.head_dim, dtype=dtype, device=device)
                  for _ in range(s.layers)]
         blocks = torch.randperm(num_blocks, generator=generator)[: -(-prompt // s.block_size)].to(device)

@@ -241,7 +241,7 @@ def run(args) -> dict:
 
                 out = {}
 
-                def prefill():
+                def prefill(out=out, tokens=tokens, slots=slots):  # this iteration's, bound now
                     out["logits"] = model.prefill(tokens, cache, slots)
                     sync(device)
 
@@ -300,7 +300,8 @@ def run(args) -> dict:
         row["achieved_over_ceiling"] = row["achieved_ratio"] / row["ceiling_ratio"]
     return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (--tiny)",
                 torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                model="tiny" if args.tiny else "llama-3.1-8b shape", selfcheck_cosine=cosine, peak_h2d_gbps=peak, peak_h2d_runs_gbps=peaks,
+                model="tiny" if args.tiny else "llama-3.1-8b shape", selfcheck_cosine=cosine, peak_h2d_gbps=peak,
+                peak_h2d_runs_gbps=peaks,
                 copy_mode=os.environ.get("KVDEPOT_COPY_MODE", "dma"), rows=rows)
 
 
@@ -337,7 +338,8 @@ def plot(path: str, out: str) -> None:
     left.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="ms", title="Time to a prompt's KV cache")
     right.plot(tokens, [r["ceiling_ratio"] for r in rows], ":", color="gray", label="ceiling: prefill / (bytes / peak)")
     right.plot(tokens, [r["achieved_ratio"] for r in rows], "s-", label="achieved: prefill / load")
-    right.set(xscale="log", ylim=(0, None), xlabel="prompt tokens", ylabel="times faster than prefill", title="Load against prefill")
+    right.set(xscale="log", ylim=(0, None), xlabel="prompt tokens", ylabel="times faster than prefill",
+              title="Load against prefill")
     for ax in (left, right):
         ax.set_xticks(tokens, [f"{t // 1024}k" if t >= 1024 else str(t) for t in tokens])
         ax.minorticks_off()
@@ -359,7 +361,8 @@ def main() -> int:
     parser.add_argument("--pool-size", default=None, help="the daemon's pool (default 12GiB; --tiny 64MiB)")
     parser.add_argument("--pool-dir", default=None, help="the daemon's --pool-dir (default: a folder in /dev/shm)")
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, through the shared-memory transport")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny shapes on the CPU, through the shared-memory transport")
     parser.add_argument("--plot", metavar="JSON", help="only draw --out from a --json file of an earlier run")
     parser.add_argument("--out", default=str(REPO / "docs" / "prefill_vs_load.png"), help="--plot's picture")
     parser.add_argument("--loader", action="store_true", help=argparse.SUPPRESS)

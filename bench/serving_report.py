@@ -69,7 +69,8 @@ def by_turn(run: dict) -> list[dict]:
     rows = []
     for t in sorted(turns):
         ttft = [r["ttft_s"] * 1e3 for r in turns[t]]
-        rows.append({"turn": t, "n": len(ttft), "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in turns[t]),
+        rows.append({"turn": t, "n": len(ttft),
+                     "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in turns[t]),
                      "cached_tokens_mean": statistics.fmean(r["num_cached_tokens"] for r in turns[t]),
                      "p50_ms": pct(ttft, 0.5), "p90_ms": pct(ttft, 0.9),
                      "mean_ms": statistics.fmean(ttft)})  # fmt: skip
@@ -162,14 +163,15 @@ def print_tables(results: dict) -> None:
     print("\nSystem prompts, TTFT ms (p50 / p90):\n")
     print("| requests | " + " | ".join(LABELS[c] for c in CONFIGS) + " |")
     print("| --- " * (1 + len(CONFIGS)) + "|")
-    for g, label in (("first", "a system prompt's first request in the engine"), ("later", "a system prompt seen before")):
-        cells = " | ".join(f"{pct(results['system_split'][c][g], 0.5):.0f} / {pct(results['system_split'][c][g], 0.9):.0f}"
-                           for c in CONFIGS)  # fmt: skip
+    for g, label in (("first", "a system prompt's first request in the engine"),
+                     ("later", "a system prompt seen before")):
+        cells = " | ".join(f"{pct(results['system_split'][c][g], 0.5):.0f} / "
+                           f"{pct(results['system_split'][c][g], 0.9):.0f}" for c in CONFIGS)
         print(f"| {label} ({len(results['system_split']['plain'][g])}) | {cells} |")
     ret = results["summary"]["return"]
     print("\nEach conversation returns once more, with a new message (vLLM alone, and after the restart only):\n")
-    print("| requests | mean prompt tokens | vLLM alone: TTFT p50 / p90 (ms) | after the restart: TTFT p50 / p90 (ms) | "
-          "mean tokens not computed (plain / restart) |")  # fmt: skip
+    print("| requests | mean prompt tokens | vLLM alone: TTFT p50 / p90 (ms) | "
+          "after the restart: TTFT p50 / p90 (ms) | mean tokens not computed (plain / restart) |")
     print("| --- | --- | --- | --- | --- |")
     print(f"| {ret['plain']['requests']} | {ret['plain']['prompt_tokens'] / ret['plain']['requests']:.0f} | "
           f"{ret['plain']['ttft_p50_ms']:.0f} / {ret['plain']['ttft_p90_ms']:.0f} | "
