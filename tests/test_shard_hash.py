@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 import os
 
+import numpy as np
 import pytest
 
 from kvdepot.server.host import shard_hash
@@ -15,10 +16,10 @@ from kvdepot.server.host.shard_record import ShardRecord, data_hash, hash_of, pa
 
 @pytest.fixture
 def no_native():
-    saved = shard_hash._native
+    saved = shard_hash._native, shard_hash._native_many
     shard_hash.use_native(None)
     yield
-    shard_hash.use_native(saved)
+    shard_hash.use_native(*saved)
 
 
 def test_a_changed_word_swapped_blocks_and_another_length_change_the_hash(no_native):
@@ -51,7 +52,34 @@ def test_the_compiled_hash_is_the_definitions():
         fast = shard_hash.gpu_hash(view, length)
         shard_hash.use_native(None)
         assert fast == shard_hash.gpu_hash(view, length), length
-    shard_hash.use_native(lib.kvd_gpu_hash)
+    shard_hash.use_native(lib.kvd_gpu_hash, lib.kvd_gpu_hash_many)
+    view.release()
+    memory.close()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_shards_hashed_at_once_are_each_hashed_alone(compiled, no_native):
+    """Adoption hashes a part of the kept shards in one call: each hash is
+    that shard's own, whatever its length and place."""
+    if compiled:
+        binding = pytest.importorskip("kvdepot.server.native.binding")
+        try:
+            binding.load()  # sets the compiled functions, which the fixture then restores
+        except OSError as e:
+            pytest.skip(f"the native lane is not built ({e})")
+    memory = mmap.mmap(-1, 4 << 20)
+    memory[:] = os.urandom(4 << 20)
+    offsets = np.array([0, 4096, 1 << 20, (4 << 20) - 8, 24], dtype=np.uint64)
+    lengths = np.array([4096, 18432, 3 << 20, 8, 8], dtype=np.uint64)
+    hashes = shard_hash.gpu_hash_at(memory, offsets, lengths)
+    view = memoryview(memory)
+    for at, n, h in zip(offsets.tolist(), lengths.tolist(), hashes.tolist(), strict=True):
+        assert h == shard_hash.gpu_hash(bytes(view[at : at + n])), (at, n)
+    assert len(shard_hash.gpu_hash_at(memory, offsets[:0], lengths[:0])) == 0
+    for bad_offsets, bad_lengths in (([4 << 20], [8]), ([(4 << 20) - 8], [16]), ([0], [12])):
+        with pytest.raises(ValueError, match="outside the buffer|8-byte words"):
+            shard_hash.gpu_hash_at(memory, np.array(bad_offsets, dtype=np.uint64),
+                                   np.array(bad_lengths, dtype=np.uint64))
     view.release()
     memory.close()
 

@@ -22,9 +22,11 @@ import os
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from kvdepot.kept_pools import HEADER_BYTES, pack_header
 from kvdepot.keys import KEY_VERSION
-from kvdepot.server.host import numa
+from kvdepot.server.host import numa, shard_hash
 from kvdepot.server.host.bring_up import (
     POPULATE_CHUNK_BYTES,
     BringUp,
@@ -317,6 +319,11 @@ class HostPool:
     def slot_view(self, slot: int, length: int) -> memoryview:
         start = slot * self.slot_bytes
         return memoryview(self.buffer)[start : start + length]
+
+    def gpu_hashes(self, slots: list[int], lengths: list[int]) -> np.ndarray:
+        """shard_hash.gpu_hash of the first `lengths[i]` bytes of each run at `slots[i]`, at once."""
+        offsets = np.array(slots, dtype=np.uint64) * np.uint64(self.slot_bytes)
+        return shard_hash.gpu_hash_at(self.buffer, offsets, np.array(lengths, dtype=np.uint64))
 
     def add_online(self, first: int, count: int) -> None:
         """Slots [first, first + count) are up: free to hand out (the loop's

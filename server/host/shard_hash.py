@@ -60,12 +60,34 @@ def _mix_array(z: np.ndarray) -> np.ndarray:
 # A compiled version (the native lane's library registers it, use_native):
 # numpy's takes tens of milliseconds a 2 MiB shard.
 _native = None
+_native_many = None
 
 
-def use_native(function) -> None:
-    """`function(address, length) -> int` computes gpu_hash of memory at `address`."""
-    global _native
-    _native = function
+def use_native(function, many=None) -> None:
+    """`function(address, length) -> int` computes gpu_hash of memory at
+    `address`; `many(addresses, lengths, hashes, n)` that of `n` shards at
+    once, from and into uint64 arrays."""
+    global _native, _native_many
+    _native, _native_many = function, many
+
+
+def gpu_hash_at(base, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """uint64[n]: H of the `lengths[i]` bytes at `offsets[i]` of the writable
+    buffer `base`, in one compiled call where there is one (the GIL released
+    for all of them, not taken back a shard at a time)."""
+    raw = memoryview(base).cast("B")
+    offsets = np.asarray(offsets, dtype=np.uint64)
+    lengths = np.asarray(lengths, dtype=np.uint64)
+    if len(offsets) and (int((offsets + lengths).max()) > len(raw) or bool((lengths % 8).any())):
+        raise ValueError("a shard outside the buffer, or not of whole 8-byte words")
+    if _native_many is None or raw.readonly:
+        return np.array([gpu_hash(raw[o : o + n]) for o, n in zip(offsets.tolist(), lengths.tolist())],
+                        dtype=np.uint64)
+    hashes = np.zeros(len(offsets), dtype=np.uint64)
+    if len(offsets):
+        addresses = offsets + np.uint64(ctypes.addressof(ctypes.c_char.from_buffer(raw)))
+        _native_many(addresses.ctypes.data, lengths.ctypes.data, hashes.ctypes.data, len(offsets))
+    return hashes
 
 
 def gpu_hash(data, length: int | None = None) -> int:

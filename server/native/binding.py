@@ -165,6 +165,7 @@ _SIGNATURES = {
     "kvd_decode_frame": ([ctypes.c_char_p, ctypes.c_size_t], ctypes.c_char_p),
     "kvd_test_hold_copies": ([_P, ctypes.c_char_p], None),
     "kvd_gpu_hash": ([ctypes.c_void_p, ctypes.c_size_t], _U64),
+    "kvd_gpu_hash_many": ([_P, _P, _P, ctypes.c_size_t], None),
     "kvd_cuda_init": ([_P, ctypes.POINTER(CudaApi)], None),
     "kvd_cuda_has_device": ([_P, _INT], _INT),
     "kvd_cuda_device": ([_P, ctypes.POINTER(CudaDeviceConfig)], None),
@@ -185,7 +186,7 @@ def load(path: Path | None = None) -> ctypes.CDLL:
         function.restype = restype
     if lib.kvd_build_id().decode() != build.build_id():
         raise OSError(f"{path.name} was built from other sources")
-    shard_hash.use_native(lib.kvd_gpu_hash)  # records the GPU sealed, checked at adoption
+    shard_hash.use_native(lib.kvd_gpu_hash, lib.kvd_gpu_hash_many)  # records the GPU sealed, checked at adoption
     return lib
 
 

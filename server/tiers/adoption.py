@@ -63,6 +63,9 @@ class Adoption:
         # One set of hashing threads for every check, at start and as chunks come up.
         self._threads = threads or min(16, os.cpu_count() or 1)
         self._hashing = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="kvdepot-adopt")
+        # Late checks one at a time, in the order their chunks came up, each on every hashing
+        # thread: overlapping, each would end when the last did.
+        self.late_checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvdepot-check")
         self.waiting: list[Candidate] = []
         self.left = 0  # candidates still waiting, after take_up
         # The waiting candidates by each chunk not up yet that holds one of their shards.
@@ -128,6 +131,7 @@ class Adoption:
                                           [by_rank[r] for r in range(tp_size)], generation, digest))
 
     def close(self) -> None:
+        self.late_checks.shutdown(wait=True)
         self._hashing.shutdown(wait=True)
 
     def held_runs(self) -> dict[int, int]:
@@ -180,10 +184,21 @@ class Adoption:
         started = time.monotonic()
         result = Checked()
         shards = [shard for c in candidates for shard in c.shards]
-        view = self.pool.slot_view
+        pool = self.pool
 
         def hash_all(part: list[tuple[int, ShardRecord]]) -> list[int]:
-            return [hash_of(record, view(slot, record.length)) for slot, record in part]
+            # The GPU-sealed shards (the native lane's) in one call, any other one by one.
+            gpu = [i for i, (_, record) in enumerate(part) if record.gpu_hashed]
+            hashes = [0] * len(part)
+            if gpu:
+                at = pool.gpu_hashes([part[i][0] for i in gpu], [part[i][1].length for i in gpu])
+                for i, h in zip(gpu, at.tolist(), strict=True):
+                    hashes[i] = h
+            if len(gpu) < len(part):
+                for i, (slot, record) in enumerate(part):
+                    if not record.gpu_hashed:
+                        hashes[i] = hash_of(record, pool.slot_view(slot, record.length))
+            return hashes
 
         # A few parts a thread, not a task a shard: a future costs more than hashing a small shard.
         step = max(16, -(-len(shards) // (4 * self._threads)))

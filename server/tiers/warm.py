@@ -318,10 +318,11 @@ class WarmPool(Tier):
         adoption = self._adoption
         if adoption is None or self._closed:
             return
-        up = adoption.chunk_up(self.pool.chunk_of(first))
+        chunk = self.pool.chunk_of(first)
+        up = adoption.chunk_up(chunk)
         self._finish_if_none_waits(adoption)
         if up:
-            self._late.append(asyncio.ensure_future(self._adopt_late(adoption, up)))
+            self._late.append(asyncio.ensure_future(self._adopt_late(adoption, up, chunk)))
 
     def _finish_if_none_waits(self, adoption: Adoption) -> None:
         if adoption is self._adoption and not adoption.left:
@@ -338,9 +339,10 @@ class WarmPool(Tier):
             log.info("adopted %d block(s) (%d slots) from the kept pool, the last as their part of the pool came "
                      "up; shards discarded: %s", self.adopted_blocks, self.adopted_slots, self._discarded_text())
 
-    async def _adopt_late(self, adoption: Adoption, up: list) -> None:
+    async def _adopt_late(self, adoption: Adoption, up: list, chunk: int) -> None:
+        came_up = time.monotonic()
         try:
-            checked = await self._loop.run_in_executor(None, adoption.check, up)
+            checked = await self._loop.run_in_executor(adoption.late_checks, adoption.check, up)
         except Exception:  # its blocks stay held, their records for the next daemon
             log.exception("checking kept blocks as the pool came up failed")
             return
@@ -360,6 +362,8 @@ class WarmPool(Tier):
                     candidate.settled = True
             if done:
                 self.pool.let_go_held([slot for c in up for slot in c.slots])
+            log.debug("chunk %d: %d kept block(s) checked in %.3f s, back %.3f s after the chunk came up",
+                      chunk, len(up), checked.seconds, time.monotonic() - came_up)
 
     async def _restore_late(self, up: list, checked: Checked) -> bool:
         """The checked blocks back in parts, the loop free between them: a chunk

@@ -55,6 +55,13 @@ extern "C" {
 // host/shard_hash.py's hash on the CPU (checking records the GPU sealed, at adoption); no lane needed.
 KVD_API uint64_t kvd_gpu_hash(const uint8_t* data, size_t length) { return kvd::gpu_hash(data, length); }
 
+// The same of `n` shards at once, in one call: adoption's threads hash a part of the kept blocks
+// each, and a Python call a shard made them queue for the GIL between shards.
+KVD_API void kvd_gpu_hash_many(const uint64_t* addresses, const uint64_t* lengths, uint64_t* hashes, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    hashes[i] = kvd::gpu_hash(reinterpret_cast<const uint8_t*>(addresses[i]), lengths[i]);
+}
+
 // A source digest compiled in, so that Python can tell a stale build (build.py).
 KVD_API const char* kvd_build_id() { return KVD_BUILD_ID; }
 
