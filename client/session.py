@@ -19,6 +19,7 @@ import logging
 import os
 import random
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -31,9 +32,14 @@ from kvdepot.client.key_copy import EngineCopies, EngineHandle
 from kvdepot.client.rpc import open_channel, unary
 from kvdepot.client.workers import WorkerHandle
 from kvdepot.defaults import PROTOCOL_VERSION
-from kvdepot.errors import KVDepotError, Unavailable, UntrustedDaemon
+from kvdepot.errors import ComingUp, KVDepotError, Unavailable, UntrustedDaemon
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
+
+# How long a worker's registration asks again while the daemon says its
+# transport is still starting (seconds after a start, on a GPU host): past
+# this the daemon is stuck, and the caller hears of it.
+COMING_UP_PATIENCE = 120.0
 
 log = logging.getLogger("kvdepot.client")
 
@@ -144,7 +150,16 @@ class Session:
         staging_id = 0
         if handle.copier is not None:
             staging_id = connection.jobs.hand_over(handle.copier.staging.fd)
-        response = self.call(connection, "RegisterWorker", handle.request(connection.session_id, staging_id))
+        request = handle.request(connection.session_id, staging_id)
+        patience = time.monotonic() + COMING_UP_PATIENCE
+        while True:
+            try:
+                response = self.call(connection, "RegisterWorker", request)
+                break
+            except ComingUp:  # its transport still starts (a daemon that just started): asked again
+                if time.monotonic() > patience or self.closing.is_set():
+                    raise
+                time.sleep(0.1)
         handle.worker_id = response.worker_id
         handle.namespace_name = response.namespace_name
 

@@ -52,6 +52,18 @@ class Unavailable(KVDepotError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ComingUp(Unavailable):
+    """What the request needs is still starting (a GPU worker's CUDA transport,
+    for seconds after the daemon starts serving): the same request succeeds
+    later. On the wire: UNAVAILABLE, its details beginning with COMING_UP."""
+
+    def __init__(self, message: str = ""):
+        super().__init__(message if message.startswith(COMING_UP) else COMING_UP + message)
+
+
+COMING_UP = "coming up: "
+
+
 class Unauthenticated(KVDepotError):
     """A TCP connection without the daemon's auth token."""
 
@@ -96,6 +108,8 @@ def from_rpc_error(error: grpc.RpcError) -> KVDepotError:
 
 def from_status(code: grpc.StatusCode, details: str) -> KVDepotError:
     cls = _BY_CODE.get(code, KVDepotError)
+    if cls is Unavailable and (details or "").startswith(COMING_UP):
+        cls = ComingUp
     exc = cls(details or code.name)
     exc.code = code
     return exc

@@ -103,6 +103,9 @@ class KVDepotServicer:
 
     def RegisterWorker(self, request, context):
         """Worker side of an engine (one per rank): declares its KV-cache tensors.
+        A GPU worker's transport starts seconds after the daemon serves (it needs
+        torch): the call waits for it, and where the caller's deadline comes first
+        it fails with UNAVAILABLE whose details begin "coming up: " (ask again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

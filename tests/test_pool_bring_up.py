@@ -164,24 +164,24 @@ def test_stats_show_the_pool_up_and_blocks_over_many_chunks_come_back_after_a_re
             assert torch.equal(src.view(torch.int16), dst.view(torch.int16)), f"block {i} differs"
 
 
-class FailingCudart:
+class FailingPinning:
     """Pins the first `ok` registrations, then refuses (a locked-memory limit reached)."""
 
     def __init__(self, ok: int):
         self.ok, self.calls = ok, 0
 
-    def cudaHostRegister(self, ptr, length, flags):
+    def register(self, address, length):
         self.calls += 1
-        return 0 if self.calls <= self.ok else 2  # cudaErrorMemoryAllocation
+        return 0 if self.calls <= self.ok else 2  # CUDA_ERROR_OUT_OF_MEMORY
 
-    def cudaHostUnregister(self, ptr):
+    def unregister(self, address):
         return 0
 
 
 def test_a_chunk_that_cannot_be_pinned_stops_the_bring_up_and_says_why(tmp_path, monkeypatch):
     from kvdepot.server.host import pool as pool_module
 
-    monkeypatch.setattr(pool_module, "cuda_runtime", lambda pin: FailingCudart(ok=3))
+    monkeypatch.setattr(pool_module, "pinning", lambda pin: FailingPinning(ok=3))
     pool = HostPool(size=64 * CHUNK, slot_bytes=SLOT, directory=str(tmp_path), name="p", pin="on",
                     pin_chunk_bytes=CHUNK, threads=2)
     try:
@@ -194,7 +194,7 @@ def test_a_chunk_that_cannot_be_pinned_stops_the_bring_up_and_says_why(tmp_path,
         # Two more chunks pinned, then the refusal: the rest stay down (and the
         # daemon stops under --pin on: daemon/main.py), and stats say why.
         assert came == [(16, 16), (32, 16)]
-        assert "cudaHostRegister failed with CUDA error 2" in errors[0] == pool.bring_up_error
+        assert "(cuMemHostRegister) failed with CUDA error 2" in errors[0] == pool.bring_up_error
     finally:
         pool.close(discard=True)
 

@@ -18,6 +18,7 @@ import secrets
 import time
 
 from kvdepot.errors import (
+    ComingUp,
     FailedPrecondition,
     InvalidArgument,
     KVDepotError,
@@ -74,6 +75,9 @@ class Depot(JobPath):
         self.index = self._open_index(pool, tiers)
         # By the kind of handles their workers register with.
         self.transports: dict[str, Transport] = {}
+        # Kinds still coming up (CUDA's, after the daemon serves: daemon/main.py), and why one never did.
+        self._coming: dict[str, asyncio.Future] = {}
+        self._not_up: dict[str, str] = {}
         self.staging_budget = StagingBudget(limits)
         self.draining = False
         self._jobs_in_flight = 0
@@ -101,6 +105,33 @@ class Depot(JobPath):
 
     def add_transport(self, transport: Transport) -> None:
         self.transports[transport.handle_kind] = transport
+        self._arrived(transport.handle_kind)
+
+    def transport_coming(self, kind: str) -> None:
+        """A transport of `kind` is on its way up: its workers' registrations wait for it."""
+        self._coming[kind] = asyncio.get_running_loop().create_future()
+
+    def transport_failed(self, kind: str, why: str) -> None:
+        """The transport of `kind` never came up: its workers are refused, and told why."""
+        self._not_up[kind] = why
+        self._arrived(kind)
+
+    def _arrived(self, kind: str) -> None:
+        coming = self._coming.pop(kind, None)
+        if coming is not None and not coming.done():
+            coming.set_result(None)
+
+    async def transport_up(self, kind: str | None, within: float | None = None) -> None:
+        """Returns once the transport of `kind` is up (or never will be);
+        ComingUp if it is not within `within` seconds (a caller's deadline:
+        it is told to ask again rather than left to time out)."""
+        coming = self._coming.get(kind)
+        if coming is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(coming), within)
+        except TimeoutError:
+            raise ComingUp(f"the daemon's {kind} transport is still starting; ask again") from None
 
     def new_id(self) -> int:
         self._next_id += 1
@@ -213,7 +244,9 @@ class Depot(JobPath):
             raise InvalidArgument("all handles of a worker must be of one transport")
         transport = self.transports.get(spec.transport)
         if transport is None:
+            why = self._not_up.get(spec.transport)
             raise FailedPrecondition(
+                f"this daemon's {spec.transport} transport did not start: {why}" if why else
                 f"this daemon has no {spec.transport} transport (available: {', '.join(self.transports)})"
             )
         worker = Worker(self.new_id(), session, ns, spec.rank, spec.device, layout, transport)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import os
 import secrets
 import signal
 import sys
+import time
 
 import kvdepot
 from kvdepot.logsafe import EscapingFormatter
@@ -135,6 +137,8 @@ async def start(config: DaemonConfig, stack: contextlib.AsyncExitStack, stop: as
     max_queued_keys = config.limits.max_queued_notification_keys or max(1 << 19, 2 * pool.num_slots)
     health = await startup.open_grpc_server(stack, depot, tenants, address, credentials, job_path, max_queued_keys)
     startup.start_housekeeping(stack, depot)
+    if pool.pinned:
+        startup.start_task(stack, add_cuda_transport(depot, pool, config.copy))
     for sig in (signal.SIGTERM, signal.SIGINT):
         was = signal.getsignal(sig)
         loop.add_signal_handler(sig, stop.set)
@@ -187,7 +191,7 @@ def wire_depot(
     depot = Depot(*args) if lane is None else NativeDepot(lane, *args)
     stack.callback(depot.shutdown)
     tiers.recover()
-    add_transports(depot, pool, config.copy)
+    add_transports(depot, pool)
     metrics.attach(depot, asyncio.get_running_loop())
     # Scrapes end before the copies and the tiers do: they would read
     # transports being shut down, from a loop blocked on the tiers' threads.
@@ -242,26 +246,55 @@ def open_disk_tier(config: DaemonConfig, pool: HostPool, loop: asyncio.AbstractE
         raise
 
 
-def add_transports(depot: Depot, pool: HostPool, copy: Copy) -> None:
+# The proto's name for CUDA IPC handles (WorkerHandle.cuda_ipc): CudaTransport.handle_kind.
+CUDA_IPC = "cuda_ipc"
+
+
+def add_transports(depot: Depot, pool: HostPool) -> None:
+    """Shared memory now; CUDA's, if the pool is pinned, once the daemon serves (add_cuda_transport)."""
     native = isinstance(depot, NativeDepot)  # its lane copies: the transports set up and map
     depot.add_transport(SharedMemoryTransport(depot.finish_job, pool, depot.finish_jobs, threads=not native))
     if pool.pinned:
-        # Only a pinned pool can be copied to by the GPU; torch is loaded already.
-        from kvdepot.server.transports.cuda import CudaTransport
+        depot.transport_coming(CUDA_IPC)
 
-        depot.add_transport(
-            CudaTransport(
-                depot.finish_job,
-                pool,
-                mode=copy.mode,
-                staging_bytes=copy.staging_bytes,
-                spin_bytes=copy.spin_bytes,
-                chunk_bytes=copy.chunk_bytes,
-                programs=copy.programs,
-                finish_many=depot.finish_jobs,
-                native=native,
-            )
+
+def _import_cuda_transport():
+    """The CUDA transport's module, torch's CUDA state initialised (which
+    cudaHostRegister through torch used to do): off the loop, both take seconds."""
+    cuda = importlib.import_module("kvdepot.server.transports.cuda")
+    cuda.torch.cuda.init()
+    return cuda
+
+
+async def add_cuda_transport(depot: Depot, pool: HostPool, copy: Copy) -> None:
+    """The CUDA transport, after the daemon serves: it needs torch, whose import
+    takes seconds (the pool was pinned without it: host/cuda_driver.py).
+    Imported on a thread, so that calls are answered meanwhile; GPU workers'
+    registrations wait for it (Depot.transport_up)."""
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    try:
+        cuda = await loop.run_in_executor(None, _import_cuda_transport)
+        transport = cuda.CudaTransport(
+            depot.finish_job,
+            pool,
+            mode=copy.mode,
+            staging_bytes=copy.staging_bytes,
+            spin_bytes=copy.spin_bytes,
+            chunk_bytes=copy.chunk_bytes,
+            programs=copy.programs,
+            finish_many=depot.finish_jobs,
+            native=isinstance(depot, NativeDepot),
         )
+    except asyncio.CancelledError:
+        depot.transport_failed(CUDA_IPC, "the daemon is stopping")
+        raise
+    except Exception as e:
+        log.exception("the CUDA transport did not start: GPU workers are refused")
+        depot.transport_failed(CUDA_IPC, f"{type(e).__name__}: {e} (see the daemon's log)")
+        return
+    depot.add_transport(transport)
+    log.info("CUDA transport up %.2f s after the daemon began serving", time.monotonic() - started)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -341,7 +341,12 @@ async def set_not_serving(servicer) -> None:
 
 
 def start_housekeeping(stack: contextlib.AsyncExitStack, depot) -> None:
-    stack.push_async_callback(_cancel, asyncio.create_task(depot.housekeeping()))
+    start_task(stack, depot.housekeeping())
+
+
+def start_task(stack: contextlib.AsyncExitStack, coroutine) -> None:
+    """Runs `coroutine` beside the daemon; cancelled, if still running, on the way out."""
+    stack.push_async_callback(_cancel, asyncio.create_task(coroutine))
 
 
 def tcp_credentials(network: Network, target: str, tenants: Tenants) -> grpc.ServerCredentials | None:

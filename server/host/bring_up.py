@@ -27,15 +27,14 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvdepot.server.host.cuda_driver import DriverPinning, open_driver
+
 log = logging.getLogger("kvdepot.pool")
 
 # Faulted in this much at a time, by several threads.
 POPULATE_CHUNK_BYTES = 256 << 20
 # Chunks faulted in ahead of the one being registered.
 AHEAD = 2
-
-_HOST_REGISTER_PORTABLE = 1
-_HOST_REGISTER_MAPPED = 2
 
 # madvise(MADV_POPULATE_WRITE), Linux 5.14: faults in a range writable.
 _MADV_POPULATE_WRITE = 23
@@ -48,20 +47,16 @@ def amount(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
-def cuda_runtime(pin: str):
-    """CUDA's runtime to pin with, None when the pool is not pinned."""
+def pinning(pin: str) -> DriverPinning | None:
+    """CUDA's driver to pin with (host/cuda_driver.py), None when the pool is not pinned."""
     if pin == "off":
         return None
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
+    driver, why = open_driver()
+    if driver is None:
         if pin == "on":
-            raise PinError("--pin on needs CUDA, and this machine has none")
-        log.info("CUDA not available: the pool is not pinned")
-        return None
-    return torch.cuda.cudart()
+            raise PinError(f"--pin on needs CUDA, and this machine has none: {why}")
+        log.info("%s: the pool is not pinned", why)
+    return driver
 
 
 def interleaved(chunks: list[tuple[int, int]], ranges) -> list[int]:
@@ -84,13 +79,13 @@ class PinError(BringUpError):
 class BringUp:
     """Faults in and pins the byte ranges of one mapping (`base`)."""
 
-    def __init__(self, base: int, fd: int, directory: str, threads: int, piece: int, cudart=None,
-                 not_pinnable_hint: str = ""):
+    def __init__(self, base: int, fd: int, directory: str, threads: int, piece: int,
+                 pinning: DriverPinning | None = None, not_pinnable_hint: str = ""):
         self.base = base
         self._fd = fd  # for fallocate before Linux 5.14; closed by close()
         self.directory = directory
         self.piece = piece  # a multiple of the pool's page size
-        self.cudart = cudart  # None: nothing is pinned
+        self.pinning = pinning  # None: nothing is pinned
         self._hint = not_pinnable_hint
         self.registered: list[int] = []
         self.fault_seconds = 0.0
@@ -127,14 +122,13 @@ class BringUp:
         self.fault_seconds += time.monotonic() - started
 
     def register(self, offset: int, length: int) -> None:
-        if self.cudart is None:
+        if self.pinning is None:
             return
         started = time.monotonic()
-        # Portable: usable from every GPU's context; mapped: its host pointers
-        # are valid in kernels (UVA), which the copy kernel relies on.
-        rc = self.cudart.cudaHostRegister(self.base + offset, length, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
-        if int(rc) != 0:
-            raise PinError(f"cudaHostRegister failed with CUDA error {int(rc)}{self._hint}")
+        # Portable and mapped (cuda_driver.py): the copy kernel uses its host addresses.
+        rc = self.pinning.register(self.base + offset, length)
+        if rc:
+            raise PinError(f"pinning (cuMemHostRegister) failed with CUDA error {rc}{self._hint}")
         self.registered.append(self.base + offset)
         self.pin_seconds += time.monotonic() - started
 
@@ -149,6 +143,7 @@ class BringUp:
             for j in range(i, min(i + AHEAD + 1, len(chunks))):
                 if j not in faulting:
                     faulting[j] = self.fault(*chunks[j])
+            waited, pinned = self.fault_seconds, self.pin_seconds
             try:
                 self.wait(faulting.pop(i))
             except BaseException:
@@ -159,6 +154,8 @@ class BringUp:
             if self._stop.is_set():
                 return
             self.register(offset, length)
+            log.debug("chunk at %d MiB up: %.3f s waiting on its faults, %.3f s pinning", offset >> 20,
+                      self.fault_seconds - waited, self.pin_seconds - pinned)
             done(i)
 
     def start(self, chunks: list[tuple[int, int]], done: Callable[[int], None],
@@ -187,7 +184,7 @@ class BringUp:
 
     def unregister(self) -> None:
         for ptr in self.registered:
-            self.cudart.cudaHostUnregister(ptr)
+            self.pinning.unregister(ptr)
         self.registered = []
 
     def close(self) -> None:

@@ -33,8 +33,8 @@ from kvdepot.server.host.bring_up import (
     BringUpError,
     PinError,
     amount,
-    cuda_runtime,
     interleaved,
+    pinning,
 )
 from kvdepot.server.host.carving import NodeSlots
 from kvdepot.server.host.free_runs import FreeRuns
@@ -119,7 +119,7 @@ class HostPool:
                 f"({_free_bytes(directory) / 2**30:.2f} GiB {what})"
             )
         try:
-            cudart = cuda_runtime(pin)
+            pinner = pinning(pin)
         except PinError as e:
             raise PoolError(str(e)) from None
         # The daemon's user alone: the pool holds every tenant's KV, and a
@@ -136,7 +136,7 @@ class HostPool:
             self._place()
             page = self.huge_pages or mmap.PAGESIZE
             self._up = BringUp(self._base, os.dup(fd), directory, self._threads,
-                               max(1, POPULATE_CHUNK_BYTES // page) * page, cudart, _pin_hint(directory))
+                               max(1, POPULATE_CHUNK_BYTES // page) * page, pinner, _pin_hint(directory))
             # The records and the header: adoption reads them, seals write them.
             tail = self.size // page * page
             self._up.wait(self._up.fault(tail, self._file_size - tail))
@@ -194,11 +194,11 @@ class HostPool:
             if required:
                 raise PoolError(str(e)) from None
             log.warning("pinning the pool failed; continuing unpinned: %s", e)
-            self._up.cudart = None
+            self._up.pinning = None
             self._up.bring(wanted, lambda i: None)
         except BringUpError as e:
             raise PoolError(str(e)) from None
-        self.pinned = self._up.cudart is not None
+        self.pinned = self._up.pinning is not None
         self._chunk_up = bytearray(len(chunks))
         for i in first:
             self._chunk_up[i] = 1
@@ -384,7 +384,7 @@ class HostPool:
         self._up.close()  # its thread touches the mapping
         if not discard and not self.buffer.closed:
             self._write_header(kept_at=time.time())
-        if self._up.cudart is not None:
+        if self._up.pinning is not None:
             self._up.unregister()
         try:
             self.records.release()

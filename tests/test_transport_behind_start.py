@@ -1,0 +1,109 @@
+"""On a GPU host the CUDA transport comes up after the daemon serves (torch
+takes seconds to import; the pool is pinned without it). A worker that
+registers before then waits for it rather than being refused, everything
+else is answered meanwhile, and if the transport never comes up the worker
+is told why. Tried with the shared-memory transport held the same way
+(tests/daemon_with_late_transport.py), since CI has no GPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from kvcache import make_kv_cache, namespace, prompt_keys
+
+from kvdepot.errors import FailedPrecondition
+
+LAUNCHER = str(Path(__file__).with_name("daemon_with_late_transport.py"))
+
+
+def late_daemon(start_daemon, tmp_path, lane, fails=""):
+    gate = tmp_path / "transport-gate"
+    gate.touch()
+    env = {"KVDEPOT_TEST_TRANSPORT_GATE": str(gate), "KVDEPOT_LANE": lane}
+    if fails:
+        env["KVDEPOT_TEST_TRANSPORT_FAILS"] = fails
+    return start_daemon(launcher=LAUNCHER, env=env), gate
+
+
+def register_in_background(client, tensors, block_dim):
+    result = {}
+
+    def run():
+        try:
+            result["worker"] = client.register_worker(namespace("per_layer"), rank=0, tensors=tensors,
+                                                      block_dim=block_dim)
+        except Exception as e:  # the test looks at it
+            result["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+@pytest.mark.parametrize("lane", ["python", "native"])
+def test_a_worker_registering_before_its_transport_is_up_waits_for_it(start_daemon, client_factory, tmp_path, lane):
+    daemon, gate = late_daemon(start_daemon, tmp_path, lane)
+    client = client_factory(daemon, name="early")
+    tensors, block_dim = make_kv_cache("per_layer", 3)
+    thread, result = register_in_background(client, tensors, block_dim)
+    # Meanwhile the daemon answers (another client: one client's registrations go one at a time).
+    other = client_factory(daemon, name="meanwhile")
+    engine = other.register_engine(namespace("per_layer"))
+    keys = prompt_keys(8, prompt=1)
+    assert other.lookup(engine, keys).ready_blocks == 0
+    thread.join(1.0)
+    assert thread.is_alive() and not result, f"the registration did not wait: {result}"
+
+    gate.unlink()
+    thread.join(10)
+    assert not thread.is_alive() and "error" not in result, result
+    worker = result["worker"]
+    job = client.submit_store(worker, 1, keys, list(range(8)))
+    assert client.wait([job], 30)[job].ok
+    saved = [t[:, 0:8].clone() for t in tensors]
+    for t in tensors:
+        t[:, 0:8] = 0
+    job = client.submit_load(worker, 2, keys, list(range(8)))
+    assert client.wait([job], 30)[job].ok
+    for t, want in zip(tensors, saved, strict=True):
+        assert torch.equal(t[:, 0:8], want)
+    assert other.lookup(engine, keys).ready_blocks == 8
+
+
+def test_a_worker_asks_again_when_its_transport_outlasts_its_calls_deadline(start_daemon, client_factory, tmp_path):
+    """The daemon answers "coming up" before the caller's deadline (not a
+    timeout, which a client takes for a daemon gone), and the client asks
+    again until the transport is up."""
+    daemon, gate = late_daemon(start_daemon, tmp_path, "native")
+    client = client_factory(daemon, name="impatient", call_timeout=2.0)
+    tensors, block_dim = make_kv_cache("per_layer", 4)
+    thread, result = register_in_background(client, tensors, block_dim)
+    time.sleep(4.5)  # two of its calls' deadlines
+    assert thread.is_alive() and not result, f"the registration gave up or went on: {result}"
+    gate.unlink()
+    thread.join(10)
+    assert not thread.is_alive() and "error" not in result, result
+    keys = prompt_keys(4, prompt=5)
+    job = client.submit_store(result["worker"], 1, keys, list(range(4)))
+    assert client.wait([job], 30)[job].ok
+
+
+def test_a_transport_that_never_comes_up_refuses_its_workers_and_says_why(start_daemon, client_factory, tmp_path):
+    daemon, gate = late_daemon(start_daemon, tmp_path, "native", fails="CUDA's libraries did not load (a test)")
+    client = client_factory(daemon, name="early")
+    tensors, block_dim = make_kv_cache("per_layer", 3)
+    thread, result = register_in_background(client, tensors, block_dim)
+    thread.join(1.0)
+    assert thread.is_alive()
+    gate.unlink()
+    thread.join(10)
+    error = result.get("error")
+    assert isinstance(error, FailedPrecondition), result
+    assert "transport did not start: CUDA's libraries did not load (a test)" in str(error)
+    # The daemon goes on serving everything else.
+    engine = client_factory(daemon, name="after").register_engine(namespace("per_layer"))
+    assert engine.namespace_name
