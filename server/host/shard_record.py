@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import numpy as np
@@ -117,23 +118,66 @@ _MAGIC_WORD = int.from_bytes(MAGIC, "little")
 UNPACK_WINDOW = 1 << 20
 
 
+@dataclass(frozen=True)
+class Columns:
+    """Records that unpack, as columns (numpy arrays, one row a record): what
+    adoption reads a kept pool's hundreds of thousands of records as, making
+    a ShardRecord only of those it must handle one by one."""
+
+    slot: np.ndarray  # int64
+    ns: np.ndarray  # V16
+    key: np.ndarray  # V32
+    rank: np.ndarray
+    tp_size: np.ndarray
+    length: np.ndarray
+    data_hash: np.ndarray
+    generation: np.ndarray
+    gpu_hashed: np.ndarray  # bool
+
+    def __len__(self) -> int:
+        return len(self.slot)
+
+    def take(self, rows) -> Columns:
+        return Columns(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+    def records(self) -> list[tuple[int, ShardRecord]]:
+        """(slot, record) of each row."""
+        columns = (getattr(self, name).tolist() for name in _RECORD_COLUMNS)
+        return list(zip(self.slot.tolist(), map(ShardRecord._make, zip(*columns)), strict=True))
+
+    @classmethod
+    def joined(cls, parts: list[Columns]) -> Columns:
+        return cls(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)))
+
+
+# ShardRecord's fields, in its order.
+_RECORD_COLUMNS = ("ns", "key", "rank", "tp_size", "length", "data_hash", "generation", "gpu_hashed")
+
+
 def unpack_all(records) -> tuple[list[tuple[int, ShardRecord]], dict[str, int]]:
     """Every record in `records` (whole records, one after another; slot i's
     at i * RECORD_BYTES) as unpack reads one: the (slot, record) of those that
-    unpack, and how many did not, by reason ("empty" is not counted). The
-    checks run over a window of records at once (numpy), but each record's
-    own hash: what is left a record is that hash and the record's object."""
+    unpack, and how many did not, by reason ("empty" is not counted)."""
+    columns, reasons = unpack_columns(records)
+    return columns.records(), reasons
+
+
+def unpack_columns(records) -> tuple[Columns, dict[str, int]]:
+    """unpack_all's records as columns. The checks run over a window of
+    records at once (numpy), but each record's own hash."""
     view = memoryview(records).cast("B")
-    found: list[tuple[int, ShardRecord]] = []
+    parts: list[Columns] = []
     reasons: dict[str, int] = {}
     count = len(view) // RECORD_BYTES
     for first in range(0, count, UNPACK_WINDOW):
         last = min(count, first + UNPACK_WINDOW)
-        _unpack_window(view[first * RECORD_BYTES : last * RECORD_BYTES], first, found, reasons)
-    return found, reasons
+        parts.append(_unpack_window(view[first * RECORD_BYTES : last * RECORD_BYTES], first, reasons))
+    if not parts:
+        parts.append(_unpack_window(view[:0], 0, reasons))
+    return Columns.joined(parts), reasons
 
 
-def _unpack_window(view: memoryview, first_slot: int, found: list, reasons: dict[str, int]) -> None:
+def _unpack_window(view: memoryview, first_slot: int, reasons: dict[str, int]) -> Columns:
     words = np.frombuffer(view, dtype="<u8").reshape(-1, RECORD_BYTES // 8)
     at = np.flatnonzero(words.any(axis=1))  # most records of a pool are empty (a run's is at its first slot)
     table = np.frombuffer(view, dtype=_TABLE)[at]
@@ -157,9 +201,11 @@ def _unpack_window(view: memoryview, first_slot: int, found: list, reasons: dict
     discard("torn", sealed & ~fits)
     keep = sealed & fits
     good = table[keep]
-    columns = (good[name].tolist() for name in ("ns", "key", "rank", "tp_size", "length", "data_hash", "generation"))
-    gpu_hashed = (good["flags"] & FLAG_GPU_HASH != 0).tolist()
-    found += zip((at[keep] + first_slot).tolist(), map(ShardRecord._make, zip(*columns, gpu_hashed)), strict=True)
+    return Columns(
+        (at[keep] + first_slot).astype(np.int64), good["ns"].copy(), good["key"].copy(), good["rank"].copy(),
+        good["tp_size"].copy(), good["length"].copy(), good["data_hash"].copy(), good["generation"].copy(),
+        good["flags"] & FLAG_GPU_HASH != 0,
+    )
 
 
 def newest_generation(records) -> int:

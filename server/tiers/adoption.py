@@ -17,8 +17,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvdepot.server.host.pool import HostPool
-from kvdepot.server.host.shard_record import ShardRecord, hash_of, unpack_all
+from kvdepot.server.host.shard_record import ShardRecord, hash_of, unpack_columns
 from kvdepot.server.tiers.catalog import Catalog
 
 
@@ -66,15 +68,24 @@ class Adoption:
         # Late checks one at a time, in the order their chunks came up, each on every hashing
         # thread: overlapping, each would end when the last did.
         self.late_checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvdepot-check")
+        # Candidates of several shards (TP, or a key stored twice), as objects.
         self.waiting: list[Candidate] = []
+        # Blocks of one shard stored once, most of a pool, as columns until their chunk comes up
+        # (_candidates): an object each would cost a start seconds at hundreds of thousands.
+        self._singles = None  # shard_record.Columns
+        self._identities: dict[bytes, tuple] = {}
+        self._signatures: dict[bytes, dict] = {}
         self.left = 0  # candidates still waiting, after take_up
-        # The waiting candidates by each chunk not up yet that holds one of their shards.
+        # The waiting candidates by each chunk not up yet that holds one of their shards,
+        # and the single-shard ones' rows of _singles by their chunk.
         self._by_chunk: dict[int, list[Candidate]] = {}
+        self._singles_by_chunk: dict[int, np.ndarray] = {}
         self.discarded: dict[str, int] = {}
         self.generation = 0
 
     def _discard(self, into: dict[str, int], reason: str, count: int = 1) -> None:
-        into[reason] = into.get(reason, 0) + count
+        if count:
+            into[reason] = into.get(reason, 0) + count
 
     def find(self, warn) -> None:
         """Reads every record: the candidates wait, every other record is counted."""
@@ -82,23 +93,43 @@ class Adoption:
         if why:
             warn(f"{why}: the pool's blocks cannot be named and are discarded")
         pool, catalog = self.pool, self.catalog
-        found, reasons = unpack_all(pool.records)
+        columns, reasons = unpack_columns(pool.records)
         for reason, count in reasons.items():
             self._discard(self.discarded, reason, count)
-        known = {ns: catalog.identity(ns) for ns in {record.ns for _, record in found}}
-        largest = pool.largest_shard
+        digests, which = np.unique(columns.ns, return_inverse=True)
+        known = {ns: catalog.identity(ns) for ns in digests.tolist()}
+        identities = list(known.values())  # in the order of digests
+        torn = (columns.length == 0) | (columns.length > pool.largest_shard)
+        unknown = np.array([i is None for i in identities], dtype=bool)[which].reshape(-1) & ~torn
+        self._discard(self.discarded, "torn", int(torn.sum()))
+        self._discard(self.discarded, "unknown_namespace", int(unknown.sum()))
+        columns = columns.take(~(torn | unknown))
+        # A run must sit where the pool's extents put runs of its span.
+        spans = np.maximum(1, -(-columns.length.astype(np.int64) // pool.slot_bytes))
+        misplaced = pool.slots.fits(dict(zip(columns.slot.tolist(), spans.tolist(), strict=True)))
+        self._identities = {ns: identity for ns, identity in known.items() if identity is not None}
+        self._signatures = {ns: catalog.signatures(ns) for ns in self._identities}
+        # Most blocks are one rank's, stored once: those stay columns. A key's first 8 bytes with
+        # its namespace's tell them apart (keys are hashes); any other, or two alike, go one by one.
+        mark = columns.key.view(np.uint8).reshape(-1, 32)[:, :8].copy().view("<u8").reshape(-1)
+        mark ^= columns.ns.view(np.uint8).reshape(-1, 16)[:, :8].copy().view("<u8").reshape(-1)
+        _, first, counts = np.unique(mark, return_index=True, return_counts=True)
+        alone = np.zeros(len(columns), dtype=bool)
+        alone[first[counts == 1]] = True
+        one_rank = np.array([i is not None and i[6] == 1 for i in identities], dtype=bool)[which].reshape(-1)
+        alone &= (columns.tp_size == 1) & one_rank[~(torn | unknown)]
+        if misplaced:
+            alone &= ~np.isin(columns.slot, np.fromiter(misplaced, dtype=np.int64, count=len(misplaced)))
+        self._singles = columns.take(alone)
+        if len(self._singles):
+            self.generation = int(self._singles.generation.max())
+        self._group(columns.take(~alone).records(), misplaced)
+
+    def _group(self, found: list[tuple[int, ShardRecord]], misplaced: dict[int, str]) -> None:
+        """The records that are not a lone single-rank block's, grouped by key into candidates."""
         parts: dict[tuple[bytes, bytes], list[tuple[int, ShardRecord]]] = {}
         for slot, record in found:
-            if not 0 < record.length <= largest:
-                self._discard(self.discarded, "torn")
-            elif known[record.ns] is None:
-                self._discard(self.discarded, "unknown_namespace")
-            else:
-                parts.setdefault((record.ns, record.key), []).append((slot, record))
-        # A run must sit where the pool's extents put runs of its span.
-        span = pool.span
-        misplaced = pool.slots.fits({slot: span(r.length) for shards in parts.values() for slot, r in shards})
-        signatures = {ns: catalog.signatures(ns) for ns, identity in known.items() if identity is not None}
+            parts.setdefault((record.ns, record.key), []).append((slot, record))
         for (digest, key), shards in parts.items():
             if misplaced and any(slot in misplaced for slot, _ in shards):
                 bad = sum(slot in misplaced for slot, _ in shards)
@@ -106,13 +137,8 @@ class Adoption:
                 if len(shards) > bad:
                     self._discard(self.discarded, "incomplete", len(shards) - bad)
                 continue
-            identity = known[digest]
+            identity = self._identities[digest]
             tp_size = identity[6]
-            if len(shards) == 1 == tp_size == shards[0][1].tp_size:  # most blocks: one rank, stored once
-                generation = shards[0][1].generation
-                self.generation = max(self.generation, generation)
-                self.waiting.append(Candidate(identity, signatures[digest], key, shards, generation, digest))
-                continue
             by_rank: dict[int, tuple[int, ShardRecord]] = {}
             for slot, r in sorted(shards, key=lambda s: s[1].generation):
                 if r.tp_size == tp_size:
@@ -127,8 +153,16 @@ class Adoption:
                 continue
             generation = max(r.generation for _, r in by_rank.values())
             self.generation = max(self.generation, generation)
-            self.waiting.append(Candidate(identity, signatures[digest], key,
+            self.waiting.append(Candidate(identity, self._signatures[digest], key,
                                           [by_rank[r] for r in range(tp_size)], generation, digest))
+
+    def _candidates(self, rows: np.ndarray) -> list[Candidate]:
+        """Candidate objects of the single-shard blocks at `rows` of _singles."""
+        singles = self._singles.take(rows)
+        identities, signatures = self._identities, self._signatures
+        return [Candidate(identities[record.ns], signatures[record.ns], record.key, [(slot, record)],
+                          record.generation, record.ns)
+                for slot, record in singles.records()]
 
     def close(self) -> None:
         self.late_checks.shutdown(wait=True)
@@ -136,7 +170,12 @@ class Adoption:
 
     def held_runs(self) -> dict[int, int]:
         """The waiting candidates' runs, {first slot: span}."""
-        return {slot: self.pool.span(r.length) for c in self.waiting for slot, r in c.shards}
+        held = {slot: self.pool.span(r.length) for c in self.waiting for slot, r in c.shards}
+        if self._singles_by_chunk:
+            rows = np.concatenate(list(self._singles_by_chunk.values()))
+            spans = np.maximum(1, -(-self._singles.length[rows].astype(np.int64) // self.pool.slot_bytes))
+            held.update(zip(self._singles.slot[rows].tolist(), spans.tolist(), strict=True))
+        return held
 
     def runs(self, candidates) -> dict[int, int]:
         return {slot: self.pool.span(r.length) for c in candidates for slot, r in c.shards}
@@ -152,12 +191,34 @@ class Adoption:
             (waiting if chunks else up).append(candidate)
         # Kept until each is settled or dropped, also once being checked (drop looks here).
         self.waiting = waiting
-        self.left = len(waiting)
+        # A single shard's run lies in one chunk (chunks are whole runs of slots: host/pool.py).
+        chunks = self._singles.slot * self.pool.slot_bytes // self.pool.registration_bytes
+        order = np.argsort(chunks, kind="stable")
+        bounds = np.flatnonzero(np.diff(chunks[order])) + 1
+        for rows in np.split(order, bounds) if len(order) else ():
+            chunk = int(chunks[rows[0]])
+            if self.pool.is_online(int(self._singles.slot[rows[0]])):
+                up += self._candidates(rows)
+            else:
+                self._singles_by_chunk[chunk] = rows
+        self.left = len(waiting) + sum(len(rows) for rows in self._singles_by_chunk.values())
         return up
 
     def drop(self, digest: bytes | None) -> list[Candidate]:
         """The candidates of namespace `digest` (every one for None) still
         waiting or being checked: marked dropped, they never come back."""
+        for chunk, rows in list(self._singles_by_chunk.items()):
+            mine = np.ones(len(rows), dtype=bool) if digest is None else self._singles.ns[rows] == np.void(digest)
+            if mine.any():  # as objects, to be dropped with the others
+                gone = self._candidates(rows[mine])
+                for candidate in gone:
+                    candidate.missing = 1
+                self.waiting += gone
+                self._by_chunk.setdefault(chunk, []).extend(gone)
+                if mine.all():
+                    del self._singles_by_chunk[chunk]
+                else:
+                    self._singles_by_chunk[chunk] = rows[~mine]
         gone = [c for c in self.waiting if not c.settled and (digest is None or c.digest == digest)]
         for candidate in gone:
             candidate.dropped = True
@@ -175,6 +236,11 @@ class Adoption:
             candidate.missing -= 1
             if not candidate.missing:
                 up.append(candidate)
+        rows = self._singles_by_chunk.pop(chunk, None)
+        if rows is not None:
+            singles = self._candidates(rows)
+            self.waiting += singles  # until settled: a clear during their check must find them (drop)
+            up += singles
         self.left -= len(up)
         return up
 
