@@ -125,3 +125,30 @@ def test_a_tib_pool_of_64_kib_slots_is_freed_as_ranges_not_slots():
     free = runs.keep_only({1 << 14: 3})
     assert len(free) == 1024 and free[:2] == [(0, 1 << 14), ((1 << 14) + 3, (1 << 14) - 3)]
     assert sum(count for _, count in free) == runs.free == (1 << 24) - 3
+
+
+def reference_fits(runs: FreeRuns, kept: dict[int, int]) -> dict[int, str]:
+    """FreeRuns.fits as a loop over the runs, one by one, lowest slot first."""
+    refused, spans = {}, {}
+    for slot in sorted(kept):
+        span = kept[slot]
+        if not 0 <= slot < runs.num_slots or span < 1:
+            refused[slot] = "out_of_pool"
+            continue
+        e = runs.extent_of(slot)
+        offset = slot - runs._first[e]
+        if offset % span or offset + span > runs._count[e]:
+            refused[slot] = "misplaced"
+        elif spans.setdefault(e, span) != span:
+            refused[slot] = "misplaced"
+    return refused
+
+
+def test_kept_runs_of_any_kind_are_judged_as_one_by_one():
+    """fits judges a kept pool's runs at once (numpy): as the rule reads run by run."""
+    rng = random.Random(11)
+    for _ in range(300):
+        runs = FreeRuns(rng.choice([40, 64, 100]), chunk_slots=rng.choice([16, 32]), extent_slots=rng.choice([8, 16]))
+        kept = {rng.randrange(-3, runs.num_slots + 5): rng.choice([0, 1, 2, 3, 4, 5, 8, 20])
+                for _ in range(rng.randrange(0, 30))}
+        assert runs.fits(kept) == reference_fits(runs, kept), kept

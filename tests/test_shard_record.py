@@ -68,8 +68,23 @@ def test_every_kind_of_record_is_read_as_unpack_reads_it():
     assert reasons == {"format": 2, "torn": 4}
 
 
+@pytest.fixture(params=["compiled", "python"])
+def record_hashes(request, monkeypatch):
+    """Records' own hashes taken by the native lane's library (one call a window), or one by one."""
+    monkeypatch.setattr(shard_record, "_native_many", None)
+    if request.param == "compiled":
+        from kvdepot.server.native import binding
+
+        try:
+            lib = binding.load()
+        except OSError as e:
+            pytest.skip(f"the native lane is not built ({e})")
+        monkeypatch.setattr(shard_record, "_native_many", lib.kvd_data_hash_many)
+    return request.param
+
+
 @pytest.mark.parametrize("window", [shard_record.UNPACK_WINDOW, 7])  # and windows that split the pool oddly
-def test_a_pool_of_random_damage_is_read_as_unpack_reads_it(monkeypatch, window):
+def test_a_pool_of_random_damage_is_read_as_unpack_reads_it(monkeypatch, window, record_hashes):
     monkeypatch.setattr(shard_record, "UNPACK_WINDOW", window)
     rng = random.Random(28)
     kinds = []

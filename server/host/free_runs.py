@@ -25,6 +25,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from kvdepot.server.host.carving import carve
 
 
@@ -166,19 +168,27 @@ class FreeRuns:
         """Of the runs ({first slot: span}) a kept pool's records name, those
         that cannot be placed as they are, with why: out of the pool, not on
         a run boundary of its extent, or in an extent another span has (the
-        lowest run of an extent fixes its span)."""
-        refused, spans = {}, {}
-        for slot in sorted(runs):
-            span = runs[slot]
-            if not 0 <= slot < self.num_slots or span < 1:
-                refused[slot] = "out_of_pool"
-                continue
-            e = self.extent_of(slot)
-            offset = slot - self._first[e]
-            if offset % span or offset + span > self._count[e]:
-                refused[slot] = "misplaced"
-            elif spans.setdefault(e, span) != span:
-                refused[slot] = "misplaced"
+        lowest run of an extent fixes its span). With numpy: a kept pool
+        names hundreds of thousands."""
+        slots = np.fromiter(runs.keys(), dtype=np.int64, count=len(runs))
+        spans = np.fromiter(runs.values(), dtype=np.int64, count=len(runs))
+        order = np.argsort(slots, kind="stable")
+        slots, spans = slots[order], spans[order]
+        out = (slots < 0) | (slots >= self.num_slots) | (spans < 1)
+        firsts = np.asarray(self._first, dtype=np.int64)
+        extent = np.where(out, 0, np.searchsorted(firsts, slots, side="right") - 1)
+        offset = slots - firsts[extent]
+        counts = np.asarray(self._count, dtype=np.int64)
+        unaligned = ~out & ((offset % np.maximum(spans, 1) != 0) | (offset + spans > counts[extent]))
+        placed = np.flatnonzero(~out & ~unaligned)
+        # Sorted by slot, so each extent's first placed run is its lowest.
+        extents, lowest = np.unique(extent[placed], return_index=True)
+        fixed = np.zeros(len(firsts), dtype=np.int64)
+        fixed[extents] = spans[placed[lowest]]
+        other_span = np.zeros(len(slots), dtype=bool)
+        other_span[placed] = spans[placed] != fixed[extent[placed]]
+        refused = dict.fromkeys(slots[out].tolist(), "out_of_pool")
+        refused.update(dict.fromkeys(slots[unaligned | other_span].tolist(), "misplaced"))
         return refused
 
     # ------------------------------------------------------------ runs
