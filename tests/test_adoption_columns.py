@@ -56,6 +56,13 @@ def key(n: int, prefix: bytes = b"") -> bytes:
     return (prefix + n.to_bytes(4, "little") + os.urandom(32))[:32]
 
 
+def late(adoption: Adoption, chunk: int):
+    """Chunk `chunk` comes up, as tiers/warm.py handles it: (its candidates, their check)."""
+    every, checked = adoption.check_chunk(adoption.chunk_up(chunk), chunk)
+    adoption.settle_chunk(chunk, every)
+    return every, checked
+
+
 @pytest.fixture
 def kept(tmp_path):
     kept = KeptPool(tmp_path)
@@ -99,7 +106,7 @@ def test_every_kind_of_record_comes_back_or_is_counted_as_before(kept):
 
     discarded = {}
     for chunk in range(1, SLOTS // PER_CHUNK):
-        checked = adoption.check(adoption.chunk_up(chunk))
+        _, checked = late(adoption, chunk)
         blocks += checked.blocks
         for reason, n in checked.discarded.items():
             discarded[reason] = discarded.get(reason, 0) + n
@@ -132,8 +139,8 @@ def test_blocks_of_a_cleared_namespace_never_come_back_from_their_chunks(kept):
     gone = adoption.drop(np.void(a).tobytes())
     assert sorted(slot for c in gone for slot in c.slots) == [8, 9, 20, 50]
     assert all(c.dropped for c in gone) and adoption.left == 2
-    late = [c for chunk in range(1, SLOTS // PER_CHUNK) for c in adoption.check(adoption.chunk_up(chunk)).blocks]
-    assert {c.key for c in late} == {others[12], others[51]}
+    back = [c for chunk in range(1, SLOTS // PER_CHUNK) for c in late(adoption, chunk)[1].blocks]
+    assert {c.key for c in back} == {others[12], others[51]}
     assert adoption.left == 0
     adoption.close()
 
@@ -147,10 +154,20 @@ def test_a_clear_while_a_chunks_blocks_are_checked_finds_them(kept):
     adoption = Adoption(pool, kept.catalog, threads=2)
     adoption.find(pytest.fail)
     assert adoption.take_up() == []
-    being_checked = adoption.chunk_up(2)  # slots 8-11: their check is under way when the clear comes
-    assert sorted(c.slots[0] for c in being_checked) == [8, 9]
-    gone = adoption.drop(None)
+    assert adoption.chunk_up(2) == [] and adoption.checking(2)  # slots 8-11: their check under way
+    gone = adoption.drop(None)  # the clear comes before the check is back
     assert sorted(c.slots[0] for c in gone) == [8, 9, 20]
-    assert all(c.dropped for c in being_checked)  # so their late restore skips them (tiers/warm.py)
-    assert adoption.chunk_up(5) == [] and adoption.left == 0
+    every, checked = adoption.check_chunk([], 2)
+    adoption.settle_chunk(2, every)
+    assert sorted(c.slots[0] for c in every) == [8, 9]
+    assert all(c.dropped for c in every)  # so their late restore skips them (tiers/warm.py)
+    assert adoption.chunk_up(5) == [] and not adoption.checking(5) and adoption.left == 0
+    # A clear after the check is back, before the blocks are restored, finds them too.
+    kept_again = Adoption(pool, kept.catalog, threads=2)
+    kept_again.find(pytest.fail)
+    kept_again.take_up()
+    every, _ = late(kept_again, 2)
+    assert sorted(c.slots[0] for c in kept_again.drop(None) if c in every) == [8, 9]
+    assert all(c.dropped for c in every)
+    kept_again.close()
     adoption.close()

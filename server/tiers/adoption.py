@@ -38,6 +38,7 @@ class Candidate:
     # Cleared (kvdepot clear) while it waited: it never comes back.
     dropped: bool = False
     settled: bool = False  # restored or discarded after its check
+    row: int = -1  # its row of Adoption._singles, for a block of one shard
 
     @functools.cached_property
     def slots(self) -> list[int]:
@@ -80,6 +81,10 @@ class Adoption:
         # and the single-shard ones' rows of _singles by their chunk.
         self._by_chunk: dict[int, list[Candidate]] = {}
         self._singles_by_chunk: dict[int, np.ndarray] = {}
+        # Those of chunks that came up, until their check is back on the loop (settle_chunk),
+        # and which of _singles' rows a clear dropped meanwhile.
+        self._checking: dict[int, np.ndarray] = {}
+        self._dropped_rows = np.zeros(0, dtype=bool)
         self.discarded: dict[str, int] = {}
         self.generation = 0
 
@@ -161,8 +166,8 @@ class Adoption:
         singles = self._singles.take(rows)
         identities, signatures = self._identities, self._signatures
         return [Candidate(identities[record.ns], signatures[record.ns], record.key, [(slot, record)],
-                          record.generation, record.ns)
-                for slot, record in singles.records()]
+                          record.generation, record.ns, row=row)
+                for row, (slot, record) in zip(np.asarray(rows).tolist(), singles.records(), strict=True)]
 
     def close(self) -> None:
         self.late_checks.shutdown(wait=True)
@@ -191,6 +196,7 @@ class Adoption:
             (waiting if chunks else up).append(candidate)
         # Kept until each is settled or dropped, also once being checked (drop looks here).
         self.waiting = waiting
+        self._dropped_rows = np.zeros(len(self._singles), dtype=bool)
         # A single shard's run lies in one chunk (chunks are whole runs of slots: host/pool.py).
         chunks = self._singles.slot * self.pool.slot_bytes // self.pool.registration_bytes
         order = np.argsort(chunks, kind="stable")
@@ -219,7 +225,15 @@ class Adoption:
                     del self._singles_by_chunk[chunk]
                 else:
                     self._singles_by_chunk[chunk] = rows[~mine]
+        checked_gone = []
+        for rows in self._checking.values():  # their check is under way
+            mine = np.ones(len(rows), dtype=bool) if digest is None else self._singles.ns[rows] == np.void(digest)
+            mine &= ~self._dropped_rows[rows]
+            if mine.any():
+                self._dropped_rows[rows[mine]] = True
+                checked_gone += self._candidates(rows[mine])
         gone = [c for c in self.waiting if not c.settled and (digest is None or c.digest == digest)]
+        gone += checked_gone
         for candidate in gone:
             candidate.dropped = True
             if candidate.missing:
@@ -236,13 +250,33 @@ class Adoption:
             candidate.missing -= 1
             if not candidate.missing:
                 up.append(candidate)
-        rows = self._singles_by_chunk.pop(chunk, None)
-        if rows is not None:
-            singles = self._candidates(rows)
-            self.waiting += singles  # until settled: a clear during their check must find them (drop)
-            up += singles
         self.left -= len(up)
+        rows = self._singles_by_chunk.pop(chunk, None)
+        if rows is not None:  # made objects on the checking thread (check_chunk), not here on the loop
+            self._checking[chunk] = rows
+            self.left -= len(rows)
         return up
+
+    def checking(self, chunk: int) -> bool:
+        """Whether blocks of one shard of `chunk` are to be checked (check_chunk)."""
+        return chunk in self._checking
+
+    def check_chunk(self, up: list[Candidate], chunk: int) -> tuple[list[Candidate], Checked]:
+        """On a thread: `up` and the chunk's blocks of one shard, made candidates, and their check."""
+        rows = self._checking.get(chunk)
+        every = up + (self._candidates(rows) if rows is not None else [])
+        return every, self.check(every)
+
+    def settle_chunk(self, chunk: int, every: list[Candidate]) -> None:
+        """On the loop, once `chunk`'s check is back: those a clear dropped
+        meanwhile are marked, and the others wait (drop looks there) until
+        they are settled."""
+        if self._checking.pop(chunk, None) is None:
+            return
+        singles = [c for c in every if c.row >= 0]
+        for candidate in singles:
+            candidate.dropped = bool(self._dropped_rows[candidate.row])
+        self.waiting += [c for c in singles if not c.dropped]
 
     def check(self, candidates: list[Candidate]) -> Checked:
         """Hashes the candidates' shards on threads: those whose every shard

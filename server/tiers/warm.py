@@ -321,7 +321,7 @@ class WarmPool(Tier):
         chunk = self.pool.chunk_of(first)
         up = adoption.chunk_up(chunk)
         self._finish_if_none_waits(adoption)
-        if up:
+        if up or adoption.checking(chunk):
             self._late.append(asyncio.ensure_future(self._adopt_late(adoption, up, chunk)))
 
     def _finish_if_none_waits(self, adoption: Adoption) -> None:
@@ -342,10 +342,11 @@ class WarmPool(Tier):
     async def _adopt_late(self, adoption: Adoption, up: list, chunk: int) -> None:
         came_up = time.monotonic()
         try:
-            checked = await self._loop.run_in_executor(adoption.late_checks, adoption.check, up)
+            up, checked = await self._loop.run_in_executor(adoption.late_checks, adoption.check_chunk, up, chunk)
         except Exception:  # its blocks stay held, their records for the next daemon
             log.exception("checking kept blocks as the pool came up failed")
             return
+        adoption.settle_chunk(chunk, up)
         # One chunk's blocks at a time: several chunks' parts in turn would
         # each take the loop between two steps of a call.
         async with self._restoring:
