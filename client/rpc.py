@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvdepot.errors import COMING_UP, ComingUp, InvalidArgument, KVDepotError, Unavailable, from_status
+from kvdepot.errors import ComingUp, InvalidArgument, KVDepotError, Unavailable, from_status
 
 # Status codes that mean "the daemon is not there (any more)", not "your request is wrong".
 GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -14,13 +14,14 @@ GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.
 
 def typed_error(code: grpc.StatusCode, details: str | None) -> KVDepotError:
     """Unavailable when the daemon is gone or restarted, else the typed error for the status."""
-    if code == grpc.StatusCode.UNAVAILABLE and (details or "").startswith(COMING_UP):
-        return ComingUp(details)  # the daemon is there: what the call needs is still starting
+    typed = from_status(code, details or "")
+    if isinstance(typed, ComingUp):  # the daemon is there: what the call needs is still starting
+        return typed
     if code in GONE:
         return Unavailable(f"kvdepotd is not available: {details}")
     if code == grpc.StatusCode.NOT_FOUND and "unknown session" in (details or ""):
         return Unavailable("the daemon restarted; reconnecting")
-    return from_status(code, details or "")
+    return typed
 
 
 def unary(method, request, timeout: float, metadata):

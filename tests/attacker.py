@@ -33,10 +33,11 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvcache import namespace  # noqa: E402
+from raw_client import prove  # noqa: E402
+
 from kvdepot.defaults import PROTOCOL_VERSION  # noqa: E402
 from kvdepot.proto import kvdepot_pb2 as pb  # noqa: E402
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc  # noqa: E402
-from raw_client import prove  # noqa: E402
 
 LENGTH = struct.Struct("<I")
 
@@ -163,8 +164,9 @@ def forge(socket_path: str, text: str) -> None:
 
 
 def sparse(socket_path: str, count: int) -> None:
-    from kvdepot.client.job_socket import hand_over
     from raw_client import RawSession
+
+    from kvdepot.client.job_socket import hand_over
 
     session = RawSession(socket_path, name="sparse")
     taken, refusal = 0, None

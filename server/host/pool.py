@@ -288,6 +288,10 @@ class HostPool:
         """The slots a shard of `nbytes` takes."""
         return max(1, -(-nbytes // self.slot_bytes))
 
+    def spans(self, lengths: np.ndarray) -> np.ndarray:
+        """span of each of `lengths`, at once (int64)."""
+        return np.maximum(1, -(-lengths.astype(np.int64) // self.slot_bytes))
+
     @property
     def largest_shard(self) -> int:
         """The most bytes one shard may have: an extent's."""

@@ -110,7 +110,7 @@ class Adoption:
         self._discard(self.discarded, "unknown_namespace", int(unknown.sum()))
         columns = columns.take(~(torn | unknown))
         # A run must sit where the pool's extents put runs of its span.
-        spans = np.maximum(1, -(-columns.length.astype(np.int64) // pool.slot_bytes))
+        spans = pool.spans(columns.length)
         misplaced = pool.slots.fits(dict(zip(columns.slot.tolist(), spans.tolist(), strict=True)))
         self._identities = {ns: identity for ns, identity in known.items() if identity is not None}
         self._signatures = {ns: catalog.signatures(ns) for ns in self._identities}
@@ -178,7 +178,7 @@ class Adoption:
         held = {slot: self.pool.span(r.length) for c in self.waiting for slot, r in c.shards}
         if self._singles_by_chunk:
             rows = np.concatenate(list(self._singles_by_chunk.values()))
-            spans = np.maximum(1, -(-self._singles.length[rows].astype(np.int64) // self.pool.slot_bytes))
+            spans = self.pool.spans(self._singles.length[rows])
             held.update(zip(self._singles.slot[rows].tolist(), spans.tolist(), strict=True))
         return held
 
@@ -214,7 +214,7 @@ class Adoption:
         """The candidates of namespace `digest` (every one for None) still
         waiting or being checked: marked dropped, they never come back."""
         for chunk, rows in list(self._singles_by_chunk.items()):
-            mine = np.ones(len(rows), dtype=bool) if digest is None else self._singles.ns[rows] == np.void(digest)
+            mine = self._of_namespace(rows, digest)
             if mine.any():  # as objects, to be dropped with the others
                 gone = self._candidates(rows[mine])
                 for candidate in gone:
@@ -227,8 +227,7 @@ class Adoption:
                     self._singles_by_chunk[chunk] = rows[~mine]
         checked_gone = []
         for rows in self._checking.values():  # their check is under way
-            mine = np.ones(len(rows), dtype=bool) if digest is None else self._singles.ns[rows] == np.void(digest)
-            mine &= ~self._dropped_rows[rows]
+            mine = self._of_namespace(rows, digest) & ~self._dropped_rows[rows]
             if mine.any():
                 self._dropped_rows[rows[mine]] = True
                 checked_gone += self._candidates(rows[mine])
@@ -240,6 +239,12 @@ class Adoption:
                 self.left -= 1
         self.waiting = [c for c in self.waiting if not (c.settled or c.dropped)]
         return gone
+
+    def _of_namespace(self, rows: np.ndarray, digest: bytes | None) -> np.ndarray:
+        """Which of _singles' `rows` are namespace `digest`'s (all for None)."""
+        if digest is None:
+            return np.ones(len(rows), dtype=bool)
+        return self._singles.ns[rows] == np.void(digest)
 
     def chunk_up(self, chunk: int) -> list[Candidate]:
         """The waiting candidates that chunk `chunk` coming up completes."""
