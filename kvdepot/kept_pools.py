@@ -19,20 +19,31 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvdepot.pool_parts import Layout, parts_bytes, remove_parts
+
 HEADER_BYTES = 4096
 HEADER_MAGIC = b"KVDPOOL2"
 # magic, format, key version, slot bytes, slots, file size, kept at (unix
 # seconds; 0 while served); then the address and its lock's path, then their hash.
 HEADER = struct.Struct("<8sIIQQQd256s512s")
+# A pool of several files (pool_parts.py) adds how many, and its stripe's bytes;
+# one of one file keeps the header above, which earlier daemons read.
+PARTS_MAGIC = b"KVDPOOL3"
+PARTS_HEADER = struct.Struct("<8sIIQQQd256s512sQQ")
 HEADER_HASH = struct.Struct("<Q")
 POOL_PREFIX = "kvdepot-"
 POOL_SUFFIX = ".pool"
 
 
 def pack_header(fmt: int, key_version: int, slot_bytes: int, num_slots: int, file_size: int,
-                address: str, lock_path: str, kept_at: float) -> bytes:
-    fields = HEADER.pack(HEADER_MAGIC, fmt, key_version, slot_bytes, num_slots, file_size, kept_at,
-                         address.encode()[:256], lock_path.encode()[:512])
+                address: str, lock_path: str, kept_at: float, layout: Layout | None = None) -> bytes:
+    """The header of a pool of `file_size` bytes, in one file unless `layout` says otherwise."""
+    common = (fmt, key_version, slot_bytes, num_slots, file_size, kept_at, address.encode()[:256],
+              lock_path.encode()[:512])
+    if layout is None or layout.parts == 1:
+        fields = HEADER.pack(HEADER_MAGIC, *common)
+    else:
+        fields = PARTS_HEADER.pack(PARTS_MAGIC, *common, layout.parts, layout.stripe)
     return fields + HEADER_HASH.pack(xxhash.xxh3_64_intdigest(fields))
 
 
@@ -52,23 +63,27 @@ def read_header(path: str) -> tuple[dict | None, str]:
             return None, f"it belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:o}, not to this user alone"
         if st.st_size < HEADER_BYTES:
             return None, "it is too short to hold a header"
-        raw = os.pread(fd, HEADER.size + HEADER_HASH.size, st.st_size - HEADER_BYTES)
+        raw = os.pread(fd, PARTS_HEADER.size + HEADER_HASH.size, st.st_size - HEADER_BYTES)
     finally:
         os.close(fd)
-    if len(raw) < HEADER.size + HEADER_HASH.size:
-        return None, "it is too short to hold a header"
-    fields = raw[: HEADER.size]
-    magic, version, key_version, slot_bytes, num_slots, file_size, kept_at, address, lock = HEADER.unpack(fields)
-    if magic != HEADER_MAGIC:
+    shape = {HEADER_MAGIC: HEADER, PARTS_MAGIC: PARTS_HEADER}.get(raw[:8])
+    if shape is None:
         return None, "it has no header of this kvdepot's pool format (a pool of an older kvdepot, or not a pool)"
-    if HEADER_HASH.unpack_from(raw, HEADER.size)[0] != xxhash.xxh3_64_intdigest(fields):
+    if len(raw) < shape.size + HEADER_HASH.size:
+        return None, "it is too short to hold a header"
+    fields = raw[: shape.size]
+    if HEADER_HASH.unpack_from(raw, shape.size)[0] != xxhash.xxh3_64_intdigest(fields):
         return None, "its header is torn"
+    _, version, key_version, slot_bytes, num_slots, file_size, kept_at, address, lock, *parts = shape.unpack(fields)
+    layout = Layout(file_size, *parts) if parts else Layout(file_size)
+    if why := layout.why_not():
+        return None, f"its header names {why}"
     header = {"format": version, "key_version": key_version, "slot_bytes": slot_bytes, "num_slots": num_slots,
-              "file_size": file_size, "mtime": st.st_mtime, "kept_at": kept_at,
+              "file_size": file_size, "layout": layout, "mtime": st.st_mtime, "kept_at": kept_at,
               "address": address.rstrip(b"\0").decode(errors="replace"),
               "lock": lock.rstrip(b"\0").decode(errors="replace")}
-    if file_size != st.st_size:
-        return None, f"its header says {file_size} bytes but the file has {st.st_size}"
+    if layout.part_sizes()[0] != st.st_size:
+        return None, f"its header makes this file {layout.part_sizes()[0]} bytes but it has {st.st_size}"
     return header, ""
 
 
@@ -165,12 +180,13 @@ def kept_pools(directories, uid: int | None = None) -> list[KeptPool]:
                 continue
             seen.add((st.st_dev, st.st_ino))
             header, why = read_header(path)
+            held_bytes = st.st_blocks * 512 + parts_bytes(path)
             if header is None:
-                found.append(KeptPool(path, st.st_blocks * 512, "", st.st_mtime, False, why))
+                found.append(KeptPool(path, held_bytes, "", st.st_mtime, False, why))
                 continue
             live = served(header["lock"], held)
             since = header["kept_at"] or st.st_mtime
-            found.append(KeptPool(path, st.st_blocks * 512, header["address"], since, live))
+            found.append(KeptPool(path, held_bytes, header["address"], since, live))
     found.sort(key=lambda p: p.since)
     return found
 
@@ -200,8 +216,9 @@ def stale(
 
 
 def discard(pool_path: str) -> None:
-    """Removes a pool file and its namespace catalog; OSError if the pool cannot go."""
+    """Removes a pool's files and its namespace catalog; OSError if the pool cannot go."""
     os.unlink(pool_path)
+    remove_parts(pool_path)
     try:
         os.unlink(catalog_of(pool_path))
     except FileNotFoundError:

@@ -142,7 +142,7 @@ def start_daemon(tmp_path):
         # where a few hundred test pools would hold a GiB or more.
         for daemon in daemons:
             if not daemon.running:
-                for pool in daemon.folder.glob("*.pool"):
+                for pool in [*daemon.folder.glob("*.pool"), *daemon.folder.glob("*.pool.*")]:
                     pool.unlink(missing_ok=True)
 
 

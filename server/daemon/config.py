@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from kvdepot import defaults
 from kvdepot.defaults import default_socket_path
+from kvdepot.pool_parts import MAX_PARTS
 from kvdepot.server.core.limits import Limits
 from kvdepot.server.core.tenants import (
     TenantConfigError,
@@ -59,6 +60,7 @@ class Pool:
     pin_threads: int
     pin_chunk_bytes: int
     numa: str
+    files: int
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,8 @@ def _check(config: DaemonConfig) -> None:
         raise ConfigError(f"pool_size {pool.size} is smaller than one slot ({pool.slot_size} bytes)")
     if pool.pin_threads < 0:
         raise ConfigError("pin_threads must be 0 (automatic) or more")
+    if not 0 <= pool.files <= MAX_PARTS:
+        raise ConfigError(f"pool_files must be 0 (automatic) to {MAX_PARTS}")
     if pool.numa not in ("auto", "off"):
         try:
             parse_node_list(pool.numa)

@@ -163,6 +163,13 @@ OPTIONS = [
         kind=int,
     ),
     Option(
+        "pool_files", "pool", 0,
+        "Files the pool is kept in, striped (page faults into one tmpfs file queue on its locks, so a pool "
+        "of several comes up several times faster); 0 means 16 for a pool of 4 GiB or more, else one. "
+        "A pool on huge pages is one file. A kept pool is adopted with the files it has.",
+        kind=int, field="files",
+    ),
+    Option(
         "pin_chunk_bytes", "pool", "1GiB",
         "The pool is registered with CUDA in pieces of this size (rounded down to whole slots, at least "
         "one); one DMA copy never crosses two of them.",

@@ -228,6 +228,7 @@ def open_pool(
         address=address,
         lock_path=lock_path,
         placement=numa.placement(config.pool.numa),
+        files=config.pool.files,
     )
     # A pool this start made holds nothing until the daemon serves: if the
     # start fails it only takes memory (a tmpfs file), so it goes. A kept
@@ -235,8 +236,9 @@ def open_pool(
     stack.callback(lambda: pool.close(discard=not pool.adopted and not serving.is_set()))
     up = pool.online_slots * pool.slot_bytes
     log.info(
-        "pool ready in %.2f s: %d slots of %d bytes (%.2f GiB) at %s, %s; %s",
+        "pool ready in %.2f s: %d slots of %d bytes (%.2f GiB) at %s%s, %s; %s",
         time.monotonic() - started, pool.num_slots, pool.slot_bytes, pool.size / 2**30, pool.path,
+        f" and {pool.layout.parts - 1} more files beside it" if pool.layout.parts > 1 else "",
         "pinned" if pool.pinned else "not pinned",
         "all of it up" if up == pool.size else f"serving with {amount(up)} up, the rest coming up behind",
     )

@@ -8,10 +8,13 @@ first (the newest blocks' first), each chunk faulted in on several threads
 while the one before it is registered, and the depot takes each chunk's slots
 as it comes.
 
-Page faults of one tmpfs file run in parallel (fallocate would take the
-file's lock), and a pool that does not fit fails here with a clear error
-instead of SIGBUS on a later copy; populated page tables make the
-registration that follows several times faster. Registrations run on one
+Page faults run in parallel, each thread on a piece of one file; a pool
+kept in several files (kvdepot/pool_parts.py) faults in several times
+faster than one, whose faults queue on the file's locks. There each piece is
+allocated first (fallocate takes the file's lock, so a pool of one file only
+faults). A pool that does not fit fails here with a clear error instead of
+SIGBUS on a later copy; populated page tables make the registration that
+follows several times faster. Registrations run on one
 thread: the driver serialises them, and more threads only made them slower
 (docs/benchmarks.md).
 """
@@ -28,6 +31,7 @@ import time
 from collections.abc import Callable
 
 from kvdepot.server.host.cuda_driver import DriverPinning, open_driver
+from kvdepot.server.host.pool_map import PoolFiles
 
 log = logging.getLogger("kvdepot.pool")
 
@@ -40,6 +44,7 @@ AHEAD = 2
 _MADV_POPULATE_WRITE = 23
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_LIBC.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
 
 
 def amount(nbytes: int) -> str:
@@ -79,10 +84,13 @@ class PinError(BringUpError):
 class BringUp:
     """Faults in and pins the byte ranges of one mapping (`base`)."""
 
-    def __init__(self, base: int, fd: int, directory: str, threads: int, piece: int,
+    def __init__(self, files: PoolFiles, directory: str, threads: int, piece: int,
                  pinning: DriverPinning | None = None, not_pinnable_hint: str = ""):
-        self.base = base
-        self._fd = fd  # for fallocate before Linux 5.14; closed by close()
+        self.files = files
+        self.base = files.base
+        # Several files: each piece is allocated in its file first, which the
+        # file's lock then serialises with that file's pieces only.
+        self._allocate_first = files.layout.parts > 1
         self.directory = directory
         self.piece = piece  # a multiple of the pool's page size
         self.pinning = pinning  # None: nothing is pinned
@@ -97,23 +105,28 @@ class BringUp:
 
     # ------------------------------------------------------------ one range
 
-    def _populate(self, offset: int, length: int) -> None:
+    def _populate(self, offset: int, length: int, fd: int, file_offset: int) -> None:
+        if self._allocate_first and _LIBC.fallocate(fd, 0, file_offset, length):
+            code = ctypes.get_errno()
+            if code not in (errno.EOPNOTSUPP, errno.ENOSYS):  # ramfs: the faults allocate
+                raise self._no_room(code)
         if _LIBC.madvise(ctypes.c_void_p(self.base + offset), ctypes.c_size_t(length), _MADV_POPULATE_WRITE):
             code = ctypes.get_errno()
             if code == errno.EINVAL:  # kernels before 5.14
-                os.posix_fallocate(self._fd, offset, length)
+                os.posix_fallocate(fd, file_offset, length)
                 return
-            raise BringUpError(
-                f"could not allocate the pool in {self.directory} ({os.strerror(code)}): lower "
-                "--pool-size or set --pool-dir to a tmpfs with room"
-            )
+            raise self._no_room(code)
+
+    def _no_room(self, code: int) -> BringUpError:
+        return BringUpError(
+            f"could not allocate the pool in {self.directory} ({os.strerror(code)}): lower "
+            "--pool-size or set --pool-dir to a tmpfs with room"
+        )
 
     def fault(self, offset: int, length: int) -> list[concurrent.futures.Future]:
-        """Starts faulting in [offset, offset + length) on the threads."""
-        return [
-            self._executor.submit(self._populate, at, min(self.piece, offset + length - at))
-            for at in range(offset, offset + length, self.piece)
-        ]
+        """Starts faulting in [offset, offset + length) on the threads, a piece of one file each."""
+        return [self._executor.submit(self._populate, *piece)
+                for piece in self.files.pieces(offset, length, self.piece)]
 
     def wait(self, futures: list[concurrent.futures.Future]) -> None:
         started = time.monotonic()
@@ -189,6 +202,3 @@ class BringUp:
 
     def close(self) -> None:
         self.stop()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1

@@ -1,13 +1,15 @@
-"""The host pool: one shared-memory file, carved into fixed-size slots.
+"""The host pool: shared memory, carved into fixed-size slots.
 
 With CUDA the pool is registered as pinned memory so that the GPU copies to
 and from it by DMA. Faulting in and pinning hundreds of GB is slow, so the
 daemon serves once the first chunks are up and the rest follow
 (host/bring_up.py); a slot is handed out only once its chunk is up.
 
-The file outlives the daemon, so that the next one can adopt its blocks
-(tiers/warm.py). After the slots come one record per slot (host/shard_record.py)
-and, in the file's last page, a header that says how the file is laid out:
+The memory is a file in a tmpfs (or several, striped: kvdepot/pool_parts.py,
+mapped as one range by host/pool_map.py), which outlives the daemon, so that
+the next one can adopt its blocks (tiers/warm.py). After the slots come one
+record per slot (host/shard_record.py) and, in the last page, a header that
+says how the range is laid out:
 
     [slot 0 | slot 1 | ... | record 0 | record 1 | ... | padding | header]
 """
@@ -15,7 +17,6 @@ and, in the file's last page, a header that says how the file is laid out:
 from __future__ import annotations
 
 import bisect
-import ctypes
 import logging
 import mmap
 import os
@@ -24,8 +25,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvdepot.kept_pools import HEADER_BYTES, pack_header
+from kvdepot.kept_pools import HEADER_BYTES, pack_header, read_header
 from kvdepot.keys import KEY_VERSION
+from kvdepot.pool_parts import MAX_PARTS, Layout, striped
 from kvdepot.server.host import numa, shard_hash
 from kvdepot.server.host.bring_up import (
     POPULATE_CHUNK_BYTES,
@@ -38,8 +40,8 @@ from kvdepot.server.host.bring_up import (
 )
 from kvdepot.server.host.carving import NodeSlots
 from kvdepot.server.host.free_runs import FreeRuns
-from kvdepot.server.host.own_files import open_own
 from kvdepot.server.host.pool_folder import PoolError, _free_bytes, _pin_hint, huge_page_bytes, pool_file_bytes
+from kvdepot.server.host.pool_map import PoolFiles
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES, newest_generation
 
 log = logging.getLogger("kvdepot.pool")
@@ -53,6 +55,14 @@ _EMPTY_RECORD = bytes(RECORD_BYTES)
 # tens of MiB (bench/pool_capacity.py --simulate); at least 64 MiB (a 16th of
 # a smaller pool) so that big blocks fit a small pool, at most 1 GiB.
 EXTENT_BYTES = 1 << 30
+
+
+# A pool of this size or more is kept in this many files, striped by this
+# many bytes, by default: page faults into one tmpfs file queue on its locks
+# (kvdepot/pool_parts.py, docs/benchmarks.md).
+STRIPED_FROM = 4 << 30
+STRIPED_FILES = 16
+STRIPE_BYTES = 64 << 20
 
 
 def extent_bytes(pool_bytes: int) -> int:
@@ -75,12 +85,14 @@ class HostPool:
         address: str = "",
         lock_path: str = "",
         placement: numa.Placement | None = None,
+        files: int = 0,
     ):
         """A new pool file `name`.pool in `directory`; with `adopt`, the one
         already there (read_header must have accepted it for this layout).
         Its header names `address` and the `lock_path` its daemon holds, so
         that a kept pool shows whose it is and whether a daemon serves it.
-        With a `placement` of NUMA nodes, the slots are carved over them."""
+        With a `placement` of NUMA nodes, the slots are carved over them; a
+        new pool is kept in `files` files (_layout)."""
         self.address = address
         self.lock_path = lock_path
         self.slot_bytes = slot_bytes
@@ -122,20 +134,21 @@ class HostPool:
             pinner = pinning(pin)
         except PinError as e:
             raise PoolError(str(e)) from None
+        self.layout = self._layout(files, adopt)
         # The daemon's user alone: the pool holds every tenant's KV, and a
         # process that maps it could read or overwrite any of it.
-        # Checked again on the descriptor: a name in /dev/shm can change hands
+        # Checked again on the descriptors: a name in /dev/shm can change hands
         # between read_header and here.
-        fd = open_own(self.path, os.O_RDWR if adopt else os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
-            os.fchmod(fd, 0o600)  # whatever the umask
-            if not adopt:
-                os.ftruncate(fd, self._file_size)
-            self.buffer = mmap.mmap(fd, self._file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self._base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
+            self._files = PoolFiles(self.path, self.layout, create=not adopt)
+        except OSError as e:
+            raise PoolError(f"cannot {'open' if adopt else 'make'} the pool's files: {e}") from None
+        try:
+            self.buffer = self._files.buffer
+            self._base = self._files.base
             self._place()
             page = self.huge_pages or mmap.PAGESIZE
-            self._up = BringUp(self._base, os.dup(fd), directory, self._threads,
+            self._up = BringUp(self._files, directory, self._threads,
                                max(1, POPULATE_CHUNK_BYTES // page) * page, pinner, _pin_hint(directory))
             # The records and the header: adoption reads them, seals write them.
             tail = self.size // page * page
@@ -146,15 +159,31 @@ class HostPool:
         except BaseException:
             if hasattr(self, "_up"):
                 self._up.close()
-            os.close(fd)
-            if not adopt:
-                os.unlink(self.path)
+            self._files.close(remove=not adopt)
             raise
-        os.close(fd)
+
+    def _layout(self, files: int, adopt: bool) -> Layout:
+        """The files the pool is kept in: a kept pool's, from its header;
+        else `files` of them (0: STRIPED_FILES for a pool of STRIPED_FROM or
+        more), striped, but one on huge pages (their faults are few)."""
+        if adopt:
+            header, why = read_header(self.path)
+            if header is None or header["file_size"] != self._file_size:
+                raise PoolError(f"the kept pool {self.path} cannot be adopted: {why or 'its size changed'}")
+            return header["layout"]
+        if files < 0 or files > MAX_PARTS:
+            raise PoolError(f"pool_files must be 0 (automatic) to {MAX_PARTS}, not {files}")
+        if not files:
+            files = STRIPED_FILES if self._file_size >= STRIPED_FROM else 1
+        if self.huge_pages or files == 1:
+            return Layout(self._file_size)
+        page = mmap.PAGESIZE
+        stripe = min(STRIPE_BYTES, max(page, self._file_size // files // page * page))
+        return striped(self._file_size, files, stripe)
 
     def _write_header(self, kept_at: float) -> None:
         header = pack_header(FORMAT_VERSION, KEY_VERSION, self.slot_bytes, self.num_slots, self._file_size,
-                             self.address, self.lock_path, kept_at)
+                             self.address, self.lock_path, kept_at, self.layout)
         at = self._file_size - HEADER_BYTES
         self.buffer[at : at + len(header)] = header
 
@@ -397,8 +426,4 @@ class HostPool:
             # A view of the buffer is still alive (CUDA registration); the
             # mapping goes with the process.
             pass
-        if discard:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        self._files.close(remove=discard)

@@ -12,6 +12,7 @@ import os
 import stat
 
 from kvdepot.kept_pools import HEADER_BYTES
+from kvdepot.pool_parts import is_part_name
 from kvdepot.server.host.shard_record import RECORD_BYTES
 
 log = logging.getLogger("kvdepot.pool")
@@ -82,11 +83,12 @@ PINNABLE_FILESYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
 
 
 def own_pool_bytes(directory: str, prefix: str) -> int:
-    """Bytes of this user's pool files named `prefix`* in `directory`: an
-    earlier daemon's pool, which this one adopts or replaces."""
+    """Bytes of this user's pool files (and their later parts) named
+    `prefix`* in `directory`: an earlier daemon's pool, which this one adopts
+    or replaces."""
     total = 0
     for name in os.listdir(directory):
-        if name.startswith(prefix) and name.endswith(".pool"):
+        if name.startswith(prefix) and (name.endswith(".pool") or is_part_name(name)):
             try:
                 st = os.lstat(os.path.join(directory, name))
             except OSError:

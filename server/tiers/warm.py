@@ -21,6 +21,7 @@ import time
 
 from kvdepot.kept_pools import catalog_of as catalog_path
 from kvdepot.kept_pools import read_header
+from kvdepot.pool_parts import present_parts, why_parts_unusable
 from kvdepot.server.core.requests import NamespaceSpec
 from kvdepot.server.core.tiers import KeptBlock, Tier, TierStats
 from kvdepot.server.host.pool import HostPool
@@ -63,7 +64,8 @@ def pick_pool_file(directory: str, prefix: str, slot_bytes: int, pool_bytes: int
             page = huge_page_bytes(directory) or mmap.PAGESIZE
             kept_slot = header["slot_bytes"]
             num_slots = pool_bytes // kept_slot if kept_slot > 0 else 0
-            reason = _incompatible(header, num_slots, pool_file_bytes(num_slots, kept_slot, page))
+            reason = (_incompatible(header, num_slots, pool_file_bytes(num_slots, kept_slot, page))
+                      or why_parts_unusable(path, header["layout"]))
         if fresh and not reason:
             reason = "--fresh was given"
         if reason:
@@ -95,7 +97,7 @@ def _incompatible(header: dict, num_slots: int, file_bytes: int) -> str:
 
 def _remove(path: str, reason: str) -> None:
     log.warning("not adopting the pool %s: %s; removing it", path, reason)
-    for victim in (path, catalog_path(path)):
+    for victim in (path, catalog_path(path), *present_parts(path)):
         try:
             os.unlink(victim)
         except FileNotFoundError:
