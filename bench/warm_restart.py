@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO))
 from kvdepot.client import KVDepotClient  # noqa: E402
 from kvdepot.defaults import grpc_target  # noqa: E402
 from kvdepot.keys import KEY_VERSION  # noqa: E402
+from kvdepot.pool_parts import is_part_name  # noqa: E402
 from kvdepot.settings import parse_size  # noqa: E402
 
 HEAD_DIM, BLOCK_SIZE = 128, 16
@@ -282,7 +283,8 @@ def check_blocks(daemon: Daemon, keys: list[bytes], expected: torch.Tensor) -> i
 def remove_pools(directory: str, prefixes: list[str]) -> list[str]:
     gone = []
     for name in os.listdir(directory):
-        if any(name.startswith(p) for p in prefixes) and (name.endswith(".pool") or name.endswith(".namespaces.json")):
+        if any(name.startswith(p) for p in prefixes) and (name.endswith((".pool", ".namespaces.json"))
+                                                           or is_part_name(name)):
             os.unlink(os.path.join(directory, name))
             gone.append(name)
     return gone

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvdepot.pool_parts import Layout, parts_bytes, remove_parts
+from kvdepot.pool_parts import Layout, is_part_name, parts_bytes, remove_parts
 
 HEADER_BYTES = 4096
 HEADER_MAGIC = b"KVDPOOL2"
@@ -216,10 +216,35 @@ def stale(
 
 
 def discard(pool_path: str) -> None:
-    """Removes a pool's files and its namespace catalog; OSError if the pool cannot go."""
-    os.unlink(pool_path)
+    """Removes a pool's files and its namespace catalog; OSError if the pool cannot go.
+    The later files go first: cut short, what is left is a pool whose header
+    names files it lacks, which is never adopted and is removed as a pool."""
     remove_parts(pool_path)
+    os.unlink(pool_path)
     try:
         os.unlink(catalog_of(pool_path))
     except FileNotFoundError:
         pass
+
+
+def orphaned_parts(directories) -> list[str]:
+    """This user's later pool files (`x.pool.N`) whose first file (`x.pool`)
+    is gone: no header names them, so nothing adopts them, and they hold RAM.
+    A pool's first file is made before its others and removed after them."""
+    found = []
+    for directory in directories:
+        try:
+            names = set(os.listdir(directory))
+        except OSError:
+            continue
+        for name in sorted(names):
+            if not (name.startswith(POOL_PREFIX) and is_part_name(name)) or name.rsplit(".", 1)[0] in names:
+                continue
+            path = os.path.join(directory, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode):
+                found.append(path)
+    return found

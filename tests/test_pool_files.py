@@ -273,3 +273,20 @@ def test_a_later_file_another_uid_put_in_place_is_not_adopted_nor_written(
     assert client.lookup(engine, keys).ready_blocks == 0
     with open(second, "rb") as f:  # left as the other uid made it
         assert f.read(16) == b"attackerattacker"
+
+
+def test_files_of_a_pool_whose_first_file_is_gone_are_removed_at_the_next_start(start_daemon, tmp_path):
+    folder = tmp_path / "pools"
+    folder.mkdir()
+    # Left by a daemon cut short while it removed a pool, or by an older kvdepot that knew one file.
+    kept = HostPool(size=4 << 20, slot_bytes=SLOT_BYTES, directory=str(folder), name="kvdepot-gone-x", pin="off",
+                    files=4)
+    kept.close()
+    os.unlink(folder / "kvdepot-gone-x.pool")
+    # Not a pool's file: another program's name, and a file of this pool's name with no number.
+    (folder / "kvdepot-gone-x.pool.notes").write_text("keep")
+    (folder / "other.pool.1").write_text("keep")
+    daemon = start_daemon(pool_dir=str(folder))
+    assert "a file of a pool whose first file is gone" in daemon.log()
+    assert not list(folder.glob("kvdepot-gone-x.pool.[0-9]*"))
+    assert (folder / "kvdepot-gone-x.pool.notes").exists() and (folder / "other.pool.1").exists()

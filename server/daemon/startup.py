@@ -191,7 +191,16 @@ def discard_kept_pools(directories: list[str], own_prefix: str, lifecycle) -> No
     """Pools that daemons on other addresses kept and that no live daemon
     serves go once kept longer than the bound, and the oldest while all of
     them hold more RAM than the cap: each holds its size in RAM until then.
-    This address's own kept pool is pick_pool_file's to adopt or remove."""
+    This address's own kept pool is pick_pool_file's to adopt or remove.
+    Later files of a pool whose first file is gone go too."""
+    for path in kept_pools.orphaned_parts(directories):
+        try:
+            size = os.lstat(path).st_blocks * 512
+            os.unlink(path)
+        except OSError as e:
+            log.warning("cannot remove %s, a file of a pool whose first file is gone: %s", path, e.strerror)
+            continue
+        log.warning("removed %s (%.2f GiB), a file of a pool whose first file is gone", path, size / 2**30)
     pools = [p for p in kept_pools.kept_pools(directories) if not os.path.basename(p.path).startswith(own_prefix)]
     cap = lifecycle.kept_pools_max_bytes or kept_pools_default_cap()
     for pool, why in kept_pools.stale(pools, lifecycle.kept_pool_max_age, cap):

@@ -49,7 +49,7 @@ class PoolFiles:
             self.buffer = self._map()
         except BaseException:
             self.close()
-            _unlink(self.paths[: self._made])
+            _unlink(self.paths[: self._made][::-1])
             raise
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
 
@@ -87,8 +87,8 @@ class PoolFiles:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
-        if remove:
-            _unlink(self.paths)
+        if remove:  # the first file last, as kept_pools.discard
+            _unlink(self.paths[::-1])
 
 
 def _unlink(paths: list[str]) -> None:

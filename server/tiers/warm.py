@@ -97,7 +97,7 @@ def _incompatible(header: dict, num_slots: int, file_bytes: int) -> str:
 
 def _remove(path: str, reason: str) -> None:
     log.warning("not adopting the pool %s: %s; removing it", path, reason)
-    for victim in (path, catalog_path(path), *present_parts(path)):
+    for victim in (*present_parts(path), path, catalog_path(path)):  # as kept_pools.discard
         try:
             os.unlink(victim)
         except FileNotFoundError:
