@@ -19,17 +19,18 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvdepot.pool_parts import Layout, is_part_name, parts_bytes, remove_parts
+from kvdepot.pool_parts import MAX_PARTS, TOKEN_BYTES, Layout, first_file_name, is_part_name, parts_bytes, remove_parts
 
 HEADER_BYTES = 4096
 HEADER_MAGIC = b"KVDPOOL2"
 # magic, format, key version, slot bytes, slots, file size, kept at (unix
 # seconds; 0 while served); then the address and its lock's path, then their hash.
 HEADER = struct.Struct("<8sIIQQQd256s512s")
-# A pool of several files (pool_parts.py) adds how many, and its stripe's bytes;
-# one of one file keeps the header above, which earlier daemons read.
+# A pool of several files (pool_parts.py) adds how many, its stripe's bytes
+# and the tokens that end its later files' names; one of one file keeps the
+# header above, which earlier daemons read.
 PARTS_MAGIC = b"KVDPOOL3"
-PARTS_HEADER = struct.Struct("<8sIIQQQd256s512sQQ")
+PARTS_HEADER = struct.Struct(f"<8sIIQQQd256s512sQQ{(MAX_PARTS - 1) * TOKEN_BYTES}s")
 HEADER_HASH = struct.Struct("<Q")
 POOL_PREFIX = "kvdepot-"
 POOL_SUFFIX = ".pool"
@@ -43,7 +44,8 @@ def pack_header(fmt: int, key_version: int, slot_bytes: int, num_slots: int, fil
     if layout is None or layout.parts == 1:
         fields = HEADER.pack(HEADER_MAGIC, *common)
     else:
-        fields = PARTS_HEADER.pack(PARTS_MAGIC, *common, layout.parts, layout.stripe)
+        tokens = b"".join(bytes.fromhex(t) for t in layout.tokens)
+        fields = PARTS_HEADER.pack(PARTS_MAGIC, *common, layout.parts, layout.stripe, tokens)
     return fields + HEADER_HASH.pack(xxhash.xxh3_64_intdigest(fields))
 
 
@@ -75,7 +77,12 @@ def read_header(path: str) -> tuple[dict | None, str]:
     if HEADER_HASH.unpack_from(raw, shape.size)[0] != xxhash.xxh3_64_intdigest(fields):
         return None, "its header is torn"
     _, version, key_version, slot_bytes, num_slots, file_size, kept_at, address, lock, *parts = shape.unpack(fields)
-    layout = Layout(file_size, *parts) if parts else Layout(file_size)
+    layout = Layout(file_size)
+    if parts:
+        count, stripe, tokens = parts
+        names = [tokens[i : i + TOKEN_BYTES].hex() for i in range(0, min(count - 1, MAX_PARTS) * TOKEN_BYTES,
+                                                                    TOKEN_BYTES)]
+        layout = Layout(file_size, count, stripe, tuple(names))
     if why := layout.why_not():
         return None, f"its header names {why}"
     header = {"format": version, "key_version": key_version, "slot_bytes": slot_bytes, "num_slots": num_slots,
@@ -238,7 +245,7 @@ def orphaned_parts(directories) -> list[str]:
         except OSError:
             continue
         for name in sorted(names):
-            if not (name.startswith(POOL_PREFIX) and is_part_name(name)) or name.rsplit(".", 1)[0] in names:
+            if not (name.startswith(POOL_PREFIX) and is_part_name(name)) or first_file_name(name) in names:
                 continue
             path = os.path.join(directory, name)
             try:

@@ -10,29 +10,37 @@ is then that file's last page, where `read_header` looks, and a pool of one
 file is the file itself, laid out as before pools had several.
 
     range:  | s0 | s1 | s2 | s3 | s4 |        (parts = 2)
-    name.pool    = s0 s2 s4     name.pool.1 = s1 s3
+    name.pool    = s0 s2 s4     name.pool.1.TOKEN = s1 s3
+
+Each later file's name ends in a random token of its own, which the header
+keeps: in a folder others can write, one who sees a pool's first file appear
+cannot take the names of the others first and so stop the daemon's start.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import stat
 from dataclasses import dataclass
 
 # Most files a pool may have (more than this in a header: not a pool of ours).
 MAX_PARTS = 64
-_PART_NAME = re.compile(r"\.pool\.([1-9][0-9]{0,2})$")
+TOKEN_BYTES = 8
+_PART_NAME = re.compile(r"\.pool\.[1-9][0-9]?\.[0-9a-f]{16}$")
 
 
 @dataclass(frozen=True)
 class Layout:
     """`size` bytes (a whole number of pages) in `parts` files, striped by
-    `stripe` bytes (0 when there is one file)."""
+    `stripe` bytes (0 when there is one file); `tokens` end the later files'
+    names (16 hex digits each)."""
 
     size: int
     parts: int = 1
     stripe: int = 0
+    tokens: tuple[str, ...] = ()
 
     def why_not(self, page: int = 4096) -> str:
         """Why these numbers are no layout ('' when they are one). A header's
@@ -47,6 +55,8 @@ class Layout:
             return f"stripes of {self.stripe} bytes, not a whole number of {page}-byte pages"
         if self.stripes < self.parts:
             return f"{self.stripes} stripes over {self.parts} files"
+        if len(self.tokens) != self.parts - 1 or not all(re.fullmatch("[0-9a-f]{16}", t) for t in self.tokens):
+            return f"names for {len(self.tokens)} later files of {self.parts}"
         return ""
 
     @property
@@ -89,19 +99,27 @@ class Layout:
 
 
 def striped(size: int, files: int, stripe: int) -> Layout:
-    """`files` files (at most one per stripe) of `stripe` bytes; one file when that leaves one."""
+    """`files` files (at most one per stripe) of `stripe` bytes, named anew;
+    one file when that leaves one."""
     files = min(files, -(-size // stripe), MAX_PARTS)
-    return Layout(size, files, stripe) if files > 1 else Layout(size)
+    if files < 2:
+        return Layout(size)
+    return Layout(size, files, stripe, tuple(secrets.token_hex(TOKEN_BYTES) for _ in range(files - 1)))
 
 
-def part_path(pool_path: str, part: int) -> str:
+def part_path(pool_path: str, layout: Layout, part: int) -> str:
     """The file holding `part` of the pool named `pool_path` (the first is that name)."""
-    return pool_path if part == 0 else f"{pool_path}.{part}"
+    return pool_path if part == 0 else f"{pool_path}.{part}.{layout.tokens[part - 1]}"
 
 
 def is_part_name(name: str) -> bool:
-    """Whether `name` is a pool's second or later file (`x.pool.N`)."""
+    """Whether `name` is a pool's second or later file (`x.pool.N.TOKEN`)."""
     return bool(_PART_NAME.search(name))
+
+
+def first_file_name(part_name: str) -> str:
+    """The name of the first file of the pool whose later file is `part_name`."""
+    return part_name[: part_name.rindex(".pool.") + len(".pool")]
 
 
 def present_parts(pool_path: str) -> list[str]:
@@ -141,7 +159,7 @@ def why_parts_unusable(pool_path: str, layout: Layout) -> str:
     user's alone, with one name and its size)."""
     sizes = layout.part_sizes()
     for part in range(1, layout.parts):
-        path = part_path(pool_path, part)
+        path = part_path(pool_path, layout, part)
         try:
             st = os.lstat(path)
         except OSError as e:

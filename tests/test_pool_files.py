@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ def pool_range(path: Path) -> bytearray:
     layout = header["layout"]
     data = bytearray(layout.size)
     for offset, length, part, file_offset in layout.pieces():
-        with open(part_path(str(path), part), "rb") as f:
+        with open(part_path(str(path), layout, part), "rb") as f:
             f.seek(file_offset)
             data[offset : offset + length] = f.read(length)
     return data
@@ -46,7 +47,7 @@ def file_and_offset(path: Path, offset: int) -> tuple[str, int]:
     """The file, and the offset in it, holding byte `offset` of the pool's range."""
     header, _ = kept_pools.read_header(str(path))
     [(_, _, part, file_offset)] = header["layout"].pieces(offset, 1)
-    return part_path(str(path), part), file_offset
+    return part_path(str(path), header["layout"], part), file_offset
 
 
 def slot_of(data: bytes, key: bytes) -> int:
@@ -102,6 +103,8 @@ def test_each_byte_of_the_range_is_in_one_place_and_the_last_page_ends_the_first
     (Layout(3 << 20, 1, 1 << 20), "a stripe with one file"),
     (Layout(1000), "not a whole number"),
     (Layout(-PAGE, 2, PAGE), "not a whole number"),
+    (Layout(3 << 20, 2, 1 << 20), "names for 0 later files of 2"),
+    (Layout(3 << 20, 2, 1 << 20, ("../../etc/passwd",)), "names for 1 later files of 2"),
 ])
 def test_a_layout_that_cannot_be_is_named_before_any_arithmetic(layout, why):
     assert why in layout.why_not()
@@ -115,7 +118,10 @@ def test_a_pool_in_four_files_keeps_its_bytes_across_a_close_and_adoption(tmp_pa
                     files=4, address="unix:/x.sock")
     assert pool.layout.parts == 4
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["kvdepot-t.pool", "kvdepot-t.pool.1", "kvdepot-t.pool.2", "kvdepot-t.pool.3"]
+    assert names[0] == "kvdepot-t.pool" and len(names) == 4
+    # Each later file's name ends in a token of its own: seeing one names none of the others.
+    assert all(re.fullmatch(rf"kvdepot-t\.pool\.{k}\.[0-9a-f]{{16}}", n) for k, n in enumerate(names[1:], 1))
+    assert len({n.rsplit(".", 1)[1] for n in names[1:]}) == 3
     assert all((tmp_path / n).stat().st_mode & 0o777 == 0o600 for n in names)
     rng = random.Random(1)
     written = {slot: rng.randbytes(SLOT_BYTES) for slot in rng.sample(range(pool.num_slots), 40)}
@@ -196,7 +202,8 @@ def test_a_later_file_not_this_users_alone_is_never_adopted(start_daemon, client
     store(client, worker, keys)
     assert daemon.stop() == 0
     [pool] = daemon.folder.glob("*.pool")
-    second = Path(part_path(str(pool), 2))
+    layout = kept_pools.read_header(str(pool))[0]["layout"]
+    second = Path(part_path(str(pool), layout, 2))
     planted = tmp_path / "planted"
     planted.write_bytes(second.read_bytes())
     # Another process changes the kept pool's third file behind the daemon's back.
@@ -214,14 +221,15 @@ def test_a_later_file_not_this_users_alone_is_never_adopted(start_daemon, client
     assert client.lookup(engine, keys).ready_blocks == 0
     assert planted.read_bytes() == before  # never written through the link
     new = list(daemon.folder.glob("*.pool"))
-    assert len(new) == 1 and new[0] != pool and not Path(part_path(str(pool), 1)).exists()
+    assert len(new) == 1 and new[0] != pool and not Path(part_path(str(pool), layout, 1)).exists()
 
 
 def test_the_operators_command_counts_and_discards_every_file_of_a_kept_pool(start_daemon):
     daemon = start_daemon(pool_files=4)
     assert daemon.stop() == 0
     [pool] = daemon.folder.glob("*.pool")
-    files = [Path(part_path(str(pool), k)) for k in range(4)]
+    layout = kept_pools.read_header(str(pool))[0]["layout"]
+    files = [Path(part_path(str(pool), layout, k)) for k in range(4)]
     held = sum(f.stat().st_blocks * 512 for f in files)
 
     def cli(*args):
@@ -261,7 +269,7 @@ def test_a_later_file_another_uid_put_in_place_is_not_adopted_nor_written(
     store(client, worker, keys)
     assert daemon.stop() == 0
     [pool] = folder.glob("*.pool")
-    second = part_path(str(pool), 1)
+    second = part_path(str(pool), kept_pools.read_header(str(pool))[0]["layout"], 1)
     size = os.path.getsize(second)
     swap = (f"import os; os.unlink({second!r}); fd = os.open({second!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY, "
             f"0o600); os.ftruncate(fd, {size}); os.pwrite(fd, b'attacker' * 512, 0); os.close(fd)")
@@ -289,4 +297,5 @@ def test_files_of_a_pool_whose_first_file_is_gone_are_removed_at_the_next_start(
     daemon = start_daemon(pool_dir=str(folder))
     assert "a file of a pool whose first file is gone" in daemon.log()
     assert not list(folder.glob("kvdepot-gone-x.pool.[0-9]*"))
+    assert len(list(folder.iterdir())) >= 4  # the daemon's own pool, its catalog, and the two left alone
     assert (folder / "kvdepot-gone-x.pool.notes").exists() and (folder / "other.pool.1").exists()

@@ -31,7 +31,7 @@ class PoolFiles:
 
     def __init__(self, path: str, layout: Layout, create: bool):
         self.layout = layout
-        self.paths = [part_path(path, part) for part in range(layout.parts)]
+        self.paths = [part_path(path, layout, part) for part in range(layout.parts)]
         self.fds: list[int] = []
         self._made = 0  # files this created: removed again if the rest fails
         sizes = layout.part_sizes()
