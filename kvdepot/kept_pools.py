@@ -235,7 +235,7 @@ def discard(pool_path: str) -> None:
 
 
 def orphaned_parts(directories) -> list[str]:
-    """This user's later pool files (`x.pool.N`) whose first file (`x.pool`)
+    """This user's later pool files (`x.pool.N.TOKEN`) whose first file (`x.pool`)
     is gone: no header names them, so nothing adopts them, and they hold RAM.
     A pool's first file is made before its others and removed after them."""
     found = []
@@ -245,13 +245,19 @@ def orphaned_parts(directories) -> list[str]:
         except OSError:
             continue
         for name in sorted(names):
-            if not (name.startswith(POOL_PREFIX) and is_part_name(name)) or first_file_name(name) in names:
+            if not (name.startswith(POOL_PREFIX) and is_part_name(name)):
                 continue
             path = os.path.join(directory, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode):
+            if _own_file(path) and not _own_file(os.path.join(directory, first_file_name(name))):
+                # Another user's file at the first file's name (its name is
+                # seen in the folder) keeps nothing of ours in RAM.
                 found.append(path)
     return found
+
+
+def _own_file(path: str) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode)

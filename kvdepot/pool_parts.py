@@ -27,6 +27,9 @@ from dataclasses import dataclass
 
 # Most files a pool may have (more than this in a header: not a pool of ours).
 MAX_PARTS = 64
+# Most stripes: each is a mapping of its own (neighbours are other files'), and
+# a process has vm.max_map_count of them (65,530 by default) for everything.
+MAX_STRIPES = 4096
 TOKEN_BYTES = 8
 _PART_NAME = re.compile(r"\.pool\.[1-9][0-9]?\.[0-9a-f]{16}$")
 
@@ -55,6 +58,8 @@ class Layout:
             return f"stripes of {self.stripe} bytes, not a whole number of {page}-byte pages"
         if self.stripes < self.parts:
             return f"{self.stripes} stripes over {self.parts} files"
+        if self.stripes > MAX_STRIPES:
+            return f"{self.stripes} stripes (at most {MAX_STRIPES})"
         if len(self.tokens) != self.parts - 1 or not all(re.fullmatch("[0-9a-f]{16}", t) for t in self.tokens):
             return f"names for {len(self.tokens)} later files of {self.parts}"
         return ""
@@ -98,9 +103,11 @@ class Layout:
         return sizes
 
 
-def striped(size: int, files: int, stripe: int) -> Layout:
-    """`files` files (at most one per stripe) of `stripe` bytes, named anew;
-    one file when that leaves one."""
+def striped(size: int, files: int, stripe: int, page: int = 4096) -> Layout:
+    """`files` files (at most one per stripe) of `stripe` bytes, or of more
+    where that would make more than MAX_STRIPES, named anew; one file when
+    that leaves one."""
+    stripe = max(stripe, -(-size // MAX_STRIPES // page) * page)
     files = min(files, -(-size // stripe), MAX_PARTS)
     if files < 2:
         return Layout(size)

@@ -5,6 +5,7 @@ restart, and a later file that is not the daemon user's alone is never adopted."
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -22,8 +23,9 @@ from test_trust import NOBODY, as_uid, needs_second_uid
 from test_warm_restart import flip
 
 from kvdepot import kept_pools
-from kvdepot.pool_parts import Layout, part_path, striped
+from kvdepot.pool_parts import MAX_STRIPES, Layout, part_path, striped
 from kvdepot.server.host.pool import HostPool
+from kvdepot.server.host.pool_map import reserve
 
 PAGE = 4096
 SLOT_BYTES = 16 * 1024  # the test daemons' slot size
@@ -149,9 +151,46 @@ def test_a_big_pool_is_striped_by_default_and_a_small_one_is_one_file(tmp_path):
     small = HostPool(size=8 << 20, slot_bytes=SLOT_BYTES, directory=str(tmp_path), name="kvdepot-s", pin="off")
     assert small.layout == Layout(small.layout.size)
     small.close(discard=True)
-    # Only the arithmetic for a big one: a 4 GiB file would not fit every test machine's tmpfs.
+    # Only the arithmetic for big ones: a 4 GiB file would not fit every test machine's tmpfs.
     big = striped(4 << 30, 16, 64 << 20)
-    assert big.parts == 16 and max(big.part_sizes()) <= 257 << 20
+    assert big.parts == 16 and big.stripe == 64 << 20 and max(big.part_sizes()) <= 257 << 20
+    # A stripe is a mapping of its own: a pool of TiB takes larger stripes, not more mappings.
+    for size in (1 << 40, 4 << 40, (16 << 40) + PAGE):
+        layout = striped(size, 16, 64 << 20)
+        assert not layout.why_not() and layout.stripes <= MAX_STRIPES and layout.parts == 16
+    assert "4097 stripes (at most 4096)" in Layout(4097 * PAGE, 2, PAGE, ("0" * 16,)).why_not()
+
+
+def vm_flags(start: int, end: int) -> list[list[str]]:
+    """The VmFlags of each mapping of this process within [start, end)."""
+    flags, inside = [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                low, high = (int(x, 16) for x in line.split()[0].split("-"))
+                inside = low < end and high > start
+            elif line.startswith("VmFlags:") and inside:
+                flags.append(line.split()[1:])
+    return flags
+
+
+def test_the_range_of_a_striped_pool_takes_no_commit_charge(tmp_path):
+    """Under vm.overcommit_memory=2 a private writable mapping takes its size
+    from the commit limit at once (MAP_NORESERVE is ignored there): the range
+    the files are mapped into is reserved shared ("sh"), and what is mapped
+    into it is the files, shared too."""
+    reserved = reserve(1 << 30)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(reserved))
+    try:
+        [flags] = vm_flags(base, base + (1 << 30))
+    finally:
+        reserved.close()
+    assert "sh" in flags and "ac" not in flags, flags
+    pool = HostPool(size=4 << 20, slot_bytes=SLOT_BYTES, directory=str(tmp_path), name="kvdepot-c", pin="off",
+                    files=4)
+    mapped = vm_flags(pool.base_address, pool.base_address + pool.layout.size)
+    pool.close(discard=True)
+    assert len(mapped) >= 4 and all("sh" in f and "ac" not in f for f in mapped), mapped
 
 
 # ------------------------------------------------------------ the daemon
@@ -299,3 +338,20 @@ def test_files_of_a_pool_whose_first_file_is_gone_are_removed_at_the_next_start(
     assert not list(folder.glob("kvdepot-gone-x.pool.[0-9]*"))
     assert len(list(folder.iterdir())) >= 4  # the daemon's own pool, its catalog, and the two left alone
     assert (folder / "kvdepot-gone-x.pool.notes").exists() and (folder / "other.pool.1").exists()
+
+
+@needs_second_uid
+def test_another_uid_at_the_first_files_name_does_not_keep_our_orphans(start_daemon, shared_tmp):  # noqa: F811
+    """The first file's name is seen in a shared folder; another user who
+    takes it once it is gone must not make the daemon keep the later files."""
+    kept = HostPool(size=4 << 20, slot_bytes=SLOT_BYTES, directory=str(shared_tmp), name="kvdepot-gone-y",
+                    pin="off", files=4)
+    kept.close()
+    os.unlink(shared_tmp / "kvdepot-gone-y.pool")
+    first = str(shared_tmp / "kvdepot-gone-y.pool")
+    plant = f"open({first!r}, 'w').write('not a pool')"
+    subprocess.run([*as_uid(NOBODY), sys.executable, "-c", plant], check=True, timeout=30, cwd="/")
+    daemon = start_daemon(pool_dir=str(shared_tmp))
+    assert "a file of a pool whose first file is gone" in daemon.log()
+    assert not list(shared_tmp.glob("kvdepot-gone-y.pool.[0-9]*"))
+    assert os.stat(first).st_uid == NOBODY  # theirs, left alone

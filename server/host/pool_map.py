@@ -9,6 +9,7 @@ one range of addresses whatever the files behind it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 
@@ -16,7 +17,6 @@ from kvdepot.pool_parts import Layout, part_path
 from kvdepot.server.host.own_files import open_own
 
 _MAP_FIXED = 0x10
-_MAP_NORESERVE = 0x4000  # the reservation takes no commit charge: the files' pages are the pool's
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mmap.restype = ctypes.c_void_p
 _LIBC.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
@@ -57,8 +57,7 @@ class PoolFiles:
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         if self.layout.parts == 1:
             return mmap.mmap(self.fds[0], self.layout.size, mmap.MAP_SHARED, prot)
-        # Anonymous, private and never touched: each stripe's file mapping replaces its part.
-        buffer = mmap.mmap(-1, self.layout.size, mmap.MAP_PRIVATE | _MAP_NORESERVE, prot)
+        buffer = reserve(self.layout.size)
         base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
         try:
             for offset, length, part, file_offset in self.layout.pieces():
@@ -66,7 +65,8 @@ class PoolFiles:
                                  file_offset)
                 if got != base + offset:
                     code = ctypes.get_errno()
-                    raise OSError(code, f"mapping {self.paths[part]} into the pool: {os.strerror(code)}")
+                    hint = " (vm.max_map_count, a mapping a stripe)" if code == errno.ENOMEM else ""
+                    raise OSError(code, f"mapping {self.paths[part]} into the pool: {os.strerror(code)}{hint}")
         except BaseException:
             buffer.close()
             raise
@@ -89,6 +89,19 @@ class PoolFiles:
         self.fds = []
         if remove:  # the first file last, as kept_pools.discard
             _unlink(self.paths[::-1])
+
+
+def reserve(size: int) -> mmap.mmap:
+    """`size` bytes of addresses for the files' mappings to replace: a
+    shared mapping of an empty memfd, never touched. Shared file mappings
+    take no commit charge, where a private writable one would take the
+    pool's size at once under vm.overcommit_memory=2."""
+    fd = os.memfd_create("kvdepot-pool-range", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
 
 
 def _unlink(paths: list[str]) -> None:
