@@ -22,6 +22,8 @@
    (its log line), and to the first lookup of a new client that finds every
    block ready; "slowest": the longest a lookup of one key took meanwhile,
    once the client was connected (calls wait while kept blocks come back).
+   "pool up": from opening the pool to the whole of it faulted in and
+   pinned, as the daemon logs it (each start waits for it).
 4. Kill -9: the warm daemon is killed and started again: the same figures.
    Then one batch is loaded back and its blocks checked.
 
@@ -71,6 +73,8 @@ ADOPTED_LATE = re.compile(r"adopted (\d+) block\(s\) \((\d+) slots\) from the ke
                           r"shards discarded: (.*)")
 POOL_READY = re.compile(r"pool ready in ([\d.]+) s")
 POOL_UP = re.compile(r"pool up: all|all of it up")
+# Seconds from opening the pool to the whole of it up (faulted in and pinned), as the daemon logs it.
+POOL_UP_AFTER = re.compile(r"pool up: all .* ([\d.]+) s after it was opened")
 
 
 class Daemon:
@@ -206,7 +210,10 @@ def first_lookup(daemon: Daemon, keys: list[bytes], want: int, timeout: float = 
 def measure_start(daemon: Daemon, keys: list[bytes], want: int, *extra: str) -> dict:
     daemon.start(*extra)
     row = {**first_lookup(daemon, keys, want), "ready_blocks": want}
+    daemon.wait_for(POOL_UP)
     log = daemon.log()
+    if m := POOL_UP_AFTER.search(log):
+        row["pool_up_s"] = float(m.group(1))
     if m := POOL_READY.search(log):
         row["pool_ready_s"] = float(m.group(1))
     if m := ADOPTED.search(log):
@@ -372,14 +379,15 @@ def main() -> int:
     out["removed_pool_files"] = removed
 
     header = (f"{'start':<22} {'ready on':>9} {'pool ready':>11} {'adoption':>9} {'1st hit':>8} {'all back':>9} "
-              f"{'slowest':>8} {'blocks':>7}  discarded")
+              f"{'slowest':>8} {'blocks':>7} {'pool up':>8}  discarded")
     print(header)
     for name, row in rows.items():
         adoption = f"{row['adoption_s']:.2f}" if "adoption_s" in row else "-"
         print(f"{name:<22} {row['ready_s']:>8.2f}s {row.get('pool_ready_s', float('nan')):>10.2f}s "
               f"{adoption:>8}s {row['first_hit_s']:>7.2f}s {row['first_lookup_s']:>8.2f}s "
               f"{row['slowest_lookup_s']:>7.3f}s "
-              f"{row.get('adopted_blocks', row['ready_blocks']):>7}  {row.get('discarded', '-')}")
+              f"{row.get('adopted_blocks', row['ready_blocks']):>7} {row.get('pool_up_s', float('nan')):>7.2f}s  "
+              f"{row.get('discarded', '-')}")
     print(f"blocks of the last batch that differ after the kill -9 restart: {out['blocks_differing_after_kill_9']}")
     print(f"removed: {', '.join(removed) or 'nothing'}; wall {out['wall_s']:.1f} s")
     if args.json:
