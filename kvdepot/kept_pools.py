@@ -19,7 +19,17 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvdepot.pool_parts import MAX_PARTS, TOKEN_BYTES, Layout, first_file_name, is_part_name, parts_bytes, remove_parts
+from kvdepot.pool_parts import (
+    MAX_PARTS,
+    TOKEN_BYTES,
+    Layout,
+    first_file_name,
+    is_part_name,
+    own_plain_file,
+    parts_bytes,
+    remove_parts,
+    why_not_alone,
+)
 
 HEADER_BYTES = 4096
 HEADER_MAGIC = b"KVDPOOL2"
@@ -59,10 +69,8 @@ def read_header(path: str) -> tuple[dict | None, str]:
         return None, f"cannot open it ({e.strerror})"
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            return None, "it is not a plain file with one name"
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            return None, f"it belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:o}, not to this user alone"
+        if why := why_not_alone(st):
+            return None, f"it {why}"
         if st.st_size < HEADER_BYTES:
             return None, "it is too short to hold a header"
         raw = os.pread(fd, PARTS_HEADER.size + HEADER_HASH.size, st.st_size - HEADER_BYTES)
@@ -89,8 +97,8 @@ def read_header(path: str) -> tuple[dict | None, str]:
               "file_size": file_size, "layout": layout, "mtime": st.st_mtime, "kept_at": kept_at,
               "address": address.rstrip(b"\0").decode(errors="replace"),
               "lock": lock.rstrip(b"\0").decode(errors="replace")}
-    if layout.part_sizes()[0] != st.st_size:
-        return None, f"its header makes this file {layout.part_sizes()[0]} bytes but it has {st.st_size}"
+    if (size := layout.part_sizes()[0]) != st.st_size:
+        return None, f"its header makes this file {size} bytes but it has {st.st_size}"
     return header, ""
 
 
@@ -248,16 +256,9 @@ def orphaned_parts(directories) -> list[str]:
             if not (name.startswith(POOL_PREFIX) and is_part_name(name)):
                 continue
             path = os.path.join(directory, name)
-            if _own_file(path) and not _own_file(os.path.join(directory, first_file_name(name))):
+            if own_plain_file(path) and not own_plain_file(os.path.join(directory, first_file_name(name))):
                 # Another user's file at the first file's name (its name is
                 # seen in the folder) keeps nothing of ours in RAM.
                 found.append(path)
     return found
 
-
-def _own_file(path: str) -> bool:
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode)

@@ -139,15 +139,28 @@ def present_parts(pool_path: str) -> list[str]:
     except OSError:
         return []
     for name in names:
-        if name.startswith(base + ".") and is_part_name(name):
-            path = os.path.join(folder, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode):
-                found.append(path)
+        if name.startswith(base + ".") and is_part_name(name) and own_plain_file(os.path.join(folder, name)):
+            found.append(os.path.join(folder, name))
     return sorted(found)
+
+
+def own_plain_file(path: str) -> bool:
+    """Whether `path` (not followed) is a plain file of this user's: what a cleanup may remove."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode)
+
+
+def why_not_alone(st: os.stat_result) -> str:
+    """Why a pool's file (its stat, not followed) is not this user's alone ('' when it is):
+    bytes another user could have written would reach the GPUs."""
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        return "is not a plain file with one name"
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return f"belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:o}, not to this user alone"
+    return ""
 
 
 def parts_bytes(pool_path: str) -> int:
@@ -171,11 +184,8 @@ def why_parts_unusable(pool_path: str, layout: Layout) -> str:
             st = os.lstat(path)
         except OSError as e:
             return f"its file {path} cannot be read ({e.strerror})"
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            return f"its file {path} is not a plain file with one name"
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            return (f"its file {path} belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:o}, "
-                    "not to this user alone")
+        if why := why_not_alone(st):
+            return f"its file {path} {why}"
         if st.st_size != sizes[part]:
             return f"its file {path} has {st.st_size} bytes where the header makes {sizes[part]}"
     return ""
