@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from conftest import Daemon, subprocess_env
+
 from kvdepot.client import KVDepotClient
 
 CLIENT = str(Path(__file__).resolve().parent / "chaos_client.py")
