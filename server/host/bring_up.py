@@ -4,9 +4,9 @@ A chunk is one CUDA registration of whole slots (HostPool.registration_bytes),
 so that no DMA run crosses two. The daemon serves as soon as its first chunks
 are up (HostPool._bring_up_first: the first of each NUMA range); the rest come
 up behind it on a thread of their own (`start`), those holding kept blocks
-first (the newest blocks' first), each chunk faulted in on several threads
-while the one before it is registered, and the depot takes each chunk's slots
-as it comes.
+first (the newest blocks' first). Every chunk is queued to the fault threads
+at once, in that order, and each is registered as soon as its faults are
+done, while later ones fault; the depot takes each chunk's slots as it comes.
 
 Page faults run in parallel, each thread on a piece of one file; a pool
 kept in several files (kvdepot/pool_parts.py) faults in several times
@@ -37,8 +37,6 @@ log = logging.getLogger("kvdepot.pool")
 
 # Faulted in this much at a time, by several threads.
 POPULATE_CHUNK_BYTES = 256 << 20
-# Chunks faulted in ahead of the one being registered.
-AHEAD = 2
 
 # madvise(MADV_POPULATE_WRITE), Linux 5.14: faults in a range writable.
 _MADV_POPULATE_WRITE = 23
@@ -148,28 +146,31 @@ class BringUp:
     # ------------------------------------------------------------ chunks
 
     def bring(self, chunks: list[tuple[int, int]], done: Callable[[int], None]) -> None:
-        """Faults in and pins `chunks` (offset, length) in order, `AHEAD` of
-        them faulting while one is registered; `done(i)` after the `i`th is up.
-        Raises BringUpError; stops quietly once `stop` was called."""
-        faulting: dict[int, list] = {}
-        for i, (offset, length) in enumerate(chunks):
-            for j in range(i, min(i + AHEAD + 1, len(chunks))):
-                if j not in faulting:
-                    faulting[j] = self.fault(*chunks[j])
-            waited, pinned = self.fault_seconds, self.pin_seconds
-            try:
-                self.wait(faulting.pop(i))
-            except BaseException:
-                for futures in faulting.values():
-                    for future in futures:
-                        future.cancel()
-                raise
-            if self._stop.is_set():
-                return
-            self.register(offset, length)
-            log.debug("chunk at %d MiB up: %.3f s waiting on its faults, %.3f s pinning", offset >> 20,
-                      self.fault_seconds - waited, self.pin_seconds - pinned)
-            done(i)
+        """Faults in and pins `chunks` (offset, length) in order; `done(i)`
+        after the `i`th is up. Raises BringUpError; stops quietly once `stop`
+        was called.
+
+        Every chunk's faults are queued at once: queued a chunk at a time, from
+        this thread between its registrations, the queuing waited on the fault
+        threads for the interpreter and left the registrations, which bound the
+        whole, a second behind at 96 GiB (docs/benchmarks.md). The threads take
+        the pieces in order, so the chunks first in line still come up first.
+        """
+        faulting = [self.fault(*chunk) for chunk in chunks]
+        try:
+            for i, (offset, length) in enumerate(chunks):
+                waited, pinned = self.fault_seconds, self.pin_seconds
+                self.wait(faulting[i])
+                if self._stop.is_set():
+                    return
+                self.register(offset, length)
+                log.debug("chunk at %d MiB up: %.3f s waiting on its faults, %.3f s pinning", offset >> 20,
+                          self.fault_seconds - waited, self.pin_seconds - pinned)
+                done(i)
+        finally:
+            for futures in faulting:  # a stop or a failure: the pieces not started yet stay undone
+                for future in futures:
+                    future.cancel()
 
     def start(self, chunks: list[tuple[int, int]], done: Callable[[int], None],
               finished: Callable[[str], None]) -> None:
