@@ -15,6 +15,10 @@ keep it until a line comes on stdin.
                           are (or after 30 s), and keep answering until told
   guess ADDRESS N         N GetStats calls one after the other over TCP, each with a wrong
                           token: their status codes and how long each took to be answered
+  wait-flood SOCKET N:K   attach, say hello, and make N RegisterWorker calls at once (no
+                          deadline) while the daemon's transport is still coming up; say how
+                          many still wait once at most K do (or after 20 s), and how the others
+                          were answered; when told, cancel them, make K + 1 again and say the same
 """
 
 from __future__ import annotations
@@ -186,6 +190,46 @@ def sparse(socket_path: str, count: int) -> None:
     session.close()
 
 
+def wait_flood(socket_path: str, count: int, keep: int) -> None:
+    from kvcache import make_kv_cache
+
+    from kvdepot.client.tensors import tensor_layout, tensor_spec
+
+    channel, stub, stream, started = attach(socket_path, "wait-flood")
+    tensors, block_dim = make_kv_cache("per_layer", seed=1)
+    layouts = [tensor_layout(t, block_dim, f"l{i}") for i, t in enumerate(tensors)]
+    request = pb.RegisterWorkerRequest(
+        session_id=started.session_id, namespace=pb.NamespaceSpec(**namespace("per_layer")), rank=0, device="cpu",
+        tensors=[tensor_spec(t) for t in layouts],
+        handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker()) for _ in tensors])
+
+    def flood(n: int) -> tuple[list, dict]:
+        calls = [stub.RegisterWorker.future(request) for _ in range(n)]
+        deadline = time.monotonic() + 20
+        while sum(not c.done() for c in calls) > keep and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # any the daemon would still answer
+        codes, refusal = {}, None
+        for c in calls:
+            if c.done():
+                codes[c.code().name] = codes.get(c.code().name, 0) + 1
+                if c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    refusal = c.details()
+        return calls, {"waiting": sum(not c.done() for c in calls), "codes": codes, "refusal": refusal}
+
+    calls, report = flood(count)
+    hold(report)
+    for c in calls:
+        c.cancel()
+    time.sleep(1.0)  # the daemon sees them cancelled
+    calls, report = flood(keep + 1)
+    print(json.dumps(report), flush=True)
+    for c in calls:
+        c.cancel()
+    stream.cancel()
+    channel.close()
+
+
 def h2_frame(kind: int, flags: int, payload: bytes) -> bytes:
     return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + (0).to_bytes(4, "big") + payload
 
@@ -287,6 +331,9 @@ def main() -> int:
         sparse(socket_path, int(arg))
     elif command == "forge":
         forge(socket_path, arg)
+    elif command == "wait-flood":
+        count, keep = arg.split(":")
+        wait_flood(socket_path, int(count), int(keep))
     elif command == "guess":
         guess(socket_path, int(arg))
     else:

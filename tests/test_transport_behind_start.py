@@ -7,6 +7,7 @@ is told why. Tried with the shared-memory transport held the same way
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from kvcache import make_kv_cache, namespace, prompt_keys
+from test_edge_bounds import attack_as_nobody
+from test_trust import needs_second_uid, start_shared
 
 from kvdepot.errors import FailedPrecondition
 
@@ -107,3 +110,49 @@ def test_a_transport_that_never_comes_up_refuses_its_workers_and_says_why(start_
     # The daemon goes on serving everything else.
     engine = client_factory(daemon, name="after").register_engine(namespace("per_layer"))
     assert engine.namespace_name
+
+
+@needs_second_uid
+def test_one_user_cannot_pile_up_waiting_registrations_and_anothers_registration_goes_on(
+    open_folder, start_daemon, client_factory, tmp_path
+):
+    """A second uid floods RegisterWorker calls while the transport comes up:
+    past --max-waiting-registrations-per-uid they are refused at once (each
+    waiting call holds its request), the count comes back down as its calls
+    end, and this uid's own registration waits and then registers."""
+    gate = tmp_path / "transport-gate"
+    gate.touch()
+    daemon = start_shared(start_daemon, open_folder, launcher=LAUNCHER, max_waiting_registrations_per_uid="4",
+                          env={"KVDEPOT_TEST_TRANSPORT_GATE": str(gate)})
+    attacker, report = attack_as_nobody("wait-flood", daemon.socket, "40:4")
+    try:
+        assert report["waiting"] == 4, report
+        assert report["codes"] == {"RESOURCE_EXHAUSTED": 36}, report
+        assert "--max-waiting-registrations-per-uid 4" in report["refusal"], report
+        client = client_factory(daemon, name="victim")
+        tensors, block_dim = make_kv_cache("per_layer", 3)
+        thread, result = register_in_background(client, tensors, block_dim)
+        thread.join(1.0)
+        assert thread.is_alive() and not result, f"this uid's registration did not wait: {result}"
+        # Its calls cancelled, the attacker's uid may wait again, as many as before and no more.
+        attacker.stdin.write("\n")
+        attacker.stdin.flush()
+        again = json.loads(attacker.stdout.readline())
+        assert again["waiting"] == 4 and again["codes"] == {"RESOURCE_EXHAUSTED": 1}, again
+    finally:
+        attacker.stdin.close()
+        attacker.wait(30)
+    gate.unlink()
+    thread.join(10)
+    assert not thread.is_alive() and "error" not in result, result
+    keys = prompt_keys(8, prompt=7)
+    job = client.submit_store(result["worker"], 1, keys, list(range(8)))
+    assert client.wait([job], 30)[job].ok
+    saved = [t[:, 0:8].clone() for t in tensors]
+    for t in tensors:
+        t[:, 0:8] = 0
+    job = client.submit_load(result["worker"], 2, keys, list(range(8)))
+    assert client.wait([job], 30)[job].ok
+    for t, want in zip(tensors, saved, strict=True):
+        assert torch.equal(t[:, 0:8], want)
+    assert daemon.running

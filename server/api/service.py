@@ -194,14 +194,14 @@ class KVDepotService(pb_grpc.KVDepotServicer):
     @_unary
     async def RegisterWorker(self, request, context):
         # Bounded before a single tensor is read: the request may hold a million.
-        self.depot.session(request.session_id)
+        session = self.depot.session(request.session_id)
         self.depot.limits.check_worker_counts(len(request.tensors), len(request.handles))
         spec = parse.worker_spec(request)
         # CUDA's transport comes up after the daemon serves: waited for, but answered
         # (ComingUp: ask again) before the caller's deadline rather than at it.
         remaining = context.time_remaining()
         within = None if remaining is None else remaining - min(1.0, remaining / 4)
-        await self.depot.transport_up(spec.transport, within)
+        await self.depot.transport_up(spec.transport, session.identity, within)
         worker = self.depot.register_worker(request.session_id, spec)
         return pb.RegisterWorkerResponse(
             worker_id=worker.id,

@@ -77,6 +77,8 @@ class Depot(JobPath):
         self.transports: dict[str, Transport] = {}
         # Kinds still coming up (CUDA's, after the daemon serves: daemon/main.py), and why one never did.
         self._coming: dict[str, asyncio.Future] = {}
+        # Registrations waiting for one, by (uid, tenant).
+        self._waiting: dict[tuple, int] = {}
         self._not_up: dict[str, str] = {}
         self.staging_budget = StagingBudget(limits)
         self.draining = False
@@ -121,17 +123,26 @@ class Depot(JobPath):
         if coming is not None and not coming.done():
             coming.set_result(None)
 
-    async def transport_up(self, kind: str | None, within: float | None = None) -> None:
+    async def transport_up(self, kind: str | None, identity: Identity, within: float | None = None) -> None:
         """Returns once the transport of `kind` is up (or never will be);
         ComingUp if it is not within `within` seconds (a caller's deadline:
-        it is told to ask again rather than left to time out)."""
+        it is told to ask again rather than left to time out). A user may
+        have only so many calls waiting (Limits.room_to_wait): each holds
+        its request until then."""
         coming = self._coming.get(kind)
         if coming is None:
             return
+        who = (identity.uid, identity.tenant)
+        self.limits.room_to_wait(self._waiting.get(who, 0), identity, kind)
+        self._waiting[who] = self._waiting.get(who, 0) + 1
         try:
             await asyncio.wait_for(asyncio.shield(coming), within)
         except TimeoutError:
             raise ComingUp(f"the daemon's {kind} transport is still starting; ask again") from None
+        finally:
+            self._waiting[who] -= 1
+            if not self._waiting[who]:
+                del self._waiting[who]
 
     def new_id(self) -> int:
         self._next_id += 1

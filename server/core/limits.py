@@ -48,6 +48,9 @@ class Limits:
     max_namespaces_per_tenant: int = 128
     max_sessions_per_uid: int = 256
     max_unproven_sessions: int = 256
+    # Worker registrations of one user id waiting at once for a transport still
+    # coming up (CUDA's, after the daemon serves): each holds its request.
+    max_waiting_registrations_per_uid: int = 64
     # The largest staging memory a shared-memory worker may hand over (its KV
     # cache's size): the daemon maps it, so it is bounded like any mapping.
     max_shm_worker_bytes: int = 256 << 30
@@ -140,6 +143,16 @@ class Limits:
             )
 
     # ------------------------------------------------------------ workers
+
+    def room_to_wait(self, waiting: int, identity, kind: str) -> None:
+        """Before a registration waits for the `kind` transport to come up;
+        `waiting`: those of the same user waiting already."""
+        if waiting >= self.max_waiting_registrations_per_uid:
+            raise ResourceExhausted(
+                f"{identity.describe()} has {waiting} worker registrations waiting for the daemon's {kind} "
+                f"transport to come up, the most one user may (--max-waiting-registrations-per-uid "
+                f"{self.max_waiting_registrations_per_uid}); register again once it is up"
+            )
 
     def check_worker_counts(self, tensors: int, handles: int) -> None:
         """A registration's sizes, before any of its tensors is read."""
