@@ -19,7 +19,7 @@ from kvdepot.logsafe import EscapingFormatter
 from kvdepot.server.core.depot import Depot
 from kvdepot.server.core.tenants import Tenants, scope_quotas, scope_remote_secrets
 from kvdepot.server.core.tiers import Tier, TierStack
-from kvdepot.server.daemon import lanes, startup
+from kvdepot.server.daemon import lanes, preload, startup
 from kvdepot.server.daemon.config import ConfigError, Copy, DaemonConfig, describe, load_config
 from kvdepot.server.daemon.metrics import MetricsServer
 from kvdepot.server.daemon.startup import StartupError, notify_systemd, startup_progress
@@ -262,6 +262,7 @@ def _import_cuda_transport(took: dict[str, float]):
     """The CUDA transport's module, torch's CUDA state initialised (which
     cudaHostRegister through torch used to do): off the loop, both take seconds."""
     started = time.monotonic()
+    preload.load(preload.torch_libraries())  # the loop answers calls meanwhile (preload.py)
     cuda = importlib.import_module("kvdepot.server.transports.cuda")
     imported = time.monotonic()
     cuda.torch.cuda.init()
