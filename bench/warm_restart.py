@@ -23,7 +23,9 @@
    block ready; "slowest": the longest a lookup of one key took meanwhile,
    once the client was connected (calls wait while kept blocks come back).
    "pool up": from opening the pool to the whole of it faulted in and
-   pinned, as the daemon logs it (each start waits for it).
+   pinned, as the daemon logs it (each start waits for it). "GPU up": a
+   pinned pool's daemon, once its CUDA transport is up (it comes up behind
+   the start; a GPU worker's registration waits for it), from its log.
 4. Kill -9: the warm daemon is killed and started again: the same figures.
    Then one batch is loaded back and its blocks checked.
 
@@ -75,6 +77,9 @@ POOL_READY = re.compile(r"pool ready in ([\d.]+) s")
 POOL_UP = re.compile(r"pool up: all|all of it up")
 # Seconds from opening the pool to the whole of it up (faulted in and pinned), as the daemon logs it.
 POOL_UP_AFTER = re.compile(r"pool up: all .* ([\d.]+) s after it was opened")
+# A pinned pool's daemon brings its CUDA transport up behind the start; GPU workers wait for it.
+PINNED = re.compile(r"pool ready in .*, pinned;")
+TRANSPORT = re.compile(r"CUDA transport up ([\d.]+) s after the daemon began serving|the CUDA transport did not start")
 
 
 class Daemon:
@@ -211,7 +216,11 @@ def measure_start(daemon: Daemon, keys: list[bytes], want: int, *extra: str) -> 
     daemon.start(*extra)
     row = {**first_lookup(daemon, keys, want), "ready_blocks": want}
     daemon.wait_for(POOL_UP)
+    if PINNED.search(daemon.log()):
+        daemon.wait_for(TRANSPORT)
     log = daemon.log()
+    if (m := TRANSPORT.search(log)) and m.group(1):
+        row["gpu_up_s"] = row["ready_s"] + float(m.group(1))
     if m := POOL_UP_AFTER.search(log):
         row["pool_up_s"] = float(m.group(1))
     if m := POOL_READY.search(log):
@@ -379,15 +388,16 @@ def main() -> int:
     out["removed_pool_files"] = removed
 
     header = (f"{'start':<22} {'ready on':>9} {'pool ready':>11} {'adoption':>9} {'1st hit':>8} {'all back':>9} "
-              f"{'slowest':>8} {'blocks':>7} {'pool up':>8}  discarded")
+              f"{'slowest':>8} {'blocks':>7} {'pool up':>8} {'GPU up':>8}  discarded")
     print(header)
     for name, row in rows.items():
         adoption = f"{row['adoption_s']:.2f}" if "adoption_s" in row else "-"
+        gpu_up = f"{row['gpu_up_s']:.2f}s" if "gpu_up_s" in row else "-"
         print(f"{name:<22} {row['ready_s']:>8.2f}s {row.get('pool_ready_s', float('nan')):>10.2f}s "
               f"{adoption:>8}s {row['first_hit_s']:>7.2f}s {row['first_lookup_s']:>8.2f}s "
               f"{row['slowest_lookup_s']:>7.3f}s "
-              f"{row.get('adopted_blocks', row['ready_blocks']):>7} {row.get('pool_up_s', float('nan')):>7.2f}s  "
-              f"{row.get('discarded', '-')}")
+              f"{row.get('adopted_blocks', row['ready_blocks']):>7} {row.get('pool_up_s', float('nan')):>7.2f}s "
+              f"{gpu_up:>8}  {row.get('discarded', '-')}")
     print(f"blocks of the last batch that differ after the kill -9 restart: {out['blocks_differing_after_kill_9']}")
     print(f"removed: {', '.join(removed) or 'nothing'}; wall {out['wall_s']:.1f} s")
     if args.json:
