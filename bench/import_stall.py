@@ -1,9 +1,10 @@
 """How long the daemon's event loop waits while the CUDA transport's module is
 imported on a thread once the daemon serves (daemon/main.py
-add_cuda_transport), with torch's first libraries loaded without Python's lock
-(server/daemon/preload.py, "preload") and without ("import only").
+add_cuda_transport), with torch's and Triton's largest libraries loaded
+without Python's lock (server/daemon/preload.py, "preload") and without
+("import only").
 
-    python bench/import_stall.py [--rounds 3] [--drop-caches]
+    python bench/import_stall.py [--rounds 3] [--drop-caches] [--module triton.language]
 
 Each import runs in a fresh interpreter: a uvloop event loop, as the daemon's,
 wakes every millisecond while its default executor imports
@@ -33,15 +34,14 @@ sys.path.insert(0, str(REPO))
 MODES = ("import only", "preload")
 
 
-async def measure(preload: bool) -> dict:
+async def measure(preload: bool, module: str) -> dict:
     from kvdepot.server.daemon import preload as libraries
 
-    module = "kvdepot.server.transports.cuda" if importlib.util.find_spec("triton") else "torch"
 
     def imported() -> float:
         started = time.monotonic()
         if preload:
-            libraries.load(libraries.torch_libraries())
+            libraries.load_all()
         importlib.import_module(module)
         return time.monotonic() - started
 
@@ -58,20 +58,23 @@ async def measure(preload: bool) -> dict:
             "wakes": len(waits)}
 
 
-def child(mode: str) -> None:
+def child(mode: str, module: str) -> None:
     import uvloop
 
-    print(json.dumps(uvloop.run(measure(mode == "preload"))), flush=True)
+    print(json.dumps(uvloop.run(measure(mode == "preload", module))), flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--drop-caches", action="store_true", help="empty the page cache before each import (root)")
+    parser.add_argument("--module", help="what to import (default: the CUDA transport's module where Triton is "
+                        "installed, else torch)")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    module = args.module or ("kvdepot.server.transports.cuda" if importlib.util.find_spec("triton") else "torch")
     if args.child:
-        child(args.child)
+        child(args.child, module)
         return 0
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     rows = []
@@ -80,8 +83,8 @@ def main() -> int:
             if args.drop_caches:
                 os.sync()
                 Path("/proc/sys/vm/drop_caches").write_text("3\n")
-            done = subprocess.run([sys.executable, __file__, "--child", mode], env=env, capture_output=True,
-                                  text=True, check=False)
+            done = subprocess.run([sys.executable, __file__, "--child", mode, "--module", module], env=env,
+                                  capture_output=True, text=True, check=False)
             if done.returncode:
                 raise SystemExit(f"the {mode} import failed:\n{done.stderr}")
             rows.append((round_ + 1, mode, json.loads(done.stdout.splitlines()[-1])))

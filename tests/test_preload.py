@@ -1,15 +1,17 @@
-"""Torch's first libraries loaded before its import, without Python's lock
-(server/daemon/preload.py): the import then uses them, and one that does not
-load leaves the rest to the import. Each in a fresh interpreter, since a
-library once loaded stays."""
+"""Torch's (and Triton's) largest libraries loaded before their import,
+without Python's lock (server/daemon/preload.py): the import then uses them,
+and one that does not load leaves the rest to the import. Each in a fresh
+interpreter, since a library once loaded stays."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 from conftest import subprocess_env
 
 from kvdepot.server.daemon import preload
@@ -26,7 +28,7 @@ def test_torchs_libraries_load_first_and_its_import_uses_them():
     result = in_fresh_interpreter("""
 import json, os, sys
 from kvdepot.server.daemon import preload
-loaded = preload.load(preload.torch_libraries())
+loaded = preload.load(preload.libraries("torch"))
 before = "torch" in sys.modules
 import torch
 maps = [line.split()[-1] for line in open("/proc/self/maps") if "libtorch_cpu" in line]
@@ -46,7 +48,7 @@ def test_a_library_that_does_not_load_leaves_the_rest_to_the_import(tmp_path):
     result = in_fresh_interpreter(f"""
 import json, os
 from kvdepot.server.daemon import preload
-first = preload.load([({str(broken)!r}, os.RTLD_NOW)] + preload.torch_libraries())
+first = preload.load([({str(broken)!r}, os.RTLD_NOW)] + preload.libraries("torch"))
 import torch
 print(json.dumps({{"loaded": first, "sum": float(torch.ones(2).sum())}}))
 """)
@@ -56,3 +58,19 @@ print(json.dumps({{"loaded": first, "sum": float(torch.ones(2).sum())}}))
 def test_nothing_to_load_without_the_package():
     assert preload.package_folder("no_such_package_of_kvdepot") is None
     assert os.path.isdir(preload.package_folder("torch"))
+    if preload.package_folder("triton") is None:  # CI's machines have no Triton
+        assert preload.libraries("triton") == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed here")
+def test_tritons_library_loads_first_and_its_import_uses_it():
+    result = in_fresh_interpreter("""
+import json, os
+from kvdepot.server.daemon import preload
+loaded = preload.load_all()
+import triton.language
+maps = {line.split()[-1] for line in open("/proc/self/maps") if "libtriton" in line}
+print(json.dumps({"loaded": [os.path.basename(p) for p in loaded], "maps": sorted(maps)}))
+""")
+    assert "libtriton.so" in result["loaded"], result
+    assert len(result["maps"]) == 1, result

@@ -262,7 +262,7 @@ def _import_cuda_transport(took: dict[str, float]):
     """The CUDA transport's module, torch's CUDA state initialised (which
     cudaHostRegister through torch used to do): off the loop, both take seconds."""
     started = time.monotonic()
-    preload.load(preload.torch_libraries())  # the loop answers calls meanwhile (preload.py)
+    preload.load_all()  # the loop answers calls meanwhile (preload.py)
     cuda = importlib.import_module("kvdepot.server.transports.cuda")
     imported = time.monotonic()
     cuda.torch.cuda.init()

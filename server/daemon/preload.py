@@ -1,18 +1,21 @@
-"""Loading torch's largest shared libraries without holding Python's lock.
+"""Loading torch's and Triton's largest shared libraries without holding Python's lock.
 
-The daemon imports torch on a thread once it serves (daemon/main.py
+The daemon imports torch and Triton on a thread once it serves (daemon/main.py
 add_cuda_transport). Python's import, like ctypes.CDLL, holds the
-interpreter's lock through each dlopen, and the dlopen of torch's libraries
+interpreter's lock through each dlopen, and the dlopen of those libraries
 takes hundreds of milliseconds, during which the event loop answers no call
 (docs/benchmarks.md). dlopen called as a C function through ctypes lets the
-lock go, and the import that follows finds those libraries already loaded.
+lock go, and the imports that follow find those libraries already loaded.
 
-Only what torch's import loads first, and as it loads it: its global
-dependencies (CUDA's runtime libraries on a CUDA build) with RTLD_GLOBAL, as
+Each is loaded as its import would load it, and only those that are safe to
+load first. For torch, what its import loads first: its global dependencies
+(CUDA's runtime libraries on a CUDA build) with RTLD_GLOBAL, as
 torch/__init__.py does before anything else, then the CPU library. The CUDA
 library (libtorch_cuda.so) is left to the import: torch loads some of CUDA's
 libraries by path between the two (pytorch#138460), and loading it first
-could pick others from the library path.
+could pick others from the library path. For Triton, its extension module,
+with the flags Python's import uses (its own module initialisation still
+runs in the import).
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import sys
 
-# In torch/lib, in the order torch's import loads them, with the flags it uses.
-TORCH_LIBRARIES = (("libtorch_global_deps.so", os.RTLD_NOW | os.RTLD_GLOBAL),
-                   ("libc10.so", os.RTLD_NOW), ("libtorch_cpu.so", os.RTLD_NOW))
+# By package, in the order its import loads them, with the flags it uses.
+LIBRARIES = {
+    "torch": (("lib/libtorch_global_deps.so", os.RTLD_NOW | os.RTLD_GLOBAL), ("lib/libc10.so", os.RTLD_NOW),
+              ("lib/libtorch_cpu.so", os.RTLD_NOW)),
+    "triton": (("_C/libtriton.so", sys.getdlopenflags()),),
+}
 
 
 def package_folder(name: str) -> str | None:
@@ -36,12 +43,12 @@ def package_folder(name: str) -> str | None:
     return locations[0] if locations else None
 
 
-def torch_libraries() -> list[tuple[str, int]]:
-    """(path, dlopen flags) of the torch libraries to load first; none without torch."""
-    folder = package_folder("torch")
+def libraries(package: str) -> list[tuple[str, int]]:
+    """(path, dlopen flags) of `package`'s libraries to load first; none without the package."""
+    folder = package_folder(package)
     if folder is None:
         return []
-    found = [(os.path.join(folder, "lib", name), flags) for name, flags in TORCH_LIBRARIES]
+    found = [(os.path.join(folder, name), flags) for name, flags in LIBRARIES[package]]
     return [(path, flags) for path, flags in found if os.path.isfile(path)]
 
 
@@ -57,3 +64,8 @@ def load(libraries: list[tuple[str, int]]) -> list[str]:
             break  # the next may need it: torch's import takes it from here
         loaded.append(path)
     return loaded
+
+
+def load_all() -> list[str]:
+    """Every package's libraries (LIBRARIES); the paths loaded."""
+    return [path for package in LIBRARIES for path in load(libraries(package))]
