@@ -1,8 +1,8 @@
 """How long the daemon's event loop waits while the CUDA transport's module is
 imported on a thread once the daemon serves (daemon/main.py
-add_cuda_transport), with torch's and Triton's largest libraries loaded
-without Python's lock (server/daemon/preload.py, "preload") and without
-("import only").
+add_cuda_transport), with the libraries server/daemon/preload.py loads
+first without Python's lock (Triton's: "preload") and without ("import
+only").
 
     python bench/import_stall.py [--rounds 3] [--drop-caches] [--module triton.language]
 

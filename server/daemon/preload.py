@@ -1,21 +1,22 @@
-"""Loading torch's and Triton's largest shared libraries without holding Python's lock.
+"""Loading Triton's library without holding Python's lock.
 
-The daemon imports torch and Triton on a thread once it serves (daemon/main.py
-add_cuda_transport). Python's import, like ctypes.CDLL, holds the
-interpreter's lock through each dlopen, and the dlopen of those libraries
-takes hundreds of milliseconds, during which the event loop answers no call
-(docs/benchmarks.md). dlopen called as a C function through ctypes lets the
-lock go, and the imports that follow find those libraries already loaded.
+The daemon imports the CUDA transport's modules, torch and Triton among them,
+on a thread once it serves (daemon/main.py add_cuda_transport). Python's
+import, like ctypes.CDLL, holds the interpreter's lock through each dlopen,
+and a large library takes a tenth of a second or more to load, during which
+the event loop answers no call (docs/benchmarks.md). dlopen called as a C
+function through ctypes lets the lock go, and the import that follows finds
+the library loaded.
 
-Each is loaded as its import would load it, and only those that are safe to
-load first. For torch, what its import loads first: its global dependencies
-(CUDA's runtime libraries on a CUDA build) with RTLD_GLOBAL, as
-torch/__init__.py does before anything else, then the CPU library. The CUDA
-library (libtorch_cuda.so) is left to the import: torch loads some of CUDA's
-libraries by path between the two (pytorch#138460), and loading it first
-could pick others from the library path. For Triton, its extension module,
-with the flags Python's import uses (its own module initialisation still
-runs in the import).
+Only a library that is safe to load before its package's import, with the
+flags that import would use: Triton's extension library, which needs nothing
+of CUDA's to load (its module's initialisation still runs in the import).
+torch's are left to its import: the large ones (libtorch_cpu.so,
+libtorch_cuda.so) come after torch has loaded CUDA's libraries by path (its
+_preload_cuda_deps; pytorch#138460), and on a CUDA build they need some of
+them (CUDA's runtime; CUPTI for its profiler), which loaded earlier could
+come from LD_LIBRARY_PATH instead. What torch's import loads first (its
+global dependencies, c10) took no measurable time off the wait.
 """
 
 from __future__ import annotations
@@ -26,11 +27,7 @@ import os
 import sys
 
 # By package, in the order its import loads them, with the flags it uses.
-LIBRARIES = {
-    "torch": (("lib/libtorch_global_deps.so", os.RTLD_NOW | os.RTLD_GLOBAL), ("lib/libc10.so", os.RTLD_NOW),
-              ("lib/libtorch_cpu.so", os.RTLD_NOW)),
-    "triton": (("_C/libtriton.so", sys.getdlopenflags()),),
-}
+LIBRARIES = {"triton": (("_C/libtriton.so", sys.getdlopenflags()),)}
 
 
 def package_folder(name: str) -> str | None:
@@ -61,7 +58,7 @@ def load(libraries: list[tuple[str, int]]) -> list[str]:
     loaded = []
     for path, flags in libraries:
         if not dlopen(os.fsencode(path), flags):
-            break  # the next may need it: torch's import takes it from here
+            break  # the next may need it: the import takes it from here
         loaded.append(path)
     return loaded
 
