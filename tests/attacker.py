@@ -214,7 +214,7 @@ def wait_flood(socket_path: str, count: int, keep: int) -> None:
         for c in calls:
             if c.done():
                 codes[c.code().name] = codes.get(c.code().name, 0) + 1
-                if c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if c.code() != grpc.StatusCode.OK:
                     refusal = c.details()
         return calls, {"waiting": sum(not c.done() for c in calls), "codes": codes, "refusal": refusal}
 

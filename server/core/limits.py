@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdepot.errors import InvalidArgument, ResourceExhausted
+from kvdepot.errors import ComingUp, InvalidArgument, ResourceExhausted
 from kvdepot.layout import check_tensor_bounds
 
 # What one ReportLookups may add: far more than an engine answers between two
@@ -146,12 +146,14 @@ class Limits:
 
     def room_to_wait(self, waiting: int, identity, kind: str) -> None:
         """Before a registration waits for the `kind` transport to come up;
-        `waiting`: those of the same user waiting already."""
+        `waiting`: those of the same user waiting already. Past the limit the
+        call is answered at once, as one whose deadline would come first is
+        (ComingUp: the client asks again), so that it holds nothing meanwhile."""
         if waiting >= self.max_waiting_registrations_per_uid:
-            raise ResourceExhausted(
-                f"{identity.describe()} has {waiting} worker registrations waiting for the daemon's {kind} "
-                f"transport to come up, the most one user may (--max-waiting-registrations-per-uid "
-                f"{self.max_waiting_registrations_per_uid}); register again once it is up"
+            raise ComingUp(
+                f"the daemon's {kind} transport is still starting, and {identity.describe()} has {waiting} "
+                f"worker registrations waiting for it, the most one user may (--max-waiting-registrations-per-uid "
+                f"{self.max_waiting_registrations_per_uid}); ask again"
             )
 
     def check_worker_counts(self, tensors: int, handles: int) -> None:

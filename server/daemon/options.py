@@ -367,7 +367,8 @@ OPTIONS = [
     limit("max_waiting_registrations_per_uid",
           "Worker registrations one user id (on TCP: one tenant) may have waiting at once for a transport "
           "still coming up (the CUDA transport, for seconds after the daemon starts serving); each holds its "
-          "request meanwhile. More: RESOURCE_EXHAUSTED.", kind=int),
+          "request meanwhile. More are answered at once UNAVAILABLE 'coming up' (the client asks again).",
+          kind=int),
     limit("stats_max_entries",
           "Namespaces, and clients, that one stats answer lists at most (the busiest); the rest are counted "
           "(namespaces_omitted, clients_omitted).", kind=int),
