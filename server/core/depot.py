@@ -382,6 +382,10 @@ class Depot(JobPath):
     def busy_seconds(self) -> tuple[float, float]:
         return self.store_clock.seconds, self.load_clock.seconds
 
+    def finished_counts(self) -> tuple[Counters, JobTimes]:
+        """What finished jobs counted in all, and their durations."""
+        return self.totals, self.job_times
+
     # ------------------------------------------------------------ accounting
 
     def _count(self, session: Session | None, ns: Namespace, **deltas: int) -> None:

@@ -185,21 +185,26 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
     if not viewer.admin:
         return Report(**base, totals=_sum(counts[ns][2] for ns in namespaces))
     transports = depot.transports.values()
+    # What jobs hold, then what finished jobs counted: where jobs finish on a
+    # thread of their own meanwhile (the native lane), a job whose pins are
+    # seen gone is then seen counted, never the other way round.
+    pinned_slots, jobs_in_flight = depot.index.pinned_slots, depot.jobs_in_flight
+    totals, job_times = depot.finished_counts()
     store_seconds, load_seconds = depot.busy_seconds()
     return Report(
         **base,
-        totals=depot.totals.copy(),
+        totals=totals.copy(),
         admin=True,
         store_seconds=store_seconds,
         load_seconds=load_seconds,
-        pinned_slots=depot.index.pinned_slots,
+        pinned_slots=pinned_slots,
         open_ipc_mappings=sum(t.open_mappings for t in transports),
         # NVML is asked here, on the loop: about a millisecond per GPU.
         gpus=[gpu for t in transports for gpu in t.gpu_stats()],
         sessions=len(depot.sessions),
         sessions_ended=depot.sessions_ended,
-        jobs_in_flight=depot.jobs_in_flight,
-        job_times=depot.job_times.copy(),
+        jobs_in_flight=jobs_in_flight,
+        job_times=job_times.copy(),
     )
 
 

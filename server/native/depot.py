@@ -256,10 +256,8 @@ class NativeDepot(Depot):
         counts = self.lane.counts()
         return counts["store_busy_ns"] / 1e9, counts["load_busy_ns"] / 1e9
 
-    def report(self, viewer, asking_session_id: str = "", most=None):
-        self.totals = self.lane.totals()
-        self.job_times = self.lane.job_times()
-        return super().report(viewer, asking_session_id, most)
+    def finished_counts(self):
+        return self.lane.totals(), self.lane.job_times()
 
     # ------------------------------------------------------------ the kept pool's sealing (tiers/warm.py)
 
