@@ -25,7 +25,8 @@
    "pool up": from opening the pool to the whole of it faulted in and
    pinned, as the daemon logs it (each start waits for it). "GPU up": a
    pinned pool's daemon, once its CUDA transport is up (it comes up behind
-   the start; a GPU worker's registration waits for it), from its log.
+   the start; a GPU worker's registration waits for it), from the time of
+   its log line.
 4. Kill -9: the warm daemon is killed and started again: the same figures.
    Then one batch is loaded back and its blocks checked.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import hashlib
 import json
 import logging
@@ -101,9 +103,18 @@ class Daemon:
         self.log_path = os.path.join(self.folder, f"{self.name}-{self.starts}.log")
         self._log = open(self.log_path, "wb")
         started = time.monotonic()
+        self.started_at = time.time()  # the log's timestamps are wall-clock times
         self.proc = subprocess.Popen([*self.args, *extra], stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         self.started = started
         return started
+
+    def seconds_at(self, line: re.Pattern) -> float | None:
+        """Seconds from the process start to the first log line matching `line`, by its timestamp."""
+        for text in self.log().splitlines():
+            if line.search(text):
+                stamp = datetime.datetime.strptime(text[:23], "%Y-%m-%d %H:%M:%S,%f")
+                return stamp.timestamp() - self.started_at
+        return None
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -220,7 +231,7 @@ def measure_start(daemon: Daemon, keys: list[bytes], want: int, *extra: str) -> 
         daemon.wait_for(TRANSPORT)
     log = daemon.log()
     if (m := TRANSPORT.search(log)) and m.group(1):
-        row["gpu_up_s"] = row["ready_s"] + float(m.group(1))
+        row["gpu_up_s"] = daemon.seconds_at(TRANSPORT)
     if m := POOL_UP_AFTER.search(log):
         row["pool_up_s"] = float(m.group(1))
     if m := POOL_READY.search(log):
