@@ -193,16 +193,10 @@ def sparse(socket_path: str, count: int) -> None:
 
 def wait_flood(socket_path: str, count: int, keep: int) -> None:
     from kvcache import make_kv_cache
-
-    from kvdepot.client.tensors import tensor_layout, tensor_spec
+    from raw_client import cpu_worker_request
 
     channel, stub, stream, started = attach(socket_path, "wait-flood")
-    tensors, block_dim = make_kv_cache("per_layer", seed=1)
-    layouts = [tensor_layout(t, block_dim, f"l{i}") for i, t in enumerate(tensors)]
-    request = pb.RegisterWorkerRequest(
-        session_id=started.session_id, namespace=pb.NamespaceSpec(**namespace("per_layer")), rank=0, device="cpu",
-        tensors=[tensor_spec(t) for t in layouts],
-        handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker()) for _ in tensors])
+    request, _ = cpu_worker_request(started.session_id, namespace("per_layer"), *make_kv_cache("per_layer", seed=1))
 
     def flood(n: int) -> tuple[list, dict]:
         calls = [stub.RegisterWorker.future(request) for _ in range(n)]

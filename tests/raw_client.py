@@ -103,18 +103,13 @@ class RawSession:
         staging memory handed over first: (RegisterWorkerResponse, StagingMemory)."""
         from kvdepot.client.job_socket import hand_over
         from kvdepot.client.shm_copy import StagingMemory
-        from kvdepot.client.tensors import tensor_layout, tensor_spec
         from kvdepot.layout import WorkerLayout
 
-        layouts = [tensor_layout(t, block_dim, f"l{i}") for i, t in enumerate(tensors)]
+        request, layouts = cpu_worker_request(self.id, ns, tensors, block_dim, rank=rank)
         layout = WorkerLayout.of(layouts)
         staging = StagingMemory(layout.num_blocks, layout.block_bytes)
-        staging_id = hand_over(self.started.job_socket, self.id, staging.fd, 10)
-        response = self.stub.RegisterWorker(pb.RegisterWorkerRequest(
-            session_id=self.id, namespace=pb.NamespaceSpec(**ns), rank=rank, device="cpu",
-            tensors=[tensor_spec(t) for t in layouts], staging_id=staging_id,
-            handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker()) for _ in tensors]))
-        return response, staging
+        request.staging_id = hand_over(self.started.job_socket, self.id, staging.fd, 10)
+        return self.stub.RegisterWorker(request), staging
 
     def close(self) -> None:
         """Ends the session (the Attach stream closes)."""
@@ -122,3 +117,16 @@ class RawSession:
         if self.jobs is not None:
             self.jobs.close()
         self.channel.close()
+
+
+def cpu_worker_request(session_id: str, ns: dict, tensors, block_dim: int, staging_id: int = 0, rank: int = 0):
+    """A shared-memory worker's RegisterWorkerRequest for `tensors`, as the
+    client library makes it, and the tensors' layouts."""
+    from kvdepot.client.tensors import tensor_layout, tensor_spec
+
+    layouts = [tensor_layout(t, block_dim, f"l{i}") for i, t in enumerate(tensors)]
+    request = pb.RegisterWorkerRequest(
+        session_id=session_id, namespace=pb.NamespaceSpec(**ns), rank=rank, device="cpu",
+        tensors=[tensor_spec(t) for t in layouts], staging_id=staging_id,
+        handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker()) for _ in tensors])
+    return request, layouts

@@ -20,14 +20,12 @@ import pytest
 from attacker import H2_PREFACE, answer_h2
 from conftest import subprocess_env, wait_until
 from kvcache import attach_worker, make_kv_cache, namespace
-from raw_client import RawSession
+from raw_client import RawSession, cpu_worker_request
 from test_limits_connections import ATTACKER, store_and_check
 from test_staging import daemon_staging_maps, memfd, offer, refused
 from test_trust import NOBODY, as_uid, needs_second_uid, start_shared
 
-from kvdepot.client.tensors import tensor_layout, tensor_spec
 from kvdepot.layout import WorkerLayout
-from kvdepot.proto import kvdepot_pb2 as pb
 
 GIB = 1 << 30
 
@@ -94,11 +92,8 @@ def test_sparse_memfds_of_one_uid_stop_at_its_budget_and_another_uids_worker_reg
 
 def register_cpu_worker(session: RawSession, staging_id: int, seed: int):
     tensors, block_dim = make_kv_cache("per_layer", seed=seed)
-    layouts = [tensor_layout(t, block_dim, f"l{i}") for i, t in enumerate(tensors)]
-    session.stub.RegisterWorker(pb.RegisterWorkerRequest(
-        session_id=session.id, namespace=pb.NamespaceSpec(**namespace("per_layer")), rank=0, device="cpu",
-        tensors=[tensor_spec(t) for t in layouts], staging_id=staging_id,
-        handles=[pb.TensorHandle(shared_memory=pb.SharedMemoryWorker()) for _ in tensors]))
+    request, layouts = cpu_worker_request(session.id, namespace("per_layer"), tensors, block_dim, staging_id)
+    session.stub.RegisterWorker(request)
     return WorkerLayout.of(layouts)
 
 

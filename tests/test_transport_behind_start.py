@@ -47,6 +47,20 @@ def register_in_background(client, tensors, block_dim):
     return thread, result
 
 
+def stores_and_loads_back(client, worker, tensors, keys) -> None:
+    """Blocks 0.. stored under `keys`, zeroed, loaded back: every byte as it was."""
+    n = len(keys)
+    job = client.submit_store(worker, 1, keys, list(range(n)))
+    assert client.wait([job], 30)[job].ok
+    saved = [t[:, 0:n].clone() for t in tensors]
+    for t in tensors:
+        t[:, 0:n] = 0
+    job = client.submit_load(worker, 2, keys, list(range(n)))
+    assert client.wait([job], 30)[job].ok
+    for t, want in zip(tensors, saved, strict=True):
+        assert torch.equal(t[:, 0:n], want)
+
+
 @pytest.mark.parametrize("lane", ["python", "native"])
 def test_a_worker_registering_before_its_transport_is_up_waits_for_it(start_daemon, client_factory, tmp_path, lane):
     daemon, gate = late_daemon(start_daemon, tmp_path, lane)
@@ -64,16 +78,7 @@ def test_a_worker_registering_before_its_transport_is_up_waits_for_it(start_daem
     gate.unlink()
     thread.join(10)
     assert not thread.is_alive() and "error" not in result, result
-    worker = result["worker"]
-    job = client.submit_store(worker, 1, keys, list(range(8)))
-    assert client.wait([job], 30)[job].ok
-    saved = [t[:, 0:8].clone() for t in tensors]
-    for t in tensors:
-        t[:, 0:8] = 0
-    job = client.submit_load(worker, 2, keys, list(range(8)))
-    assert client.wait([job], 30)[job].ok
-    for t, want in zip(tensors, saved, strict=True):
-        assert torch.equal(t[:, 0:8], want)
+    stores_and_loads_back(client, result["worker"], tensors, keys)
     assert other.lookup(engine, keys).ready_blocks == 8
 
 
@@ -149,14 +154,5 @@ def test_one_user_cannot_pile_up_waiting_registrations_and_anothers_registration
     gate.unlink()
     thread.join(10)
     assert not thread.is_alive() and "error" not in result, result
-    keys = prompt_keys(8, prompt=7)
-    job = client.submit_store(result["worker"], 1, keys, list(range(8)))
-    assert client.wait([job], 30)[job].ok
-    saved = [t[:, 0:8].clone() for t in tensors]
-    for t in tensors:
-        t[:, 0:8] = 0
-    job = client.submit_load(result["worker"], 2, keys, list(range(8)))
-    assert client.wait([job], 30)[job].ok
-    for t, want in zip(tensors, saved, strict=True):
-        assert torch.equal(t[:, 0:8], want)
+    stores_and_loads_back(client, result["worker"], tensors, prompt_keys(8, prompt=7))
     assert daemon.running
