@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from keyed_blocks import KeyedEngine  # noqa: E402
 from kvcache import prompt_keys  # noqa: E402
+
 from kvdepot.client import KVDepotClient  # noqa: E402
 
 
