@@ -10,16 +10,19 @@ import os
 import numpy as np
 import pytest
 
-from kvdepot.server.host import shard_hash
+from kvdepot.server.host import shard_hash, shard_record
 from kvdepot.server.host.shard_record import ShardRecord, data_hash, hash_of, pack, unpack
 
 
 @pytest.fixture
 def no_native():
-    saved = shard_hash._native, shard_hash._native_many
+    """Neither hash compiled (a test that loads the library sets both again)."""
+    saved = (shard_hash._native, shard_hash._native_many), (shard_record._native_many, shard_record._native_at)
     shard_hash.use_native(None)
+    shard_record.use_native(None)
     yield
-    shard_hash.use_native(*saved)
+    shard_hash.use_native(*saved[0])
+    shard_record.use_native(*saved[1])
 
 
 def test_a_changed_word_swapped_blocks_and_another_length_change_the_hash(no_native):
@@ -80,6 +83,38 @@ def test_shards_hashed_at_once_are_each_hashed_alone(compiled, no_native):
         with pytest.raises(ValueError, match="outside the buffer|8-byte words"):
             shard_hash.gpu_hash_at(memory, np.array(bad_offsets, dtype=np.uint64),
                                    np.array(bad_lengths, dtype=np.uint64))
+    view.release()
+    memory.close()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_cpu_sealed_shards_hashed_at_once_are_each_hashed_alone(compiled, no_native):
+    """Adoption checks a part of the CPU-sealed shards (xxh3) in one call too:
+    each hash is that shard's own, and a changed byte in one changes only its."""
+    if compiled:
+        binding = pytest.importorskip("kvdepot.server.native.binding")
+        try:
+            binding.load()
+        except OSError as e:
+            pytest.skip(f"the native lane is not built ({e})")
+        assert shard_record._native_at is not None
+    memory = mmap.mmap(-1, 4 << 20)
+    memory[:] = os.urandom(4 << 20)
+    offsets = np.array([0, 4096, 1 << 20, (4 << 20) - 1, 24, 77], dtype=np.uint64)
+    lengths = np.array([4096, 18432, 3 << 20, 1, 8, 0], dtype=np.uint64)
+    hashes = shard_record.data_hash_at(memory, offsets, lengths)
+    view = memoryview(memory)
+    for at, n, h in zip(offsets.tolist(), lengths.tolist(), hashes.tolist(), strict=True):
+        assert h == data_hash(bytes(view[at : at + n])), (at, n)
+    memory[4096 + 100] ^= 0x01  # in the second shard only
+    again = shard_record.data_hash_at(memory, offsets, lengths)
+    assert [a != b for a, b in zip(hashes.tolist(), again.tolist(), strict=True)] == [False, True, False, False,
+                                                                                       False, False]
+    assert len(shard_record.data_hash_at(memory, offsets[:0], lengths[:0])) == 0
+    for bad_offsets, bad_lengths in (([4 << 20], [8]), ([(4 << 20) - 8], [16])):
+        with pytest.raises(ValueError, match="outside the buffer"):
+            shard_record.data_hash_at(memory, np.array(bad_offsets, dtype=np.uint64),
+                                      np.array(bad_lengths, dtype=np.uint64))
     view.release()
     memory.close()
 

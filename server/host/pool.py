@@ -28,7 +28,7 @@ import numpy as np
 from kvdepot.kept_pools import HEADER_BYTES, pack_header, read_header
 from kvdepot.keys import KEY_VERSION
 from kvdepot.pool_parts import MAX_PARTS, Layout, striped
-from kvdepot.server.host import numa, shard_hash
+from kvdepot.server.host import numa, shard_hash, shard_record
 from kvdepot.server.host.bring_up import (
     POPULATE_CHUNK_BYTES,
     BringUp,
@@ -357,6 +357,11 @@ class HostPool:
         """shard_hash.gpu_hash of the first `lengths[i]` bytes of each run at `slots[i]`, at once."""
         offsets = np.array(slots, dtype=np.uint64) * np.uint64(self.slot_bytes)
         return shard_hash.gpu_hash_at(self.buffer, offsets, np.array(lengths, dtype=np.uint64))
+
+    def data_hashes(self, slots: list[int], lengths: list[int]) -> np.ndarray:
+        """shard_record.data_hash (xxh3) of the same, at once."""
+        offsets = np.array(slots, dtype=np.uint64) * np.uint64(self.slot_bytes)
+        return shard_record.data_hash_at(self.buffer, offsets, np.array(lengths, dtype=np.uint64))
 
     def add_online(self, first: int, count: int) -> None:
         """Slots [first, first + count) are up: free to hand out (the loop's

@@ -71,23 +71,28 @@ def use_native(function, many=None) -> None:
     _native, _native_many = function, many
 
 
-def gpu_hash_at(base, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """uint64[n]: H of the `lengths[i]` bytes at `offsets[i]` of the writable
-    buffer `base`, in one compiled call where there is one (the GIL released
-    for all of them, not taken back a shard at a time)."""
+def hashes_at(base, offsets: np.ndarray, lengths: np.ndarray, one, many, words: int = 1) -> np.ndarray:
+    """uint64[n]: `one(bytes)` of the `lengths[i]` bytes at `offsets[i]` of
+    the writable buffer `base`, through `many(addresses, lengths, hashes, n)`
+    in one compiled call where there is one (the GIL released for all of them,
+    not taken back a shard at a time). Lengths must be multiples of `words`."""
     raw = memoryview(base).cast("B")
     offsets = np.asarray(offsets, dtype=np.uint64)
     lengths = np.asarray(lengths, dtype=np.uint64)
-    if len(offsets) and (int((offsets + lengths).max()) > len(raw) or bool((lengths % 8).any())):
-        raise ValueError("a shard outside the buffer, or not of whole 8-byte words")
-    if _native_many is None or raw.readonly:
-        return np.array([gpu_hash(raw[o : o + n]) for o, n in zip(offsets.tolist(), lengths.tolist())],
-                        dtype=np.uint64)
+    if len(offsets) and (int((offsets + lengths).max()) > len(raw) or bool((lengths % words).any())):
+        raise ValueError("a shard outside the buffer" + (f", or not of whole {words}-byte words" if words > 1 else ""))
+    if many is None or raw.readonly:
+        return np.array([one(raw[o : o + n]) for o, n in zip(offsets.tolist(), lengths.tolist())], dtype=np.uint64)
     hashes = np.zeros(len(offsets), dtype=np.uint64)
     if len(offsets):
         addresses = offsets + np.uint64(ctypes.addressof(ctypes.c_char.from_buffer(raw)))
-        _native_many(addresses.ctypes.data, lengths.ctypes.data, hashes.ctypes.data, len(offsets))
+        many(addresses.ctypes.data, lengths.ctypes.data, hashes.ctypes.data, len(offsets))
     return hashes
+
+
+def gpu_hash_at(base, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """uint64[n]: H of each shard (hashes_at): adoption checks what the GPU sealed."""
+    return hashes_at(base, offsets, lengths, gpu_hash, _native_many, words=8)
 
 
 def gpu_hash(data, length: int | None = None) -> int:

@@ -119,13 +119,20 @@ _MAGIC_WORD = int.from_bytes(MAGIC, "little")
 UNPACK_WINDOW = 1 << 20
 
 # `many(base, offsets, length, hashes, n)`: data_hash of `length` bytes at
-# each offset, in one call (the native lane's library registers it).
+# each offset, in one call; `at(addresses, lengths, hashes, n)`: data_hash of
+# `lengths[i]` bytes at each address (the native lane's library registers both).
 _native_many = None
+_native_at = None
 
 
-def use_native(many) -> None:
-    global _native_many
-    _native_many = many
+def use_native(many, at=None) -> None:
+    global _native_many, _native_at
+    _native_many, _native_at = many, at
+
+
+def data_hash_at(base, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """uint64[n]: data_hash of each shard (shard_hash.hashes_at): adoption checks what the CPU sealed."""
+    return shard_hash.hashes_at(base, offsets, lengths, data_hash, _native_at)
 
 
 def _own_hashes(view: memoryview, offsets: np.ndarray) -> np.ndarray:

@@ -167,6 +167,7 @@ _SIGNATURES = {
     "kvd_gpu_hash": ([ctypes.c_void_p, ctypes.c_size_t], _U64),
     "kvd_gpu_hash_many": ([_P, _P, _P, ctypes.c_size_t], None),
     "kvd_data_hash_many": ([_P, _P, _U64, _P, ctypes.c_size_t], None),
+    "kvd_data_hash_at": ([_P, _P, _P, ctypes.c_size_t], None),
     "kvd_cuda_init": ([_P, ctypes.POINTER(CudaApi)], None),
     "kvd_cuda_has_device": ([_P, _INT], _INT),
     "kvd_cuda_device": ([_P, ctypes.POINTER(CudaDeviceConfig)], None),
@@ -188,7 +189,8 @@ def load(path: Path | None = None) -> ctypes.CDLL:
     if lib.kvd_build_id().decode() != build.build_id():
         raise OSError(f"{path.name} was built from other sources")
     shard_hash.use_native(lib.kvd_gpu_hash, lib.kvd_gpu_hash_many)  # records the GPU sealed, checked at adoption
-    shard_record.use_native(lib.kvd_data_hash_many)  # each kept record's own hash, at adoption
+    # Each kept record's own hash, and the bytes of those the CPU sealed, at adoption.
+    shard_record.use_native(lib.kvd_data_hash_many, lib.kvd_data_hash_at)
     return lib
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvdepot.server.host.pool import HostPool
-from kvdepot.server.host.shard_record import ShardRecord, hash_of, unpack_columns
+from kvdepot.server.host.shard_record import ShardRecord, unpack_columns
 from kvdepot.server.tiers.catalog import Catalog
 
 
@@ -292,17 +292,14 @@ class Adoption:
         pool = self.pool
 
         def hash_all(part: list[tuple[int, ShardRecord]]) -> list[int]:
-            # The GPU-sealed shards (the native lane's) in one call, any other one by one.
-            gpu = [i for i, (_, record) in enumerate(part) if record.gpu_hashed]
+            # The GPU-sealed shards (the native lane's) in one call, the CPU-sealed in another.
             hashes = [0] * len(part)
-            if gpu:
-                at = pool.gpu_hashes([part[i][0] for i in gpu], [part[i][1].length for i in gpu])
-                for i, h in zip(gpu, at.tolist(), strict=True):
-                    hashes[i] = h
-            if len(gpu) < len(part):
-                for i, (slot, record) in enumerate(part):
-                    if not record.gpu_hashed:
-                        hashes[i] = hash_of(record, pool.slot_view(slot, record.length))
+            for gpu, hashing in ((True, pool.gpu_hashes), (False, pool.data_hashes)):
+                which = [i for i, (_, record) in enumerate(part) if record.gpu_hashed == gpu]
+                if which:
+                    at = hashing([part[i][0] for i in which], [part[i][1].length for i in which])
+                    for i, h in zip(which, at.tolist(), strict=True):
+                        hashes[i] = h
             return hashes
 
         # A few parts a thread, not a task a shard: a future costs more than hashing a small shard.
