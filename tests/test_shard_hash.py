@@ -79,7 +79,7 @@ def test_shards_hashed_at_once_are_each_hashed_alone(compiled, no_native):
     for at, n, h in zip(offsets.tolist(), lengths.tolist(), hashes.tolist(), strict=True):
         assert h == shard_hash.gpu_hash(bytes(view[at : at + n])), (at, n)
     assert len(shard_hash.gpu_hash_at(memory, offsets[:0], lengths[:0])) == 0
-    for bad_offsets, bad_lengths in (([4 << 20], [8]), ([(4 << 20) - 8], [16]), ([0], [12])):
+    for bad_offsets, bad_lengths in (([4 << 20], [8]), ([(4 << 20) - 8], [16]), ([0], [12]), ([2**64 - 8], [16])):
         with pytest.raises(ValueError, match="outside the buffer|8-byte words"):
             shard_hash.gpu_hash_at(memory, np.array(bad_offsets, dtype=np.uint64),
                                    np.array(bad_lengths, dtype=np.uint64))
@@ -111,7 +111,8 @@ def test_cpu_sealed_shards_hashed_at_once_are_each_hashed_alone(compiled, no_nat
     assert [a != b for a, b in zip(hashes.tolist(), again.tolist(), strict=True)] == [False, True, False, False,
                                                                                        False, False]
     assert len(shard_record.data_hash_at(memory, offsets[:0], lengths[:0])) == 0
-    for bad_offsets, bad_lengths in (([4 << 20], [8]), ([(4 << 20) - 8], [16])):
+    wraps = 2**64 - 8  # with a length of 16, the sum wraps to 8
+    for bad_offsets, bad_lengths in (([4 << 20], [8]), ([(4 << 20) - 8], [16]), ([wraps], [16]), ([8], [wraps])):
         with pytest.raises(ValueError, match="outside the buffer"):
             shard_record.data_hash_at(memory, np.array(bad_offsets, dtype=np.uint64),
                                       np.array(bad_lengths, dtype=np.uint64))

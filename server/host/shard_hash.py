@@ -79,7 +79,10 @@ def hashes_at(base, offsets: np.ndarray, lengths: np.ndarray, one, many, words: 
     raw = memoryview(base).cast("B")
     offsets = np.asarray(offsets, dtype=np.uint64)
     lengths = np.asarray(lengths, dtype=np.uint64)
-    if len(offsets) and (int((offsets + lengths).max()) > len(raw) or bool((lengths % words).any())):
+    size = np.uint64(len(raw))
+    # Compared without adding: an offset and a length that wrap around 2**64 would pass a sum.
+    if len(offsets) and (bool((offsets > size).any()) or bool((lengths > size - np.minimum(offsets, size)).any())
+                         or bool((lengths % words).any())):
         raise ValueError("a shard outside the buffer" + (f", or not of whole {words}-byte words" if words > 1 else ""))
     if many is None or raw.readonly:
         return np.array([one(raw[o : o + n]) for o, n in zip(offsets.tolist(), lengths.tolist())], dtype=np.uint64)
