@@ -1,6 +1,6 @@
 """Pinning the pool through CUDA's driver (libcuda), without torch.
 
-Importing torch takes 4-5 s on the GPU hosts, more than the rest of a start
+Importing torch takes 4-8 s on the GPU hosts, more than the rest of a start
 together, and pinning needs none of it: the pool is registered here, in the
 primary context of the first GPU (the one torch's runtime uses later), as
 portable and mapped memory, which every GPU's context sees and whose host
