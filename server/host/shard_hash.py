@@ -77,8 +77,8 @@ def hashes_at(base, offsets: np.ndarray, lengths: np.ndarray, one, many, words: 
     in one compiled call where there is one (the GIL released for all of them,
     not taken back a shard at a time). Lengths must be multiples of `words`."""
     raw = memoryview(base).cast("B")
-    offsets = np.asarray(offsets, dtype=np.uint64)
-    lengths = np.asarray(lengths, dtype=np.uint64)
+    offsets = np.ascontiguousarray(offsets, dtype=np.uint64)
+    lengths = np.ascontiguousarray(lengths, dtype=np.uint64)  # passed by address
     size = np.uint64(len(raw))
     # Compared without adding: an offset and a length that wrap around 2**64 would pass a sum.
     if len(offsets) and (bool((offsets > size).any()) or bool((lengths > size - np.minimum(offsets, size)).any())
