@@ -139,6 +139,11 @@ def by_block_size(counts: dict, slot_bytes: int) -> list[BlockSizeReport]:
 
 def build(depot, viewer: Identity | None, asking_session_id: str, most: int | None) -> Report:
     pool = depot.pool
+    # What jobs hold first, then everything that finished jobs change (counters,
+    # namespaces' and the pool's slots): where jobs finish on a thread of their
+    # own meanwhile (the native lane), a job seen gone is then seen counted and
+    # its slots seen freed, never the other way round.
+    pinned_slots, jobs_in_flight = depot.index.pinned_slots, depot.jobs_in_flight
     visible = visible_to(viewer)
     # The caller's namespaces alone: with the pool's used slots, anyone's KV
     # bytes would tell another tenant's block size (its model's shape).
@@ -185,10 +190,6 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
     if not viewer.admin:
         return Report(**base, totals=_sum(counts[ns][2] for ns in namespaces))
     transports = depot.transports.values()
-    # What jobs hold, then what finished jobs counted: where jobs finish on a
-    # thread of their own meanwhile (the native lane), a job whose pins are
-    # seen gone is then seen counted, never the other way round.
-    pinned_slots, jobs_in_flight = depot.index.pinned_slots, depot.jobs_in_flight
     totals, job_times = depot.finished_counts()
     store_seconds, load_seconds = depot.busy_seconds()
     return Report(
