@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,7 +70,7 @@ class Daemon:
                 args += ["--" + name.replace("_", "-"), str(value)]
         return args
 
-    def start(self, wait: bool = True) -> "Daemon":
+    def start(self, wait: bool = True) -> Daemon:
         self.starts += 1
         self.log_path = self.folder / f"kvdepotd-{self.starts}.log"
         self._log = open(self.log_path, "wb")
@@ -181,7 +181,7 @@ def client_factory():
 
     clients = []
 
-    def make(daemon: Daemon, name: str = "test", **kwargs) -> "KVDepotClient":
+    def make(daemon: Daemon, name: str = "test", **kwargs) -> KVDepotClient:
         client = KVDepotClient(daemon.socket, name=name, **kwargs)
         clients.append(client)
         return client.connect(10)

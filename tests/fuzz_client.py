@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fuzz_messages import NUM_BLOCKS, job_script, request_strategy, valid_namespace, valid_worker  # noqa: E402
+
 from kvdepot.defaults import (  # noqa: E402
     JOB_FRAME_HEADER,
     KEY_BYTES,
@@ -164,7 +165,7 @@ class JobSocketProbe:
                 chunk = self.sock.recv(n - len(data))
             except ConnectionResetError:
                 chunk = b""
-            except socket.timeout:
+            except TimeoutError:
                 raise Problem("job socket", f"no reply within {CALL_TIMEOUT} s", "") from None
             if not chunk:
                 self.closed = True

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvcache import attach_worker, prompt_keys  # noqa: E402
+
 from kvdepot.client import KVDepotClient  # noqa: E402
 
 

@@ -19,8 +19,9 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvcache import make_kv_cache, namespace, prompt_keys  # noqa: E402
-from kvdepot.proto import kvdepot_pb2 as pb  # noqa: E402
 from raw_client import RawSession  # noqa: E402
+
+from kvdepot.proto import kvdepot_pb2 as pb  # noqa: E402
 
 
 def code_of(call) -> str:

@@ -8,11 +8,11 @@ import socket
 import grpc
 import pytest
 import torch
+from kvcache import NUM_BLOCKS, attach_worker, block_of, namespace, prompt_keys
 
 from kvdepot import errors
 from kvdepot.client.tensors import tensor_layout, tensor_spec
 from kvdepot.proto import kvdepot_pb2 as pb
-from kvcache import attach_worker, NUM_BLOCKS, block_of, namespace, prompt_keys
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ def test_garbage_bytes_on_the_socket_do_not_hurt(setup, daemon):
             s.settimeout(2)
             try:
                 s.recv(1024)
-            except (socket.timeout, ConnectionResetError):
+            except (TimeoutError, ConnectionResetError):
                 pass
     assert daemon.running
     assert_still_intact(client, engine, worker, tensors, keys)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from conftest import wait_until
 
 from kvdepot.client.jobs import JobBook

@@ -13,9 +13,9 @@ import sys
 import time
 
 import pytest
-
 from conftest import subprocess_env, wait_until
 from kvcache import make_kv_cache, namespace, prompt_keys
+
 from kvdepot import errors
 
 

@@ -25,10 +25,11 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
+from packaging.requirements import Requirement
+
 from kvdepot.client.cli import build_parser as cli_parser
 from kvdepot.server.daemon.config import load_config
 from kvdepot.settings import parse_size
-from packaging.requirements import Requirement
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -10,7 +10,6 @@ import sys
 import time
 
 import torch
-
 from conftest import settled, subprocess_env, wait_until
 from kvcache import NUM_BLOCKS, attach_worker, block_of, prompt_keys, tier
 

@@ -9,9 +9,9 @@ import re
 from functools import cache
 from pathlib import Path
 
+from conftest import REPO
 from google.protobuf.descriptor import Descriptor
 
-from conftest import REPO
 from kvdepot.proto import kvdepot_pb2 as pb
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

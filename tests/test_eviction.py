@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import wait_until
 from kvcache import attach_worker, block_of, prompt_keys
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import subprocess_env, wait_until
 from kvcache import attach_worker, block_of, dram, prompt_keys
 

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from conftest import subprocess_env, wait_until
 from keyed_blocks import KeyedEngine
-from kvdepot.proto import kvdepot_pb2 as pb
 from kvcache import prompt_keys
+
+from kvdepot.proto import kvdepot_pb2 as pb
 
 FUZZER = str(Path(__file__).resolve().parent / "fuzz_client.py")
 EXAMPLES = int(os.environ.get("KVDEPOT_FUZZ_EXAMPLES", "800"))

@@ -4,16 +4,15 @@ and where there is no job socket the gRPC calls still do the same work."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from conftest import wait_until
 from kvcache import attach_worker, block_of, namespace, prompt_keys
-from kvdepot import errors
-from kvdepot.proto import kvdepot_pb2 as pb
 from raw_client import LENGTH, RawJobSocket, RawSession
 from test_daemon_lifecycle import free_port
+
+from kvdepot import errors
+from kvdepot.proto import kvdepot_pb2 as pb
 
 
 def raw_session(daemon):

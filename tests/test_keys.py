@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import subprocess_env
+
 from kvdepot.keys import KEY_VERSION, ROOT, block_keys, chain_key, chain_plain, encode_extra
 
 # Token ids and extra keys in, hex keys out: the vectors docs/keys.md lists.

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from conftest import subprocess_env, wait_until
 from kvcache import attach_worker, prompt_keys
+
 from kvdepot.proto import kvdepot_pb2 as pb
 
 HOSTILE = str(Path(__file__).resolve().parent / "hostile_client.py")

@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from conftest import subprocess_env, wait_until
 from kvcache import attach_worker, prompt_keys
 from test_trust import NOBODY, as_uid, needs_second_uid

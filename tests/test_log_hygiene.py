@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 import re
 
-from kvdepot.logsafe import RateLimitedLog
 from test_limits_connections import Attacker
+
+from kvdepot.logsafe import RateLimitedLog
 
 FORGED = "FAKE kvdepotd 0.1.0 ready on unix:/tmp/elsewhere"
 

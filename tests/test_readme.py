@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from conftest import REPO
+
 from kvdepot.server.daemon.options import OPTIONS
 
 

@@ -18,7 +18,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import subprocess_env, wait_until
 from kvcache import NUM_BLOCKS, attach_worker, block_of, prompt_keys
 

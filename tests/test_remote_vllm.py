@@ -6,7 +6,6 @@ token for token as without any connector, with remote hits in B's stats."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import wait_until
 from test_remote_tier import cluster, empty_store, node, remote, whole_cluster  # noqa: F401 (fixtures)
 from test_vllm_e2e import DAEMON_OPTIONS, baseline, generate, model, prompts, with_kvdepot  # noqa: F401 (fixtures)

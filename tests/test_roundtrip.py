@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import subprocess_env
 from kvcache import NUM_BLOCKS, block_of
 

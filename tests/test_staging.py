@@ -12,14 +12,14 @@ import socket
 
 import grpc
 import pytest
-
 from conftest import wait_until
 from kvcache import attach_worker, make_kv_cache, namespace, prompt_keys
+from raw_client import RawJobSocket, RawSession
+
 from kvdepot.client.shm_copy import StagingMemory
 from kvdepot.client.tensors import tensor_layout, tensor_spec
 from kvdepot.layout import WorkerLayout
 from kvdepot.proto import kvdepot_pb2 as pb
-from raw_client import RawJobSocket, RawSession
 
 
 def offer(session: RawSession, descriptors: list[int], session_id: str | None = None) -> pb.JobReply:

@@ -78,7 +78,7 @@ class Taken:
         self.threads, self.fds, self.handlers = threads, fds, handlers
 
     @classmethod
-    def now(cls, folder) -> "Taken":
+    def now(cls, folder) -> Taken:
         fds = set()
         for fd in os.listdir("/proc/self/fd"):
             try:

@@ -18,6 +18,7 @@ import time
 
 from conftest import subprocess_env
 from kvcache import attach_worker, prompt_keys
+
 from kvdepot.client.watch import LEAVE_SCREEN, byte_rate, counter_rates, interval_seconds
 from kvdepot.proto import kvdepot_pb2 as pb
 

@@ -17,13 +17,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import kvcache
 import pytest
+import vllm_harness as h
 from conftest import REPO, subprocess_env, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_generate import kvdepot_kv_transfer_config, make_prompts, openai_server_argv, vllm_env
 
-import kvcache
-import vllm_harness as h
 from kvdepot.client import KVDepotClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -12,9 +12,9 @@ import signal
 import time
 
 import pytest
+from conftest import wait_until
 from vllm_engine import BLOCK, DAEMON_OPTIONS, make_engine, prompt, wait_for_copy
 
-from conftest import wait_until
 from kvdepot.client import KVDepotClient
 
 pytestmark = pytest.mark.vllm

@@ -6,9 +6,8 @@ from __future__ import annotations
 import copy
 
 import pytest
-from vllm_engine import BLOCK, DAEMON_OPTIONS, prompt, wait_for_copy
-
 import vllm_harness as h
+from vllm_engine import BLOCK, DAEMON_OPTIONS, prompt, wait_for_copy
 
 pytestmark = pytest.mark.vllm
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import subprocess_env, wait_until
 from kvcache import NUM_BLOCKS, attach_worker, block_of, dram, prompt_keys
 
@@ -250,8 +249,9 @@ def test_a_kept_block_never_loads_into_a_worker_of_another_layout(start_daemon, 
     """The kept pool's catalog remembers each rank's layout: after the restart a
     worker of the same namespace with smaller blocks (2 layers instead of 4) is
     refused at registration, as it would have been before the restart."""
-    from kvdepot.errors import InvalidArgument
     from kvcache import BLOCK_SIZE, HEAD_DIM, KV_HEADS, namespace
+
+    from kvdepot.errors import InvalidArgument
 
     daemon, client = stored_and_stopped(start_daemon, client_factory, seed=10, prompt=9)
     daemon.start()

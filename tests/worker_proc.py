@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvcache import make_kv_cache, namespace, prompt_keys  # noqa: E402
+
 from kvdepot.client import KVDepotClient  # noqa: E402
 
 
