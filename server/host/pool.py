@@ -353,15 +353,12 @@ class HostPool:
         start = slot * self.slot_bytes
         return memoryview(self.buffer)[start : start + length]
 
-    def gpu_hashes(self, slots: list[int], lengths: list[int]) -> np.ndarray:
-        """shard_hash.gpu_hash of the first `lengths[i]` bytes of each run at `slots[i]`, at once."""
+    def shard_hashes(self, slots: list[int], lengths: list[int], gpu_hashed: bool) -> np.ndarray:
+        """The hash of the first `lengths[i]` bytes of each run at `slots[i]`, at once: the GPU's
+        (shard_hash.gpu_hash) or xxh3 (shard_record.data_hash), as the records say they were sealed."""
         offsets = np.array(slots, dtype=np.uint64) * np.uint64(self.slot_bytes)
-        return shard_hash.gpu_hash_at(self.buffer, offsets, np.array(lengths, dtype=np.uint64))
-
-    def data_hashes(self, slots: list[int], lengths: list[int]) -> np.ndarray:
-        """shard_record.data_hash (xxh3) of the same, at once."""
-        offsets = np.array(slots, dtype=np.uint64) * np.uint64(self.slot_bytes)
-        return shard_record.data_hash_at(self.buffer, offsets, np.array(lengths, dtype=np.uint64))
+        at = shard_hash.gpu_hash_at if gpu_hashed else shard_record.data_hash_at
+        return at(self.buffer, offsets, np.array(lengths, dtype=np.uint64))
 
     def add_online(self, first: int, count: int) -> None:
         """Slots [first, first + count) are up: free to hand out (the loop's

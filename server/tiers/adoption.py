@@ -294,10 +294,10 @@ class Adoption:
         def hash_all(part: list[tuple[int, ShardRecord]]) -> list[int]:
             # The GPU-sealed shards (the native lane's) in one call, the CPU-sealed in another.
             hashes = [0] * len(part)
-            for gpu, hashing in ((True, pool.gpu_hashes), (False, pool.data_hashes)):
+            for gpu in (True, False):
                 which = [i for i, (_, record) in enumerate(part) if record.gpu_hashed == gpu]
                 if which:
-                    at = hashing([part[i][0] for i in which], [part[i][1].length for i in which])
+                    at = pool.shard_hashes([part[i][0] for i in which], [part[i][1].length for i in which], gpu)
                     for i, h in zip(which, at.tolist(), strict=True):
                         hashes[i] = h
             return hashes

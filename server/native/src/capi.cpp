@@ -1,7 +1,8 @@
 // The C functions Python calls (server/native/binding.py declares each).
 // Every one that takes a lane runs on the event loop's thread; the hashes
-// (kvd_*hash*), which take none, run on adoption's threads. A call that can refuse returns a
-// gRPC status code (0: none) and leaves its message for kvd_error. A closed
+// (kvd_*hash*), which take none, run on adoption's threads. A call that can
+// refuse returns a gRPC status code (0: none) and leaves its message for
+// kvd_error. A closed
 // lane (NULL: the daemon is exiting, and a call may still come from a stream
 // that ends late) is a call that does nothing.
 #include <exception>
