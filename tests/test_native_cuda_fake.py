@@ -5,7 +5,9 @@ once, the copy kernel on the CPU). What it shows is the lane's bookkeeping:
 bytes land where the block ids and slots say, in chunks smaller than a job,
 with jobs waiting for room in a small id ring, stores held until their
 compute is done, a worker that died before its compute fails its store, a bad
-event handle is refused. `pytest -m cuda` runs the same path on a GPU."""
+event handle is refused; and what a GPU would have to finish before each copy
+or kernel (the fake logs the streams' order and event waits). `pytest -m cuda`
+runs the same path on a GPU."""
 
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ class Rig:
         self.lane.add_namespace(NS, self.lane.scope("t", None), 1, "ns", bytes(16))
         self.lane.add_session(SESSION, SESSION, "s" * 32, 4096)
         self.keep = []  # host memory the "GPU" uses, alive while the lane is
+        self.staging: dict[int, list[tuple[int, int]]] = {}  # each direction's buffers: [start, end)
         self.cache = [self._memory(torch.randint(0, 256, (BLOCKS, page), dtype=torch.uint8)) for _ in range(LAYERS)]
         table = [self._ints([t.data_ptr() for t in self.cache]), self._ints([page] * LAYERS),
                  self._ints([k * page for k in range(LAYERS)]), self._ints([page] * LAYERS)]
@@ -89,8 +92,12 @@ class Rig:
             hashes = dict(hash_blocks=LaneKernel(HASH_BLOCKS, 128, 0, (8, 8, 8, 8, 8, 4)),
                           hash_rows=LaneKernel(HASH_ROWS, 32, 0, (8, 8, 4, 8)), hash_keys=keys.data_ptr(),
                           hash_scratch=tuple(t.data_ptr() for t in scratch))
-        return LaneStream(0x11, 0x12, tuple(b.data_ptr() for b in buffers), self.rows, (0x21, 0x22), (0x23, 0x24),
-                          host.data_ptr(), gpu.data_ptr(), RING, self._ints(list(range(self.rows))).data_ptr(),
+        self.staging[function] = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in buffers]
+        # Each direction its own streams and buffer events, as on a GPU.
+        copies, kernels, events = (0x11, 0x12, 0x21) if function == GATHER else (0x13, 0x14, 0x25)
+        return LaneStream(copies, kernels, tuple(b.data_ptr() for b in buffers), self.rows, (events, events + 1),
+                          (events + 2, events + 3), host.data_ptr(), gpu.data_ptr(), RING,
+                          self._ints(list(range(self.rows))).data_ptr(),
                           LaneKernel(function, 128, 0, (8,) * 8 + (4,) * 3, programs=4), **hashes)
 
     def _api(self) -> dict[str, int]:
@@ -131,9 +138,26 @@ class Rig:
         assert self.lane.verify() == ""
         return {j: self.done.pop(j) for j in jobs}
 
+    def ops(self) -> list[Op]:
+        """The copies and kernels queued since the log was cleared, in order."""
+        found = []
+        for i in range(self.fake.fake_ops()):
+            op = Op()
+            self.fake.fake_op(i, ctypes.byref(op))
+            found.append(op)
+        return found
+
     def close(self) -> None:
         self.lane.close()
         self.pool.close(discard=True)
+
+
+class Op(ctypes.Structure):
+    """tests/fake_cuda/fake_cuda.cpp's Op."""
+
+    _fields_ = [("kind", ctypes.c_char), ("stream", ctypes.c_uint64), ("seq", ctypes.c_uint64),
+                ("function", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("src", ctypes.c_uint64),
+                ("bytes", ctypes.c_uint64), ("buffer", ctypes.c_uint64)]
 
 
 @pytest.fixture
@@ -248,3 +272,62 @@ def test_blocks_of_several_slots_land_in_their_runs_and_load_back(fake, tmp_path
 def test_a_block_larger_than_the_staging_buffers_is_refused(fake, tmp_path):
     with pytest.raises(Exception, match="does not fit the GPU's staging buffers"):
         Rig(fake, tmp_path, page=5 * SLOT // 2 // LAYERS, rows=2)
+
+
+def test_staging_buffers_pass_between_streams_without_holding_up_the_next_chunk(rig, fake):
+    """A job bigger than a staging buffer goes through both buffers in turn,
+    its kernels on one stream and its transfers on the other. On a GPU each
+    use of a buffer must come after the other stream's last use of it (else a
+    gather overwrites rows still being copied out), and nothing more: a chunk's
+    gather must not wait for the transfers of the chunk before it, which use
+    the other buffer, or the copy engine idles while every gather runs. The
+    same for loads: a chunk's transfers must not wait for the scatter before.
+    What comes before what is read from the streams' order and the event waits
+    the lane queued (the fake's vector clocks)."""
+    fake.fake_clear_ops()
+    stored = [keys(12, 1100), keys(12, 1200)]  # three chunks of four blocks each
+    rig.store(1, stored[0], list(range(0, 24, 2)))
+    rig.store(2, stored[1], list(range(1, 24, 2)))
+    assert rig.wait([1, 2]) == {1: (True, ""), 2: (True, "")}
+    rig.load(3, stored[0], list(range(24, 36)))
+    rig.load(4, stored[1], list(range(36, 48)))
+    assert rig.wait([3, 4]) == {3: (True, ""), 4: (True, "")}
+    ops = rig.ops()
+
+    def touches(op, start: int, end: int) -> bool:
+        if op.kind == b"k":
+            return start <= op.buffer < end
+        return any(start <= a < end for a in (op.dst, op.src))
+
+    for function, direction in ((GATHER, "store"), (SCATTER, "load")):
+        for start, end in rig.staging[function]:
+            users = [i for i, op in enumerate(ops) if touches(op, start, end)]
+            assert len(users) >= 6, f"the {direction}s used a buffer only {len(users)} times"
+            for a, i in enumerate(users):
+                for j in users[a + 1 :]:
+                    assert ops[i].stream == ops[j].stream or fake.fake_before(i, j), (
+                        f"{direction}: op {j} uses a staging buffer without waiting for op {i}")
+
+    def chunks(kernel: int, staging):
+        """(the chunk's kernel, its transfers) for each chunk, in order."""
+        found = []
+        for i, op in enumerate(ops):
+            if op.kind == b"k" and op.function == kernel:
+                found.append((i, []))
+        for i, op in enumerate(ops):
+            if op.kind == b"c" and any(s <= a < e for s, e in staging for a in (op.dst, op.src)):
+                owner = [k for k, _ in found if k < i] if kernel == GATHER else [k for k, _ in found if k > i]
+                chunk = owner[-1] if kernel == GATHER else owner[0]
+                next(c for k, c in found if k == chunk).append(i)
+        return found
+
+    stores = chunks(GATHER, rig.staging[GATHER])
+    loads = chunks(SCATTER, rig.staging[SCATTER])
+    # (A load alone ends with a smaller chunk: six or seven.)
+    assert len(stores) == 6 and len(loads) >= 6 and all(t for _, t in stores + loads)
+    for (gather, transfers), (next_gather, _) in zip(stores, stores[1:]):
+        assert all(fake.fake_before(gather, t) for t in transfers)  # a chunk's rows are gathered before they go
+        assert not any(fake.fake_before(t, next_gather) for t in transfers), "a gather waited for the chunk before"
+    for (scatter, transfers), (_, next_transfers) in zip(loads, loads[1:]):
+        assert all(fake.fake_before(t, scatter) for t in transfers)  # a chunk's rows arrive before they scatter
+        assert not any(fake.fake_before(scatter, t) for t in next_transfers), "transfers waited for the scatter before"

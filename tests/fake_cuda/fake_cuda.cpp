@@ -5,10 +5,18 @@
 // It lets the native lane's CUDA path run without a GPU: what it checks is the
 // lane's bookkeeping (rings, chunks, runs, kernel arguments, completion,
 // fences, the gate), not CUDA; pytest -m cuda runs the real thing.
+// Each copy and kernel is also logged with a vector clock of the streams, so
+// that a test can ask what a real GPU would have had to finish before it:
+// which operations the stream order and the event waits put before it.
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <cstdlib>
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <vector>
 
 extern "C" {
 
@@ -19,14 +27,74 @@ const uintptr_t GATHER = 0x1000, SCATTER = 0x2000, HASH_BLOCKS = 0x3000, HASH_RO
 std::atomic<int> compute_done{1};
 std::atomic<int> launches{0}, copies{0};
 
+// One queued copy ('c') or kernel ('k'): on which stream, its place in that
+// stream (1, 2, ...), and what it touched: a copy's destination and source,
+// a kernel's function and staging buffer.
+struct Op {
+  char kind;
+  uint64_t stream, seq, function, dst, src, bytes, buffer;
+};
+using Clock = std::array<uint64_t, 16>;
+static std::mutex log_mutex;
+static std::vector<Op> ops;
+static std::vector<Clock> op_clocks;
+static std::map<uint64_t, int> stream_slot;
+static std::map<uint64_t, Clock> stream_clock, event_clock;
+
+static int slot_of(void* stream) {
+  auto it = stream_slot.find((uint64_t)stream);
+  if (it != stream_slot.end()) return it->second;
+  int slot = (int)stream_slot.size() % 16;
+  stream_slot[(uint64_t)stream] = slot;
+  return slot;
+}
+static void log_op(Op op, void* stream) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  Clock& clock = stream_clock[(uint64_t)stream];
+  op.stream = (uint64_t)stream;
+  op.seq = ++clock[slot_of(stream)];
+  ops.push_back(op);
+  op_clocks.push_back(clock);
+}
+
 int fake_set_device(int) { return 0; }
-int fake_memcpy_async(void* dst, const void* src, size_t n, int, void*) {
+int fake_memcpy_async(void* dst, const void* src, size_t n, int, void* stream) {
   std::memcpy(dst, src, n);
   copies++;
+  log_op(Op{'c', 0, 0, 0, (uint64_t)dst, (uint64_t)src, n, 0}, stream);
   return 0;
 }
-int fake_event_record(void*, void*) { return 0; }
-int fake_stream_wait_event(void*, void*, unsigned) { return 0; }
+int fake_event_record(void* event, void* stream) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  event_clock[(uint64_t)event] = stream_clock[(uint64_t)stream];
+  return 0;
+}
+int fake_stream_wait_event(void* stream, void* event, unsigned) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  Clock& clock = stream_clock[(uint64_t)stream];
+  const Clock& seen = event_clock[(uint64_t)event];
+  for (int i = 0; i < 16; i++) clock[i] = std::max(clock[i], seen[i]);
+  return 0;
+}
+// The log, for the tests: its length, entry i, whether op i comes before op j
+// on a GPU (j's stream has seen i's), and a fresh start.
+int fake_ops() {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  return (int)ops.size();
+}
+void fake_op(int i, Op* out) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  *out = ops.at(i);
+}
+int fake_before(int i, int j) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  return op_clocks.at(j)[stream_slot.at(ops.at(i).stream)] >= ops.at(i).seq;
+}
+void fake_clear_ops() {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  ops.clear();
+  op_clocks.clear();
+}
 int fake_event_query(void* event) {
   // An IPC-opened compute event is a tagged pointer: 1 in its low bit.
   if (((uintptr_t)event & 1) && !compute_done.load()) return 600;
@@ -59,9 +127,12 @@ static uint64_t mix(uint64_t z) {
 }
 
 int fake_launch_kernel(void* function, unsigned grid, unsigned grid_y, unsigned, unsigned, unsigned, unsigned, unsigned,
-                       void*, void** params, void**) {
+                       void* stream, void** params, void**) {
   auto u64 = [&](int i) { return *reinterpret_cast<uint64_t*>(params[i]); };
   auto u32 = [&](int i) { return (uint64_t)*reinterpret_cast<uint32_t*>(params[i]); };
+  uintptr_t f = (uintptr_t)function;
+  uint64_t staging = f == HASH_BLOCKS ? u64(0) : f == HASH_ROWS ? 0 : u64(6);
+  log_op(Op{'k', 0, 0, f, 0, 0, 0, staging}, stream);
   if ((uintptr_t)function == HASH_BLOCKS) {  // (buffer, slot_bytes, length, keys, out, blocks_per_row)
     const uint8_t* buffer = reinterpret_cast<const uint8_t*>(u64(0));
     uint64_t slot_bytes = u64(1), length = u64(2), per_row = u32(5);

@@ -123,6 +123,7 @@ struct CopyStream {
   Spans spans;
   int next_buffer = 0;
   uint8_t owner[2] = {NOBODY, NOBODY};
+  bool marked[2] = {false, false};  // owner's event recorded right after its last use of the buffer
   std::deque<Job*> waiting;  // for room in the ring, in order (the lane's thread's)
   int64_t last_end_ns = 0;  // the completion thread's: when it saw the last job end
   std::atomic<uint64_t> tracked{0}, done{0};
@@ -566,16 +567,28 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
     launch_kernel(c.hash_rows, (unsigned)count, 1,
                   {c.hash_scratch[b], length, per_row, c.ring_host + 8 * ((uint64_t)job.span_start + n + 1 + first)}, on);
   };
-  // Before `on` touches buffer b: the stream that touched it last hands it
-  // over (an event there, a wait on `on`); the same stream needs nothing.
+  // Before `on` touches buffer b, it waits for the other stream's last use of
+  // b. That use is marked (`hand_over`) as soon as it is queued: an event
+  // recorded only when the next user comes would also wait for whatever that
+  // stream queued since (the next job's transfers, or its kernels), and a
+  // stream's transfers would take turns with its kernels instead of
+  // overlapping them. Where nothing marked it (the copy stream alone ran the
+  // small jobs before), the event is recorded now.
   auto take_buffer = [&](int b, uint8_t on) {
     uint8_t last = stream.owner[b];
     if (last != NOBODY && last != on) {
       void* event = reinterpret_cast<void*>(last == KERNEL_STREAM ? c.filled[b] : c.drained[b]);
-      check(api_.event_record(event, stream.of(last)), "cudaEventRecord");
+      if (!stream.marked[b]) check(api_.event_record(event, stream.of(last)), "cudaEventRecord");
       check(api_.stream_wait_event(stream.of(on), event, 0), "cudaStreamWaitEvent");
     }
     stream.owner[b] = on;
+    stream.marked[b] = false;
+  };
+  auto hand_over = [&](int b) {
+    uint8_t last = stream.owner[b];
+    void* event = reinterpret_cast<void*>(last == KERNEL_STREAM ? c.filled[b] : c.drained[b]);
+    check(api_.event_record(event, stream.of(last)), "cudaEventRecord");
+    stream.marked[b] = true;
   };
   bool one_stream = n * pitch <= ONE_STREAM_BYTES && n <= per_chunk;
   uint8_t kernel_side = one_stream ? COPY_STREAM : KERNEL_STREAM;
@@ -614,16 +627,20 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
       upload(stream.of(kernel_side));
       launch(first, count, buffer, stream.of(kernel_side));
       if (hashing(stream, true)) hash(first, count, b, stream.of(kernel_side));
+      if (!one_stream) hand_over(b);
       take_buffer(b, COPY_STREAM);
       transfer_runs();
+      if (!one_stream) hand_over(b);
     } else {
       take_buffer(b, COPY_STREAM);
       transfer_runs();
+      if (!one_stream) hand_over(b);
       stamp(job, TRANSFERS);
       // Only now: the load's first transfer is queued already, and the copy engine does not wait for the upload.
       upload(stream.of(kernel_side));
       take_buffer(b, kernel_side);
       launch(first, count, buffer, stream.of(kernel_side));
+      if (!one_stream) hand_over(b);
     }
     stamp(job, FIRST_CHUNK);
   }
