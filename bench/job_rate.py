@@ -338,7 +338,7 @@ def plot_main(args) -> int:
         run = json.loads(Path(path).read_text())
         title = f"{run['device']}, {run['date']}"
         # In order of load (workers, then depth): the line follows the node as it gets busier.
-        points = sorted((p for p in run["points"] if p["blocks"] == args.plot_blocks),
+        points = sorted((p for p in run["points"] if p["blocks"] == args.plot_blocks and p["depth"] == args.plot_depth),
                         key=lambda p: (p["workers"], p["depth"]))
         rates = [p["jobs_per_s"] for p in points]
         line = ax.plot(rates, [p["p50_ms"] for p in points], "o-", label=f"{run['label']}: p50")[0]
@@ -346,7 +346,7 @@ def plot_main(args) -> int:
         for p in points:
             ax.annotate(f"{p['workers']}w", (p["jobs_per_s"], p["p99_ms"]), textcoords="offset points",
                         xytext=(4, 4), fontsize=8)
-    ax.set_xlabel(f"jobs/s for the node ({args.plot_blocks}-block jobs)")
+    ax.set_xlabel(f"jobs/s for the node ({args.plot_blocks}-block jobs, {args.plot_depth} in flight a worker)")
     ax.set_ylabel("submit to done, ms")
     ax.set_yscale("log")
     ax.set_title(f"Latency against load, one daemon ({title})", fontsize=10)
@@ -374,6 +374,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="draw the JSON files given into this PNG, and run nothing")
     parser.add_argument("--plot-blocks", type=int, default=4, help="the job size whose points are drawn")
+    parser.add_argument("--plot-depth", type=int, default=4, help="the depth whose points are drawn")
     parser.add_argument("files", nargs="*")
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
