@@ -44,7 +44,8 @@ static std::map<uint64_t, Clock> stream_clock, event_clock;
 static int slot_of(void* stream) {
   auto it = stream_slot.find((uint64_t)stream);
   if (it != stream_slot.end()) return it->second;
-  int slot = (int)stream_slot.size() % 16;
+  int slot = (int)stream_slot.size();
+  if (slot >= 16) std::abort();  // a 17th stream would share a clock: the orders read would be wrong
   stream_slot[(uint64_t)stream] = slot;
   return slot;
 }
