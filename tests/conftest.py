@@ -74,7 +74,8 @@ class Daemon:
         self.starts += 1
         self.log_path = self.folder / f"kvdepotd-{self.starts}.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.args(), stdout=self._log, stderr=subprocess.STDOUT, env=subprocess_env(**self.env))
+        self.proc = subprocess.Popen(self.args(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=subprocess_env(**self.env))
         if wait:
             self.wait_ready()
         return self

@@ -389,7 +389,7 @@ def main() -> int:
         except Problem as e:
             problems.append(e.report)
             if not alive(args.daemon_pid):
-                raise SystemExit(report(counts, problems + [{"where": "daemon", "what": "the daemon died"}]))
+                raise SystemExit(report(counts, problems + [{"where": "daemon", "what": "the daemon died"}])) from None
         counts["examples"] += 1
 
     fuzz()

@@ -309,17 +309,15 @@ def test_staging_buffers_pass_between_streams_without_holding_up_the_next_chunk(
                         f"{direction}: op {j} uses a staging buffer without waiting for op {i}")
 
     def chunks(kernel: int, staging):
-        """(the chunk's kernel, its transfers) for each chunk, in order."""
-        found = []
-        for i, op in enumerate(ops):
-            if op.kind == b"k" and op.function == kernel:
-                found.append((i, []))
+        """(the chunk's kernel, its transfers) for each chunk, in order: a store's
+        transfers follow its gather, a load's come before its scatter."""
+        kernels = [i for i, op in enumerate(ops) if op.kind == b"k" and op.function == kernel]
+        transfers = {k: [] for k in kernels}
         for i, op in enumerate(ops):
             if op.kind == b"c" and any(s <= a < e for s, e in staging for a in (op.dst, op.src)):
-                owner = [k for k, _ in found if k < i] if kernel == GATHER else [k for k, _ in found if k > i]
-                chunk = owner[-1] if kernel == GATHER else owner[0]
-                next(c for k, c in found if k == chunk).append(i)
-        return found
+                chunk = max(k for k in kernels if k < i) if kernel == GATHER else min(k for k in kernels if k > i)
+                transfers[chunk].append(i)
+        return [(k, transfers[k]) for k in kernels]
 
     stores = chunks(GATHER, rig.staging[GATHER])
     loads = chunks(SCATTER, rig.staging[SCATTER])

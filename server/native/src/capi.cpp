@@ -2,9 +2,8 @@
 // Every one that takes a lane runs on the event loop's thread; the hashes
 // (kvd_*hash*), which take none, run on adoption's threads. A call that can
 // refuse returns a gRPC status code (0: none) and leaves its message for
-// kvd_error. A closed
-// lane (NULL: the daemon is exiting, and a call may still come from a stream
-// that ends late) is a call that does nothing.
+// kvd_error. A closed lane (NULL: the daemon is exiting, and a call may still
+// come from a stream that ends late) is a call that does nothing.
 #include <exception>
 
 #include "lane_impl.h"
