@@ -329,3 +329,28 @@ def test_staging_buffers_pass_between_streams_without_holding_up_the_next_chunk(
     for (scatter, transfers), (_, next_transfers) in zip(loads, loads[1:]):
         assert all(fake.fake_before(t, scatter) for t in transfers)  # a chunk's rows arrive before they scatter
         assert not any(fake.fake_before(scatter, t) for t in next_transfers), "transfers waited for the scatter before"
+
+
+def test_a_small_load_after_a_big_one_lands_after_it(rig, fake):
+    """Two loads into the same GPU blocks land in the order they were
+    submitted: the block ends up holding the second's data. A load of a
+    buffer's share or less runs on the copy stream alone, where a big load's
+    scatters run on the kernel stream, chunk by chunk through both buffers;
+    the small load's scatter must come after every scatter of the big one,
+    not only after the last that used the buffer it takes."""
+    first, second = keys(12, 1300), keys(3, 1400)
+    rig.store(1, first, list(range(0, 12)))
+    rig.store(2, second, list(range(12, 15)))
+    assert rig.wait([1, 2]) == {1: (True, ""), 2: (True, "")}
+    expected = [rig.block(i) for i in range(12, 15)]
+    fake.fake_clear_ops()
+    rig.load(3, first, list(range(24, 36)))
+    rig.load(4, second, list(range(33, 36)))  # the big load's last blocks
+    assert rig.wait([3, 4]) == {3: (True, ""), 4: (True, "")}
+    assert [rig.block(i) for i in range(33, 36)] == expected
+    ops = rig.ops()
+    scatters = [i for i, op in enumerate(ops) if op.kind == b"k" and op.function == SCATTER]
+    big, small = scatters[:-1], scatters[-1]
+    assert len(big) >= 3 and len({ops[i].stream for i in big}) == 1 and ops[small].stream != ops[big[0]].stream
+    late = [i for i in big if not fake.fake_before(i, small)]
+    assert not late, f"the small load's scatter (op {small}) may land before the big load's ops {late}"

@@ -592,6 +592,20 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
   };
   bool one_stream = n * pitch <= ONE_STREAM_BYTES && n <= per_chunk;
   uint8_t kernel_side = one_stream ? COPY_STREAM : KERNEL_STREAM;
+  if (one_stream && !to_host) {
+    // A load on the copy stream alone waits for the buffer it takes, whose
+    // last scatter may not be the kernel stream's last: the other buffer's
+    // may come later, and into the same GPU blocks. Loads land in the order
+    // they were submitted, so it waits for that one too (once, at the turn
+    // from two streams to one: the next job takes that buffer anyway).
+    int other = 1 - stream.next_buffer;
+    if (stream.owner[other] == KERNEL_STREAM) {
+      void* event = reinterpret_cast<void*>(c.filled[other]);
+      if (!stream.marked[other]) check(api_.event_record(event, stream.kernels()), "cudaEventRecord");
+      stream.marked[other] = true;
+      check(api_.stream_wait_event(stream.stream(), event, 0), "cudaStreamWaitEvent");
+    }
+  }
   for (auto& chunk : staging_chunks(n, per_chunk, !one_stream && !to_host && stream.idle())) {
     uint64_t first = chunk.first, count = chunk.second;
     int b = stream.next_buffer;
