@@ -20,6 +20,14 @@ client knows the job ended) over every job of every worker, the worst worker's p
 the daemon's CPU seconds per job (its utime + stime over the window, from /proc), and
 the GB/s the jobs moved. --json keeps the figures; --plot draws p50 and p99 against
 jobs/s for one or more such files (the versions compared in one run).
+
+--stages turns the daemon's job tracing on (KVDEPOT_TRACE_JOBS, kvdepot/jobtrace.py) and
+prints, for stores and loads of each point, the p50 and p99 of each step the daemon stamps
+(received -> begin: checked, slots reserved; begin -> launch: a store waiting for its compute
+at the gate; launch -> queued: its copies queued; queued -> gpu_done: the GPU's queue and the
+copy; gpu_done -> finish: the completion thread's hand-over; finish -> done_sent), and what
+is left of submit-to-done outside the daemon (p50 of the whole less p50 of the daemon's span).
+Tracing costs the daemon's event loop a line a job: the rates it prints are a little lower.
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +48,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 DEFAULT_GRID = "1x4x4,2x4x4,4x4x4,8x4x4,4x16x4,4x1x8"
+# The daemon's stamps a job goes through, in order (a transport stamps those it has).
+STAGES = ("received", "begin", "launch", "queued", "gpu_done", "finish", "done_sent")
 
 
 def _cpu_seconds(pid: int, thread: int | None = None) -> float:
@@ -193,6 +205,7 @@ class Workers:
                    "--shm-block-bytes", str(args.shm_block_bytes), "--load-sets", str(args.load_sets)]
         env = dict(os.environ,
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        env.pop("KVDEPOT_TRACE_JOBS", None)  # the daemon's stamps alone
         self.procs = [subprocess.Popen([*command, "--index", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        text=True, env=env) for i in range(count)]
         for proc in self.procs:
@@ -225,6 +238,7 @@ def run_point(args, pool: Workers, daemon_pid: int, workers: int, blocks: int, d
         pool._expect(proc, "ready")
     start_at = time.time() + 0.5
     stop_at = start_at + args.seconds
+    window = (time.perf_counter_ns() + int(0.5e9), time.perf_counter_ns() + int((0.5 + args.seconds) * 1e9))
     pool.tell(procs, f"go {start_at} {stop_at}")
     time.sleep(max(0.0, start_at - time.time()))
     cpu_before, loop_before = _cpu_seconds(daemon_pid), _cpu_seconds(daemon_pid, daemon_pid)
@@ -263,7 +277,37 @@ def run_point(args, pool: Workers, daemon_pid: int, workers: int, blocks: int, d
         "gb_per_s": jobs * blocks * block_bytes / args.seconds / 1e9,
         "failed": sum(r["failed"] for r in reports),
     }
+    if args.stages:
+        time.sleep(0.2)  # the last jobs' lines
+        point["stages_us"] = _stages(args, window)
+        for kind, steps in point["stages_us"].items():
+            latencies = [x * 1e6 for r in reports for x in r["latencies"][kind]]
+            if latencies and "daemon" in steps:
+                steps["outside the daemon"] = [statistics.median(latencies) - steps["daemon"][0], None]
     return point
+
+
+def _stages(args, window: tuple[int, int]) -> dict:
+    """p50 and p99 (µs) of each step between the daemon's stamps, by kind, over
+    the jobs it received in the window; "daemon": received to done_sent."""
+    steps: dict[str, dict[str, list[float]]] = {"store": {}, "load": {}}
+    with open(args.trace_path) as f:
+        f.seek(args.trace_offset)
+        for line in f:
+            if not line.endswith("\n"):
+                break  # a line still being written: read with the next point
+            args.trace_offset += len(line.encode())
+            record = json.loads(line)
+            stamps = record["stamps"]
+            if record["kind"] not in steps or not window[0] <= stamps.get("received", 0) <= window[1]:
+                continue
+            seen = [stage for stage in STAGES if stamps.get(stage)]
+            for a, b in zip(seen, seen[1:]):
+                steps[record["kind"]].setdefault(f"{a} -> {b}", []).append((stamps[b] - stamps[a]) / 1e3)
+            if len(seen) > 1 and seen[0] == "received" and seen[-1] == "done_sent":
+                steps[record["kind"]].setdefault("daemon", []).append((stamps["done_sent"] - stamps["received"]) / 1e3)
+    return {kind: {name: [statistics.median(values), _percentile(values, 0.99)] for name, values in found.items()}
+            for kind, found in steps.items() if found}
 
 
 def _block_bytes(args) -> int:
@@ -281,6 +325,11 @@ def node_main(args) -> int:
     # Stores read the first half of a worker's cache, loads write the second.
     args.cache_blocks = max(args.cache_blocks, 2 * max(b for _, b, _ in grid))
     block_bytes = _block_bytes(args)
+    if args.stages:
+        trace_dir = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        args.trace_path, args.trace_offset = os.path.join(trace_dir, "daemon.jsonl"), 0
+        os.environ["KVDEPOT_TRACE_JOBS"] = args.trace_path  # the daemon inherits it
+        Path(args.trace_path).touch()
     if args.transport == "cuda":
         import torch
         from kvdepotd import BenchDaemon
@@ -306,6 +355,8 @@ def node_main(args) -> int:
             points = [_run_and_print(args, pool, daemon.pid, *point) for point in grid]
         finally:
             pool.close()
+            if args.stages:
+                shutil.rmtree(os.path.dirname(args.trace_path), ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"label": label, "device": what, "transport": args.transport,
                                                "gpus": args.gpus, "seconds": args.seconds,
@@ -323,6 +374,10 @@ def _run_and_print(args, pool: Workers, daemon_pid: int, workers: int, blocks: i
     if args.threads:
         print("        µs CPU a job by thread: " + ", ".join(
             f"{name} {us:.0f}" for name, us in point["threads_us_per_job"].items()), flush=True)
+    for kind, steps in point.get("stages_us", {}).items():
+        print(f"        {kind}s, µs p50/p99: " + ", ".join(
+            f"{name} {p50:.0f}" + (f"/{p99:.0f}" if p99 is not None else "") for name, (p50, p99) in steps.items()),
+            flush=True)
     return point
 
 
@@ -370,6 +425,8 @@ def main() -> int:
     parser.add_argument("--cache-blocks", type=int, default=128, help="blocks of each worker's cache")
     parser.add_argument("--load-sets", type=int, default=8, help="jobs' worth of blocks each worker loads in turn")
     parser.add_argument("--threads", action="store_true", help="also print the daemon's CPU a job by thread")
+    parser.add_argument("--stages", action="store_true",
+                        help="also print where a job's time goes in the daemon (job tracing on)")
     parser.add_argument("--label", default="")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="draw the JSON files given into this PNG, and run nothing")

@@ -51,3 +51,24 @@ def test_the_plot_shows_each_version_given(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert drawn.returncode == 0, drawn.stderr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stages_say_where_a_jobs_time_goes_in_the_daemon(tmp_path):
+    out = tmp_path / "rate.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "job_rate.py"), "--transport", "shm", "--grid", "1x2x4",
+         "--seconds", "1", "--pool-size", "64MiB", "--shm-block-bytes", "16384", "--stages", "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    (point,) = json.loads(out.read_text())["points"]
+    assert set(point["stages_us"]) == {"store", "load"}
+    for kind, steps in point["stages_us"].items():
+        assert "received -> begin" in steps and "daemon" in steps, (kind, steps)
+        for name, (p50, p99) in steps.items():
+            if name != "outside the daemon":
+                assert 0 <= p50 <= p99, (kind, name, p50, p99)
+        # Both in µs: the daemon's part of a job is inside its submit-to-done.
+        assert steps["daemon"][0] < point["p99_ms"] * 1e3
+        assert steps["outside the daemon"][0] > 0
+    assert "stores, µs p50/p99: received -> begin" in run.stdout
