@@ -33,6 +33,7 @@ Tracing costs the daemon's event loop a line a job: the rates it prints are a li
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -291,12 +292,12 @@ def _stages(args, window: tuple[int, int]) -> dict:
     """p50 and p99 (µs) of each step between the daemon's stamps, by kind, over
     the jobs it received in the window; "daemon": received to done_sent."""
     steps: dict[str, dict[str, list[float]]] = {"store": {}, "load": {}}
-    with open(args.trace_path) as f:
+    with open(args.trace_path, "rb") as f:
         f.seek(args.trace_offset)
         for line in f:
-            if not line.endswith("\n"):
-                break  # a line still being written: read with the next point
-            args.trace_offset += len(line.encode())
+            if not line.endswith(b"\n"):
+                break  # a line still being written (a job after the window): skipped with the next point's
+            args.trace_offset += len(line)
             record = json.loads(line)
             stamps = record["stamps"]
             if record["kind"] not in steps or not window[0] <= stamps.get("received", 0) <= window[1]:
@@ -327,6 +328,7 @@ def node_main(args) -> int:
     block_bytes = _block_bytes(args)
     if args.stages:
         trace_dir = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        atexit.register(shutil.rmtree, trace_dir, True)  # also when the daemon or a worker fails to start
         args.trace_path, args.trace_offset = os.path.join(trace_dir, "daemon.jsonl"), 0
         os.environ["KVDEPOT_TRACE_JOBS"] = args.trace_path  # the daemon inherits it
         Path(args.trace_path).touch()
@@ -355,8 +357,6 @@ def node_main(args) -> int:
             points = [_run_and_print(args, pool, daemon.pid, *point) for point in grid]
         finally:
             pool.close()
-            if args.stages:
-                shutil.rmtree(os.path.dirname(args.trace_path), ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"label": label, "device": what, "transport": args.transport,
                                                "gpus": args.gpus, "seconds": args.seconds,

@@ -331,23 +331,24 @@ def test_staging_buffers_pass_between_streams_without_holding_up_the_next_chunk(
         assert not any(fake.fake_before(scatter, t) for t in next_transfers), "transfers waited for the scatter before"
 
 
-def test_a_small_load_after_a_big_one_lands_after_it(rig, fake):
+@pytest.mark.parametrize("big", [12, 8])  # its last scatter in one buffer, then in the other
+def test_a_small_load_after_a_big_one_lands_after_it(rig, fake, big):
     """Two loads into the same GPU blocks land in the order they were
     submitted: the block ends up holding the second's data. A load of a
     buffer's share or less runs on the copy stream alone, where a big load's
     scatters run on the kernel stream, chunk by chunk through both buffers;
     the small load's scatter must come after every scatter of the big one,
     not only after the last that used the buffer it takes."""
-    first, second = keys(12, 1300), keys(3, 1400)
-    rig.store(1, first, list(range(0, 12)))
+    first, second = keys(big, 1300), keys(3, 1400)
+    rig.store(1, first, list(range(0, big)))
     rig.store(2, second, list(range(12, 15)))
     assert rig.wait([1, 2]) == {1: (True, ""), 2: (True, "")}
     expected = [rig.block(i) for i in range(12, 15)]
     fake.fake_clear_ops()
-    rig.load(3, first, list(range(24, 36)))
-    rig.load(4, second, list(range(33, 36)))  # the big load's last blocks
+    rig.load(3, first, list(range(24, 24 + big)))
+    rig.load(4, second, list(range(21 + big, 24 + big)))  # the big load's last blocks
     assert rig.wait([3, 4]) == {3: (True, ""), 4: (True, "")}
-    assert [rig.block(i) for i in range(33, 36)] == expected
+    assert [rig.block(i) for i in range(21 + big, 24 + big)] == expected
     ops = rig.ops()
     scatters = [i for i, op in enumerate(ops) if op.kind == b"k" and op.function == SCATTER]
     big, small = scatters[:-1], scatters[-1]
