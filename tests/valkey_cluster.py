@@ -16,11 +16,14 @@ from pathlib import Path
 SLOTS = 16384
 
 
-def free_port() -> int:
+def free_port(taken: frozenset[int] = frozenset()) -> int:
     """A port free with its cluster bus port (+10000), which must be a port too:
-    the kernel's ephemeral ports (from 32768) would put the bus past 65535."""
+    the kernel's ephemeral ports (from 32768) would put the bus past 65535; and
+    not one of `taken` (the other nodes' of a cluster, not listening yet)."""
     for _ in range(200):
         port = random.randrange(20000, 30000)
+        if port in taken:
+            continue
         try:
             for p in (port, port + 10000):
                 with socket.socket() as s:
@@ -46,7 +49,9 @@ class ValkeyCluster:
         import redis
 
         self.folder = Path(folder or tempfile.mkdtemp(prefix="kvdepot-valkey-"))
-        self.ports = [free_port() for _ in range(masters * (1 + replicas))]
+        self.ports: list[int] = []
+        for _ in range(masters * (1 + replicas)):
+            self.ports.append(free_port(frozenset(self.ports)))
         self.procs: list[subprocess.Popen] = []
         binary = server_binary()
         for port in self.ports:
@@ -55,7 +60,9 @@ class ValkeyCluster:
             self.procs.append(subprocess.Popen(
                 [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                  "--dir", str(node), "--cluster-enabled", "yes", "--cluster-config-file", str(node / "nodes.conf"),
-                 "--cluster-node-timeout", "2000", *extra],
+                 "--cluster-node-timeout", "2000",
+                 # A replica's first sync starts at once, not after the default 5 s wait for more replicas.
+                 "--repl-diskless-sync-delay", "0", *extra],
                 stdout=open(node / "log", "wb"), stderr=subprocess.STDOUT,
             ))  # fmt: skip
         self.nodes = [redis.Redis("127.0.0.1", port, socket_timeout=5) for port in self.ports]
@@ -70,12 +77,26 @@ class ValkeyCluster:
                    "cluster_state:ok")
         if replicas:
             ids = [n.execute_command("CLUSTER", "MYID") for n in self.nodes[:masters]]
-            self._wait(lambda: all(len(n.execute_command("CLUSTER", "NODES").splitlines()) == len(self.nodes)
-                                   for n in self.nodes), "every node to know every other")
+            # A replica learns of the other replicas by gossip, which a busy
+            # machine slows: a longer wait, and entries still in handshake
+            # (a node met twice, before the two entries merge) not counted.
+            self._wait(lambda: all(self._known_ports(n) == set(self.ports) for n in self.nodes),
+                       "every node to know every other", timeout=60,
+                       show=lambda: [n.execute_command("CLUSTER", "NODES") for n in self.nodes])
             for i, node in enumerate(self.nodes[masters:]):
                 node.execute_command("CLUSTER", "REPLICATE", ids[i % masters])
             self._wait(lambda: all(n.info("replication").get("master_link_status") == "up"
                                    for n in self.nodes[masters:]), "the replicas to follow their masters")
+
+    @staticmethod
+    def _known_ports(node) -> set[int]:
+        """The ports of the nodes `node` knows, past their handshake."""
+        known = set()
+        for line in node.execute_command("CLUSTER", "NODES").decode().splitlines():
+            fields = line.split()
+            if len(fields) > 2 and "handshake" not in fields[2] and "noaddr" not in fields[2]:
+                known.add(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
+        return known
 
     @staticmethod
     def _pings(node) -> bool:
@@ -84,14 +105,15 @@ class ValkeyCluster:
         except Exception:
             return False
 
-    def _wait(self, ready, what: str, timeout: float = 20) -> None:
+    def _wait(self, ready, what: str, timeout: float = 20, show=None) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if ready():
                 return
             time.sleep(0.05)
+        state = f": {show()}" if show else ""
         self.stop()
-        raise RuntimeError(f"the Valkey cluster did not reach {what} in {timeout} s")
+        raise RuntimeError(f"the Valkey cluster did not reach {what} in {timeout} s{state}")
 
     @property
     def seeds(self) -> list[tuple[str, int]]:
