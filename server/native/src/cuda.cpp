@@ -574,13 +574,16 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
   // stream's transfers would take turns with its kernels instead of
   // overlapping them. Where nothing marked it (the copy stream alone ran the
   // small jobs before), the event is recorded now.
+  auto wait_for_last_use = [&](int b, uint8_t on) {
+    uint8_t last = stream.owner[b];
+    void* event = reinterpret_cast<void*>(last == KERNEL_STREAM ? c.filled[b] : c.drained[b]);
+    if (!stream.marked[b]) check(api_.event_record(event, stream.of(last)), "cudaEventRecord");
+    stream.marked[b] = true;
+    check(api_.stream_wait_event(stream.of(on), event, 0), "cudaStreamWaitEvent");
+  };
   auto take_buffer = [&](int b, uint8_t on) {
     uint8_t last = stream.owner[b];
-    if (last != NOBODY && last != on) {
-      void* event = reinterpret_cast<void*>(last == KERNEL_STREAM ? c.filled[b] : c.drained[b]);
-      if (!stream.marked[b]) check(api_.event_record(event, stream.of(last)), "cudaEventRecord");
-      check(api_.stream_wait_event(stream.of(on), event, 0), "cudaStreamWaitEvent");
-    }
+    if (last != NOBODY && last != on) wait_for_last_use(b, on);
     stream.owner[b] = on;
     stream.marked[b] = false;
   };
@@ -599,12 +602,7 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
     // they were submitted, so it waits for that one too (once, at the turn
     // from two streams to one: the next job takes that buffer anyway).
     int other = 1 - stream.next_buffer;
-    if (stream.owner[other] == KERNEL_STREAM) {
-      void* event = reinterpret_cast<void*>(c.filled[other]);
-      if (!stream.marked[other]) check(api_.event_record(event, stream.kernels()), "cudaEventRecord");
-      stream.marked[other] = true;
-      check(api_.stream_wait_event(stream.stream(), event, 0), "cudaStreamWaitEvent");
-    }
+    if (stream.owner[other] == KERNEL_STREAM) wait_for_last_use(other, COPY_STREAM);
   }
   for (auto& chunk : staging_chunks(n, per_chunk, !one_stream && !to_host && stream.idle())) {
     uint64_t first = chunk.first, count = chunk.second;
