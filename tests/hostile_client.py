@@ -188,7 +188,7 @@ def counters(h: Hostile) -> None:
     sid = started.session_id
     engine = h.stub.RegisterEngine(pb.RegisterEngineRequest(session_id=sid, namespace=spec(model="counters")))
     top = 2**64 - 1
-    for attempt in range(3):
+    for _attempt in range(3):
         h.call("huge_counts", "ReportLookups",
                pb.ReportLookupsRequest(session_id=sid, engine_id=engine.engine_id, lookups=top, hit_blocks=top,
                                        miss_blocks=top))

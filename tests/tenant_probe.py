@@ -67,7 +67,8 @@ def main() -> int:
         "kv_bytes": stats.kv_bytes,
         "block_sizes": [[b.block_bytes, b.namespaces, b.used_slots] for b in stats.block_sizes],
         "anonymous_kv": [anonymous.kv_bytes, len(anonymous.block_sizes)],
-        "clear_victim_namespace": code_of(lambda: stub.Clear(pb.ClearRequest(session_id=sid, namespace_name=victim_ns))),
+        "clear_victim_namespace": code_of(
+            lambda: stub.Clear(pb.ClearRequest(session_id=sid, namespace_name=victim_ns))),
         "clear_all": code_of(lambda: stub.Clear(pb.ClearRequest(session_id=sid))),
         "clear_all_without_session": code_of(lambda: stub.Clear(pb.ClearRequest())),
     }), flush=True)
