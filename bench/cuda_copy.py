@@ -365,6 +365,7 @@ def main() -> int:
 
     with BenchDaemon(args.pool_size, BLOCK, pool_dir=args.pool_dir, extra=daemon_args) as daemon:
         daemon.wait_ready()
+        daemon.wait_pool()
         socket = daemon.socket
         rows = []
         for layout in args.layouts.split(","):

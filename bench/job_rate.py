@@ -352,6 +352,7 @@ def node_main(args) -> int:
           flush=True)
     with daemon:
         daemon.wait_ready()
+        daemon.wait_pool()
         pool = Workers(args, daemon.socket, max(w for w, _, _ in grid))
         try:
             points = [_run_and_print(args, pool, daemon.pid, *point) for point in grid]

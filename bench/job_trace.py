@@ -102,6 +102,7 @@ def main() -> int:
 
     with BenchDaemon(args.pool_size, BLOCK, extra=daemon_args) as daemon:
         daemon.wait_ready()
+        daemon.wait_pool()
         session_id, ran = run_jobs(daemon.socket, sizes, args.jobs)
         time.sleep(0.2)
     daemon = {}

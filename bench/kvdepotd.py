@@ -4,6 +4,7 @@ shown if the benchmark fails, stopped and cleaned up at the end.
 
     with BenchDaemon("24GiB", slot_bytes) as daemon:
         daemon.wait_ready()
+        daemon.wait_pool()  # before measuring, where the pool's bring-up would be in the figures
         client = KVDepotClient(daemon.socket, ...)
 """
 
@@ -52,6 +53,26 @@ class BenchDaemon:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("kvdepotd did not start:\n" + self.log())
             time.sleep(0.1)
+
+    def wait_pool(self, timeout: float = 600) -> None:
+        """Until the whole pool is up: the daemon serves once its first chunks
+        are, and brings up the rest on its own threads meanwhile, which would
+        take CPU (and slots) from whatever is measured first."""
+        from kvdepot.client import KVDepotClient
+
+        client = KVDepotClient(self.socket, name="bench-wait").connect(60)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                pool = client.stats().pool
+                if pool.online_slots >= pool.num_slots or pool.bring_up_error:
+                    return
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"kvdepotd's pool did not come up ({pool.online_slots} of {pool.num_slots} "
+                                     "slots):\n" + self.log())
+                time.sleep(0.1)
+        finally:
+            client.close()
 
     def __enter__(self) -> BenchDaemon:
         return self
