@@ -51,8 +51,8 @@ native: $(STAMP)
 run: $(STAMP) native
 	$(VENV)/bin/kvdepotd $(ARGS)
 
-# The product (not its tests and benchmarks) is linted before the tests run.
-LINTED := server client connector sglang_backend kvdepot proto
+# The product, its tests and its benchmarks are linted before the tests run.
+LINTED := server client connector sglang_backend kvdepot proto tests bench
 
 # The suite runs on the native lane, then (without vLLM and SGLang, whose
 # tests only drive the daemon's job path as others do) on the Python lane.

@@ -60,7 +60,9 @@ def refusal(client, worker, kind: str, job_id: int, keys, block_ids) -> str:
 def test_bad_job_requests_get_clear_errors(setup):
     client, engine, worker, tensors, keys = setup
     new = prompt_keys(2, prompt=41)
-    assert f"block id {NUM_BLOCKS} at position 1 is outside" in refusal(client, worker, "store", 2, new, [0, NUM_BLOCKS])
+    assert f"block id {NUM_BLOCKS} at position 1 is outside" in refusal(
+        client, worker, "store", 2, new, [0, NUM_BLOCKS]
+    )
     assert "key 1 has 31 bytes; keys are 32-byte" in refusal(client, worker, "store", 3, [new[0], new[1][:31]], [0, 1])
     assert "2 keys but 1 block ids" in refusal(client, worker, "load", 4, keys[:2], [0])
     assert "at least one block" in refusal(client, worker, "store", 5, [], [])
@@ -97,7 +99,8 @@ def test_unknown_session_engine_and_worker(setup):
            pb.RegisterEngineRequest(session_id=session_id, namespace=pb.NamespaceSpec(model="m", block_size=16)),
            match="tp_size must be at least 1")
     expect(grpc.StatusCode.INVALID_ARGUMENT, raw_call, client, "RegisterEngine",
-           pb.RegisterEngineRequest(session_id=session_id, namespace=pb.NamespaceSpec(model="m", block_size=16, tp_size=1)),
+           pb.RegisterEngineRequest(session_id=session_id,
+                                    namespace=pb.NamespaceSpec(model="m", block_size=16, tp_size=1)),
            match="namespace.key_version is required")
     assert_still_intact(client, engine, worker, tensors, keys)
 

@@ -55,7 +55,8 @@ def test_tp2_ranks_on_two_gpus_store_and_load_through_one_daemon(start_daemon, c
 
     loads = run_workers(*[
         ["load", *common, "--rank", str(rank), "--device", f"cuda:{rank}", "--seed", str(200 + rank),
-         "--first-block", "50", "--before", str(tmp_path / f"b{rank}-before.pt"), "--out", str(tmp_path / f"b{rank}.pt")]
+         "--first-block", "50", "--before", str(tmp_path / f"b{rank}-before.pt"),
+         "--out", str(tmp_path / f"b{rank}.pt")]
         for rank in (0, 1)
     ])
     assert all(r["ok"] and r["ready"] == 64 for r in loads)

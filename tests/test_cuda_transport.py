@@ -101,7 +101,7 @@ def test_two_kv_cache_groups_with_different_page_sizes_in_one_worker(start_daemo
     for job, (worker, _, _) in enumerate(workers):
         client.submit_load(worker, 10 + job, keys, list(range(64, 96)))
     assert all(r.ok for r in client.wait([10, 11], 30).values())
-    for worker, tensors, layout in workers:
+    for _worker, tensors, layout in workers:
         for i in range(32):
             for src, dst in zip(block_of(tensors, layout, i), block_of(tensors, layout, 64 + i)):
                 assert same(src, dst)

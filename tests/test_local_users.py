@@ -130,7 +130,8 @@ def test_a_client_does_not_connect_below_a_folder_another_user_can_swap(shared_t
     daemon = start_daemon(folder=folder)
     client = KVDepotClient(daemon.socket, name="victim", backoff_max=0.2)
     try:
-        with pytest.raises(UntrustedDaemon, match=f"{above}, a folder above the daemon's socket, belongs to uid {NOBODY}"):
+        with pytest.raises(UntrustedDaemon,
+                           match=f"{above}, a folder above the daemon's socket, belongs to uid {NOBODY}"):
             client.connect(20)
     finally:
         client.close(1)

@@ -399,7 +399,7 @@ def test_a_store_node_killed_mid_run_leaves_every_lookup_answered(start_daemon, 
         assert ready_after_asking(b, engine_b, keys[:8]) == 8
         own.procs[1].kill()
         own.procs[1].wait()
-        for attempt in range(6):
+        for _attempt in range(6):
             started = time.monotonic()
             ready = ready_after_asking(b, engine_b, keys)
             assert 8 <= ready <= NUM_BLOCKS

@@ -147,7 +147,7 @@ def test_a_failed_start_leaves_nothing_taken(setup, monkeypatch, module, name):
 
 def test_every_step_is_injected_above():
     source = inspect.getsource(main.start) + inspect.getsource(main.wire_depot) + inspect.getsource(main.open_tiers)
-    for module, name in STEPS:
+    for _module, name in STEPS:
         assert f"{name}(" in source, f"start-up no longer calls {name}: update STEPS"
 
 

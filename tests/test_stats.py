@@ -93,7 +93,8 @@ def test_clear_and_health_from_the_cli(daemon, client_factory):
 
 def test_cli_says_clearly_when_no_daemon_runs(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "kvdepot.client.cli", "--socket", str(tmp_path / "none.sock"), "--timeout", "1", "health"],
+        [sys.executable, "-m", "kvdepot.client.cli", "--socket", str(tmp_path / "none.sock"),
+         "--timeout", "1", "health"],
         capture_output=True, text=True, env=subprocess_env(), timeout=60,
     )
     assert proc.returncode == 1

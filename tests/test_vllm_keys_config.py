@@ -122,7 +122,8 @@ def test_request_params_override_or_are_ignored_with_a_warning(caplog):
 def test_module_path_loads_in_a_fresh_process():
     # What vLLM does with kv_connector_module_path.
     done = subprocess.run(
-        [sys.executable, "-c", "import importlib; print(importlib.import_module('kvdepot.connector').KVDepotConnector)"],
+        [sys.executable, "-c",
+         "import importlib; print(importlib.import_module('kvdepot.connector').KVDepotConnector)"],
         env=subprocess_env(),
         capture_output=True,
         text=True,
@@ -142,7 +143,8 @@ def test_a_group_of_uniform_layer_specs_is_offloaded_as_its_layers_kind():
     from kvdepot.connector.engine_keys import offloaded_groups
 
     layer = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    group = KVCacheGroupSpec(["l0", "l1"], UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l0": layer, "l1": layer}))
+    group = KVCacheGroupSpec(["l0", "l1"],
+                             UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"l0": layer, "l1": layer}))
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(model="m", revision=None, dtype=torch.bfloat16),
         parallel_config=SimpleNamespace(world_size=1, tensor_parallel_size=1, pipeline_parallel_size=1),

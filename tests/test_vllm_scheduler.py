@@ -221,7 +221,8 @@ def test_abort_during_load_keeps_blocks_until_done(engines, daemon):
 
 
 def step_zeroing_load_targets(engine):
-    """One step in which the GPU blocks of each load are zeroed before it runs: what they hold after it came from kvdepot."""
+    """One step in which the GPU blocks of each load are zeroed before it runs: what they hold after it came from
+    kvdepot."""
     import vllm_harness as h
 
     so = engine.scheduler.schedule()
@@ -256,7 +257,9 @@ def run_checking_resumed_loads(engine, max_steps: int = 300):
             for block_id in group.block_ids:
                 index = worker_state.block_ids[0].index(block_id)
                 assert worker_state.num_computed_tokens >= (index + 1) * BLOCK, (req_id, index)
-                assert engine.worker.check_request_tokens(req_id, index * BLOCK, (index + 1) * BLOCK) == [], (req_id, index)
+                assert engine.worker.check_request_tokens(req_id, index * BLOCK, (index + 1) * BLOCK) == [], (
+                    req_id, index
+                )
             loaded[req_id] = loaded.get(req_id, 0) + len(group.block_ids)
         if not result.scheduled:
             time.sleep(0.002)  # as Engine.run: let the client's threads in

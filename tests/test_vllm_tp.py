@@ -135,7 +135,10 @@ def test_store_completes_only_when_both_ranks_reported(tp_engine):
     daemon, scheduler, workers = tp_engine
     side = scheduler.connector._scheduler
     published = []
-    scheduler.kv_event_publisher = type("Recorder", (), {"publish": lambda self, b: published.extend(b.events), "shutdown": lambda self: None})()
+    scheduler.kv_event_publisher = type("Recorder", (), {
+        "publish": lambda self, b: published.extend(b.events),
+        "shutdown": lambda self: None,
+    })()
 
     scheduler.add_request(h.make_request("c", prompt(61, 70), max_tokens=1))
     first = tp_step(scheduler, workers)  # prefill; the store job is planned

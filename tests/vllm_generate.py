@@ -145,7 +145,8 @@ def openai_server_argv(
 def make_prompts(n: int = 4, length: int = 200, vocab: int = 500, seed: int = 0,
                  shared_prefix: int = 0, first_id: int = 3) -> list[list[int]]:
     """n prompts of `length` token ids in [first_id, vocab) (ids below first_id are the tiny
-    model's special tokens; vllm_harness.make_tiny_model() has a 512-token vocab). The first `shared_prefix` tokens are the same in every prompt."""
+    model's special tokens; vllm_harness.make_tiny_model() has a 512-token vocab). The first `shared_prefix` tokens
+    are the same in every prompt."""
     rng = random.Random(seed)
     prefix = [rng.randrange(first_id, vocab) for _ in range(shared_prefix)]
     return [prefix + [rng.randrange(first_id, vocab) for _ in range(length - shared_prefix)]

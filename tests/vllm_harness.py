@@ -1135,7 +1135,8 @@ class AsyncLoop:
         return StepResult(done_so, done_mro, engine_outputs, done_mro.kv_connector_output)
 
 
-def run_async(scheduler, worker: WorkerSide, *, max_steps: int = 200, sampled_token: SampledToken = 7) -> list[StepResult]:
+def run_async(scheduler, worker: WorkerSide, *, max_steps: int = 200,
+              sampled_token: SampledToken = 7) -> list[StepResult]:
     """Steps in async scheduling's order (``AsyncLoop``) until no request is left."""
     loop = AsyncLoop(scheduler, worker, sampled_token)
     results: list[StepResult] = []
