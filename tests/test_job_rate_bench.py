@@ -86,7 +86,7 @@ def test_the_benchmarks_daemon_has_its_whole_pool_up_before_anything_is_measured
         sys.path.remove(str(REPO / "bench"))
     from kvdepot.client import KVDepotClient
 
-    with BenchDaemon("3GiB", 1 << 20, pin="off") as daemon:
+    with BenchDaemon("1GiB", 1 << 20, pin="off") as daemon:
         daemon.wait_ready()
         daemon.wait_pool()
         client = KVDepotClient(daemon.socket, name="check").connect(60)
@@ -94,4 +94,4 @@ def test_the_benchmarks_daemon_has_its_whole_pool_up_before_anything_is_measured
             pool = client.stats().pool
         finally:
             client.close()
-    assert pool.num_slots == 3072 and pool.online_slots == pool.num_slots and not pool.bring_up_error
+    assert pool.num_slots == 1024 and pool.online_slots == pool.num_slots and not pool.bring_up_error
