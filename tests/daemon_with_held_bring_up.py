@@ -17,7 +17,7 @@ _register = BringUp.register
 
 
 def _held_register(self, offset: int, length: int) -> None:
-    if threading.current_thread().name == "kvdepot-bring-up":
+    if threading.current_thread().name == "kvdepot-bringup":
         while os.path.exists(GATE) and not self._stop.is_set():
             time.sleep(0.01)
     _register(self, offset, length)

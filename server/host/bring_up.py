@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 from kvdepot.server.host.cuda_driver import DriverPinning, open_driver
 from kvdepot.server.host.pool_map import PoolFiles
+from kvdepot.thread_names import name_os_thread
 
 log = logging.getLogger("kvdepot.pool")
 
@@ -98,7 +99,9 @@ class BringUp:
         self.pin_seconds = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-fault")
+        # Named for the kernel too (top -H): kvdepot-fault_0, kvdepot-fault_1, ...
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-fault",
+                                                               initializer=name_os_thread)
         self.error = ""  # why the last chunks did not come up
 
     # ------------------------------------------------------------ one range
@@ -179,6 +182,7 @@ class BringUp:
         """Brings `chunks` up on a thread of its own; `finished(error)` at the end ('' when all came up)."""
 
         def run() -> None:
+            name_os_thread()
             try:
                 self.bring(chunks, done)
             except BringUpError as e:
@@ -188,7 +192,7 @@ class BringUp:
                 self.error = f"bringing the pool up failed: {e}"
             finished(self.error)
 
-        self._thread = threading.Thread(target=run, name="kvdepot-bring-up", daemon=True)
+        self._thread = threading.Thread(target=run, name="kvdepot-bringup", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
