@@ -86,7 +86,7 @@ GROUPS = {
     "metrics": "Metrics",
     "logging": "Logging",
     "lifecycle": "Start and stop",
-    "limits": "Limits: what one client can make the daemon hold (see the README's Limits section)",
+    "limits": "Limits: what one client can make the daemon hold",
 }
 
 OPTIONS = [
@@ -247,7 +247,7 @@ OPTIONS = [
         "into staging buffers.",
         kind=int, field="programs",
     ),
-    Option("lane", "copy", "auto", "What runs the per-job path: native (compiled: server/native, which `make` "
+    Option("lane", "copy", "auto", "What runs the per-job path: native (compiled: server/native, which `make native` "
            "builds), python, or auto: native where it is built and serves this configuration, else python (the "
            "log says why).", choices=("auto", "native", "python")),
     Option(
@@ -408,8 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvdepotd",
         description=(
             "kvdepot daemon: keeps LLM KV-cache blocks in host memory for the inference engines of this "
-            "node. Every option can also be set in the environment (KVDEPOT_<OPTION>, e.g. KVDEPOT_POOL_SIZE) "
-            "or in a TOML file (--config); flags win over the environment, which wins over the file."
+            "node. Every option but --fresh can also be set in the environment (KVDEPOT_<OPTION>, e.g. "
+            "KVDEPOT_POOL_SIZE) or in a TOML file (--config); flags win over the environment, which wins over the "
+            "file."
         ),
     )
     for opt in OPTIONS:
