@@ -81,13 +81,8 @@ def fill(client: KVDepotClient, block_bytes: int, pool_bytes: int, tag: int):
 def connect_when_up(daemon) -> KVDepotClient:
     """A client, once the whole pool is up: the daemon serves with its first
     chunk, and a fill that outran the rest would count their slots as lost."""
-    import time
-
-    client = KVDepotClient(daemon.socket, name="pool-capacity").connect(30)
-    deadline = time.monotonic() + 600
-    while (pool := client.stats().pool).online_slots < pool.num_slots and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return client
+    daemon.wait_pool()
+    return KVDepotClient(daemon.socket, name="pool-capacity").connect(30)
 
 
 def capacity(repo: Path, pool_size: str, slot_bytes: int | None) -> dict:
