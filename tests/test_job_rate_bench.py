@@ -74,16 +74,14 @@ def test_stages_say_where_a_jobs_time_goes_in_the_daemon(tmp_path):
     assert "stores, µs p50/p99: received -> begin" in run.stdout
 
 
-def test_the_benchmarks_daemon_has_its_whole_pool_up_before_anything_is_measured():
+def test_the_benchmarks_daemon_has_its_whole_pool_up_before_anything_is_measured(monkeypatch):
     """The daemon serves once the first part of its pool is up and brings up
     the rest behind it, on its own threads; a benchmark's first point measured
     meanwhile would count that work as the jobs' (docs/benchmarks.md).
     bench/kvdepotd.py's wait_pool returns once it is all up."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        from kvdepotd import BenchDaemon
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from kvdepotd import BenchDaemon
+
     from kvdepot.client import KVDepotClient
 
     with BenchDaemon("1GiB", 1 << 20, pin="off") as daemon:
