@@ -163,6 +163,8 @@ class CudaTransport(Transport):
                 except RuntimeError:
                     log.exception("GPU %d: could not wait for the daemon's copies", device.index)
                 stream.stop()
+        if self._gate is not None:
+            self._gate.stop()
 
     def gpu_stats(self) -> list:
         stats = []

@@ -26,6 +26,8 @@ const uintptr_t GATHER = 0x1000, SCATTER = 0x2000, HASH_BLOCKS = 0x3000, HASH_RO
 // Compute events whose handle starts with this byte complete only once released.
 std::atomic<int> compute_done{1};
 std::atomic<int> launches{0}, copies{0};
+// How often a compute event was asked (the gate's polls).
+std::atomic<int> compute_queries{0};
 
 // One queued copy ('c') or kernel ('k'): on which stream, its place in that
 // stream (1, 2, ...), and what it touched: a copy's destination and source,
@@ -98,9 +100,11 @@ void fake_clear_ops() {
 }
 int fake_event_query(void* event) {
   // An IPC-opened compute event is a tagged pointer: 1 in its low bit.
+  if ((uintptr_t)event & 1) compute_queries++;
   if (((uintptr_t)event & 1) && !compute_done.load()) return 600;
   return 0;
 }
+int fake_compute_queries() { return compute_queries; }
 int fake_event_synchronize(void*) { return 0; }
 int fake_event_create(void** event, unsigned) {
   *event = std::malloc(16);
