@@ -50,6 +50,14 @@ int64_t next_gate_ask(int64_t since, int64_t now) {
 // stream's completions are never paced below the bus.
 constexpr double NOMINAL_BYTES_PER_NS = 64.0;
 constexpr int64_t JOB_NS = 10000, FIRST_POLL_NS = 5000, LAST_POLL_NS = 200000, SPIN_NS = 50000;
+// A job that found its stream idle is asked at least this often once it is
+// due, for a quarter of its predicted time (ALONE_CLOSE_NS at least): its
+// prediction is early by a big job's hundreds of microseconds (a store's
+// gather and hash, and the bus below the nominal rate), which the growing
+// steps above would turn into seeing it end up to 200 us late. Past that it
+// is late for some other reason (its GPU busy with other processes' work,
+// docs/operations.md) and is asked as the others are.
+constexpr int64_t ALONE_POLL_NS = 10000, ALONE_CLOSE_NS = 200000;
 // Stage stamps (server/native/binding.py STAGES).
 enum Stage : uint8_t { LAUNCH = 2, IDS_UP = 3, KERNEL = 4, TRANSFERS = 5, FIRST_CHUNK = 6, QUEUED = 7, GPU_DONE = 8 };
 
@@ -123,6 +131,7 @@ struct Tracked {
   uint64_t fence_seq;
   int64_t queued_ns;    // when the lane's thread queued it
   uint64_t bytes;       // what it moves
+  bool alone;           // it found the stream idle
   bool spin;            // a small job that found the stream idle: polled closely
   int64_t hash_index;   // where the GPU wrote its rows' hashes in the ring; -1: none
   uint64_t rows;
@@ -188,16 +197,18 @@ void CopyStream::wait_for(const Tracked& item) {
   // Predicted from the observed end of the job before it, not from that job's
   // prediction: predictions chained at a nominal rate would pace a busy stream
   // at that rate, whatever the bus does.
-  int64_t expected = std::max(last_end_ns, item.queued_ns) + JOB_NS +
-                     (int64_t)((double)item.bytes / NOMINAL_BYTES_PER_NS);
+  int64_t duration = JOB_NS + (int64_t)((double)item.bytes / NOMINAL_BYTES_PER_NS);
+  int64_t expected = std::max(last_end_ns, item.queued_ns) + duration;
   int64_t now = now_ns();
   if (expected > now + 2000) std::this_thread::sleep_for(std::chrono::nanoseconds(expected - now));
   int64_t spin_until = item.spin ? now_ns() + SPIN_NS : 0;
+  int64_t close_until = item.alone ? std::max(now, expected) + std::max(ALONE_CLOSE_NS, duration / 4) : 0;
   int64_t backoff = FIRST_POLL_NS;
   while (api->event_query(item.event) == NOT_READY) {
-    if (now_ns() < spin_until) continue;
+    int64_t at = now_ns();
+    if (at < spin_until) continue;
     std::this_thread::sleep_for(std::chrono::nanoseconds(backoff));
-    backoff = std::min(backoff * 2, LAST_POLL_NS);
+    backoff = std::min(backoff * 2, at < close_until ? ALONE_POLL_NS : LAST_POLL_NS);
   }
 }
 
@@ -532,7 +543,7 @@ void CudaTransport::enqueue(Job& job, CopyStream& stream, bool to_host) {
   // A small job on an idle stream is asked for closely once it should have
   // ended (a sleeping thread would make it late); others are asked less often.
   uint64_t nbytes = n * span(*job.worker) * slot_bytes_;  // its runs of slots
-  bool spin = stream.idle() && nbytes <= config.spin_bytes;
+  bool alone = stream.idle(), spin = alone && nbytes <= config.spin_bytes;
   int64_t queued_ns = now_ns();
   void* event = nullptr;
   {
@@ -551,7 +562,7 @@ void CudaTransport::enqueue(Job& job, CopyStream& stream, bool to_host) {
     std::lock_guard<std::mutex> lock(stream.mutex);
     int64_t hash_index = hashing(stream, to_host) ? job.span_start + (int64_t)n + 1 : -1;
     stream.pending.push_back(
-        Tracked{event, &job, fence_index, job.fence_seq, queued_ns, nbytes, spin, hash_index, n});
+        Tracked{event, &job, fence_index, job.fence_seq, queued_ns, nbytes, alone, spin, hash_index, n});
   }
   stream.wake.notify_one();
 }
