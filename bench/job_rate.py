@@ -28,6 +28,11 @@ at the gate; launch -> queued: its copies queued; queued -> gpu_done: the GPU's 
 copy; gpu_done -> finish: the completion thread's hand-over; finish -> done_sent), and what
 is left of submit-to-done outside the daemon (p50 of the whole less p50 of the daemon's span).
 Tracing costs the daemon's event loop a line a job: the rates it prints are a little lower.
+
+--compute-us N (CUDA) puts a kernel of N µs on a worker's stream before each of its stores, as
+the forward pass that wrote the blocks would be: the store waits for it at the daemon's gate,
+and the daemon's own kernels take turns on the GPU with it. It shows what serving costs the
+gate (--threads: its CPU a job) and what a busy GPU does to the loads.
 """
 
 from __future__ import annotations
@@ -122,15 +127,32 @@ def _worker_cache(args, index: int):
     return tensors, 1, ns, block_bytes
 
 
+def _compute_cycles(us: float) -> int:
+    """The GPU clock cycles torch.cuda._sleep spins for `us` µs on this card."""
+    import torch
+
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 20_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return max(1, int(cycles * us / (start.elapsed_time(end) * 1000)))
+
+
 def worker_main(args) -> int:
     """One worker process, kept for every point of the grid: it registers once,
     then for each point stores what its loads will read ("point BLOCKS DEPTH",
     answered "ready"), runs the window ("go START STOP", answered with its
     figures as JSON), until "quit"."""
+    import torch
+
     from kvdepot.client import KVDepotClient
 
     index = args.index
     tensors, block_dim, ns, _ = _worker_cache(args, index)
+    compute_cycles = _compute_cycles(args.compute_us) if args.transport == "cuda" and args.compute_us > 0 else 0
     client = KVDepotClient(args.socket, name=f"rate-{index}").connect(60)
     worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=block_dim)
     client.wait_connected(60)
@@ -179,6 +201,8 @@ def worker_main(args) -> int:
                 kind = "store" if turn % 2 else "load"
                 submitted[job_id] = (time.perf_counter(), kind, now)
                 if kind == "store":
+                    if compute_cycles:
+                        torch.cuda._sleep(compute_cycles)  # the forward pass that wrote the blocks
                     client.submit_store(worker, job_id, new_keys(blocks), store_ids)
                 else:
                     client.submit_load(worker, job_id, stored[turn // 2 % len(stored)], load_ids)
@@ -203,7 +227,8 @@ class Workers:
     def __init__(self, args, socket: str, count: int):
         command = [sys.executable, __file__, "--role", "worker", "--socket", socket, "--transport", args.transport,
                    "--gpus", str(args.gpus), "--cache-blocks", str(args.cache_blocks),
-                   "--shm-block-bytes", str(args.shm_block_bytes), "--load-sets", str(args.load_sets)]
+                   "--shm-block-bytes", str(args.shm_block_bytes), "--load-sets", str(args.load_sets),
+                   "--compute-us", str(args.compute_us)]
         env = dict(os.environ,
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         env.pop("KVDEPOT_TRACE_JOBS", None)  # the daemon's stamps alone
@@ -425,6 +450,8 @@ def main() -> int:
     parser.add_argument("--shm-block-bytes", type=int, default=64 << 10)
     parser.add_argument("--cache-blocks", type=int, default=128, help="blocks of each worker's cache")
     parser.add_argument("--load-sets", type=int, default=8, help="jobs' worth of blocks each worker loads in turn")
+    parser.add_argument("--compute-us", type=float, default=0,
+                        help="CUDA: a kernel of this many µs before each store, which it waits for")
     parser.add_argument("--threads", action="store_true", help="also print the daemon's CPU a job by thread")
     parser.add_argument("--stages", action="store_true",
                         help="also print where a job's time goes in the daemon (job tracing on)")
