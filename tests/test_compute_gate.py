@@ -70,3 +70,29 @@ def test_a_store_whose_client_went_away_fails_at_the_gate_without_waiting_for_it
     finally:
         gate.stop()
         loop.close()
+
+
+def test_stores_leave_the_gate_in_the_order_they_came():
+    # The first store has waited long enough to be asked only every
+    # millisecond; the second comes with its compute done. The first's compute
+    # came first, so it is done too: both open at once, the first first.
+    loop = asyncio.new_event_loop()
+    opened, failed = [], []
+    gate = ComputeGate(loop, opened.append, lambda job, why: failed.append(why))
+    try:
+        first, second = (SimpleNamespace(name=name, session=SimpleNamespace(ended=False)) for name in ("1", "2"))
+        first_event, second_event = ComputeEvent(), ComputeEvent()
+        gate.hold(first, first_event)
+        time.sleep(0.05)
+        asked = first_event.asked
+        while first_event.asked == asked:  # just asked: its next ask is a millisecond away
+            time.sleep(0.0001)
+        first_event.done = second_event.done = True
+        gate.hold(second, second_event)
+        deadline = time.monotonic() + 2
+        while len(opened) < 2 and time.monotonic() < deadline:
+            loop.run_until_complete(asyncio.sleep(0.001))
+        assert [job.name for job in opened] == ["1", "2"] and not failed
+    finally:
+        gate.stop()
+        loop.close()

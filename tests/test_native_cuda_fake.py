@@ -225,6 +225,30 @@ def test_a_store_waiting_through_a_long_compute_is_not_asked_every_20_microsecon
     assert 20 < asked < 1000
 
 
+def test_stores_leave_the_gate_in_the_order_they_came(rig, fake):
+    # Store 1 has waited long enough to be asked only every millisecond; store
+    # 2 comes with its compute done. Store 1's compute came first, so it is
+    # done too: both leave at once, 1 first.
+    fake.fake_set_compute_done(0)
+    rig.store(1, keys(2, 800), [1, 2])
+    time.sleep(0.05)
+    asked = fake.fake_compute_queries()
+    while fake.fake_compute_queries() == asked:  # just asked: its next ask is a millisecond away
+        time.sleep(0.0001)
+    fake.fake_set_compute_done(1)
+    rig.store(2, keys(2, 810), [3, 4])
+    order = []
+    deadline = time.monotonic() + 5
+    while len(order) < 2 and time.monotonic() < deadline:
+        for event in rig.lane.take_events():
+            if event.type is EventType.JOB_DONE:
+                _, job, ok, _, _ = binding.JOB_DONE.unpack_from(event.payload)
+                order.append((job, bool(ok)))
+        time.sleep(0.001)
+    assert order == [(1, True), (2, True)]
+    assert rig.lane.verify() == ""
+
+
 def test_a_store_whose_worker_never_wrote_its_fence_fails(rig):
     rig.store(1, keys(2, 600), [4, 5], computed=False)
     ok, error = rig.wait([1])[1]

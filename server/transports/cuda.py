@@ -156,6 +156,8 @@ class CudaTransport(Transport):
 
     def shutdown(self) -> None:
         """Waits for copies on the GPU: the pool is unpinned after this."""
+        if self._gate is not None:  # first: a store it let go would start a copy on a stopped stream
+            self._gate.stop()
         for device in self._devices.values():
             for stream in (device.store, device.load):
                 try:
@@ -163,8 +165,6 @@ class CudaTransport(Transport):
                 except RuntimeError:
                     log.exception("GPU %d: could not wait for the daemon's copies", device.index)
                 stream.stop()
-        if self._gate is not None:
-            self._gate.stop()
 
     def gpu_stats(self) -> list:
         stats = []

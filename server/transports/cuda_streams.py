@@ -279,8 +279,10 @@ class ComputeGate:
         self._new.put((job, event))
 
     def stop(self) -> None:
-        """Its thread ends; stores still held are left as they are."""
+        """Its thread ends (within a second); stores still held are left as they are."""
         self._new.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(1.0)
 
     @classmethod
     def next_ask(cls, since: float, now: float) -> float:
@@ -289,7 +291,8 @@ class ComputeGate:
 
     def _run(self) -> None:
         name_os_thread()
-        waiting: list = []  # [job, event, when it came, when it is asked next]
+        waiting: list = []  # [job, event, when it came, when it is asked next], in the order they came
+        came = False
         while True:
             timeout = None if not waiting else min(w[3] for w in waiting) - time.monotonic()
             try:
@@ -297,33 +300,44 @@ class ComputeGate:
                 if item is None:
                     return
                 now = time.monotonic()
-                waiting.append([*item, now, now])  # asked at once: it may be done already
+                waiting.append([*item, now, now])
+                came = True
                 continue  # take everything queued before polling
             except queue.Empty:
                 pass
-            now = time.monotonic()
-            still = []
-            for entry in waiting:
-                job, event, since, ask = entry
-                if job.session.ended:
-                    reason = "the client went away before its compute finished"
-                    self._loop.call_soon_threadsafe(self._on_failed, job, reason)
-                    continue
-                if ask > now:
-                    still.append(entry)
-                    continue
-                try:
-                    completed = event.query()
-                except RuntimeError as e:  # one bad event must not stop every other store
-                    why = f"waiting for the worker's compute failed: {e}"
-                    self._loop.call_soon_threadsafe(self._on_failed, job, why)
-                    continue
-                if completed:
-                    self._loop.call_soon_threadsafe(self._on_open, job)
-                else:
-                    entry[3] = self.next_ask(since, now)
-                    still.append(entry)
-            waiting = still
+            # A store that came is asked at once (it may be done already), and
+            # with it every store before it: stores leave in the order they
+            # came, and a worker's earlier store, whose compute came first, is
+            # done too. So is every store before one due that ended.
+            waiting = self._sweep(waiting, time.monotonic(), came)
+            came = False
+
+    def _sweep(self, waiting: list, now: float, everyone: bool) -> list:
+        """Asks the stores due (every store where `everyone`); returns those still waiting."""
+        ended, still = [], []  # ended: (callback, its arguments), in the order the stores came
+        for entry in waiting:
+            job, event, since, ask = entry
+            if job.session.ended:
+                ended.append((self._on_failed, (job, "the client went away before its compute finished")))
+                continue
+            if ask > now and not everyone:
+                still.append(entry)
+                continue
+            try:
+                completed = event.query()
+            except RuntimeError as e:  # one bad event must not stop every other store
+                ended.append((self._on_failed, (job, f"waiting for the worker's compute failed: {e}")))
+                continue
+            if completed:
+                ended.append((self._on_open, (job,)))
+            else:
+                entry[3] = self.next_ask(since, now)
+                still.append(entry)
+        if not everyone and any(callback is self._on_open for callback, _ in ended):
+            return self._sweep(waiting, now, True)
+        for callback, arguments in ended:
+            self._loop.call_soon_threadsafe(callback, *arguments)
+        return still
 
 
 def completed(event: torch.cuda.Event) -> bool:

@@ -418,40 +418,59 @@ void CudaTransport::gate_run() {
     Job* job;
     int64_t since, next_ask;
   };
-  std::vector<Waiting> waiting;
+  std::vector<Waiting> waiting;  // in the order they came
   std::unique_lock<std::mutex> lock(gate_mutex_);
+  // Stores queued or abandoned while the thread asked events (unlocked) are
+  // seen here, not left to the next store due.
+  auto news = [this] { return stopping_ || !gate_new_.empty() || !gate_abandoned_.empty(); };
   for (;;) {
     if (waiting.empty()) {
-      gate_wake_.wait(lock, [this] { return stopping_ || !gate_new_.empty(); });
+      gate_wake_.wait(lock, news);
     } else {
       int64_t next = waiting.front().next_ask;
       for (const Waiting& w : waiting) next = std::min(next, w.next_ask);
       int64_t left = next - now_ns();
-      if (left > 0) gate_wake_.wait_for(lock, std::chrono::nanoseconds(left));
+      if (left > 0) gate_wake_.wait_for(lock, std::chrono::nanoseconds(left), news);
     }
     if (stopping_) return;
     int64_t now = now_ns();
-    for (Job* job : gate_new_) waiting.push_back({job, now, now});  // asked at once: it may be done already
+    // A store that came is asked at once (it may be done already), and with
+    // it every store before it: stores leave in the order they came, and a
+    // worker's earlier store, whose compute came first, is done too.
+    bool all = !gate_new_.empty();
+    for (Job* job : gate_new_) waiting.push_back({job, now, now});
     gate_new_.clear();
     std::unordered_set<Job*> abandoned;
     abandoned.swap(gate_abandoned_);
     lock.unlock();
     std::vector<std::pair<Job*, std::string>> done;
     std::vector<Waiting> still;
-    for (Waiting& w : waiting) {
-      if (abandoned.count(w.job)) {
-        done.push_back({w.job, "the client went away before its compute finished"});
-        continue;
+    for (;;) {
+      bool ended = false;
+      for (Waiting& w : waiting) {
+        if (abandoned.count(w.job)) {
+          done.push_back({w.job, "the client went away before its compute finished"});
+          continue;
+        }
+        if (!all && w.next_ask > now) {
+          still.push_back(w);
+          continue;
+        }
+        int rc = api_.event_query(w.job->event);
+        if (rc == NOT_READY) {
+          still.push_back({w.job, w.since, next_gate_ask(w.since, now)});
+          continue;
+        }
+        ended = true;
+        // One bad event must not stop every other store.
+        done.push_back({w.job, rc == 0 ? "" : format("waiting for the worker's compute failed: %s",
+                                                      api_.error_string(rc))});
       }
-      if (w.next_ask > now) {
-        still.push_back(w);
-        continue;
-      }
-      int rc = api_.event_query(w.job->event);
-      if (rc == 0) done.push_back({w.job, ""});
-      else if (rc == NOT_READY) still.push_back({w.job, w.since, next_gate_ask(w.since, now)});
-      // One bad event must not stop every other store.
-      else done.push_back({w.job, format("waiting for the worker's compute failed: %s", api_.error_string(rc))});
+      // A store due that ended: the ones before it are asked too, in order.
+      if (all || !ended) break;
+      all = true;
+      done.clear();
+      still.clear();
     }
     waiting.swap(still);
     lock.lock();
