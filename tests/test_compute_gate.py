@@ -9,6 +9,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from kvdepot.server.transports.cuda_streams import ComputeGate
 
 
@@ -24,75 +26,71 @@ class ComputeEvent:
         return self.done
 
 
-def _opened(loop, opened: list, timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not opened and time.monotonic() < deadline:
-        loop.run_until_complete(asyncio.sleep(0.005))
+class Rig:
+    """A gate on an event loop of its own, and what it opened and failed."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.opened, self.failed = [], []
+        self.gate = ComputeGate(self.loop, self.opened.append, lambda job, why: self.failed.append(why))
+
+    def run_until(self, done, timeout: float = 2.0) -> None:
+        """Runs the loop (the gate's callbacks) until done() or the timeout."""
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline:
+            self.loop.run_until_complete(asyncio.sleep(0.001))
 
 
-def test_a_store_waiting_through_a_long_compute_is_asked_a_few_hundred_times_and_opens_once_done():
+@pytest.fixture
+def rig():
+    rig = Rig()
+    yield rig
+    rig.gate.stop()
+    rig.loop.close()
+
+
+def store(name: str = "") -> SimpleNamespace:
+    return SimpleNamespace(name=name, session=SimpleNamespace(ended=False))
+
+
+def test_a_store_waiting_through_a_long_compute_is_asked_a_few_hundred_times_and_opens_once_done(rig):
     # A forward pass of half a second: asked every 20 us for the first half
     # millisecond, then every quarter of the wait (at most every 1 ms), about
     # 540 asks; asking every 20 us throughout made thousands.
-    loop = asyncio.new_event_loop()
-    opened, failed = [], []
-    gate = ComputeGate(loop, opened.append, lambda job, why: failed.append(why))
-    try:
-        job, event = SimpleNamespace(session=SimpleNamespace(ended=False)), ComputeEvent()
-        gate.hold(job, event)
-        time.sleep(0.5)
-        asked = event.asked
-        assert not opened and not failed
-        event.done = True
-        released = time.monotonic()
-        _opened(loop, opened)
-        assert opened == [job] and not failed
-        assert time.monotonic() - released < 0.5
-        assert 20 < asked < 1000
-    finally:
-        gate.stop()
-        loop.close()
+    job, event = store(), ComputeEvent()
+    rig.gate.hold(job, event)
+    time.sleep(0.5)
+    asked = event.asked
+    assert not rig.opened and not rig.failed
+    event.done = True
+    released = time.monotonic()
+    rig.run_until(lambda: rig.opened)
+    assert rig.opened == [job] and not rig.failed
+    assert time.monotonic() - released < 0.5
+    assert 20 < asked < 1000
 
 
-def test_a_store_whose_client_went_away_fails_at_the_gate_without_waiting_for_its_compute():
-    loop = asyncio.new_event_loop()
-    opened, failed = [], []
-    gate = ComputeGate(loop, opened.append, lambda job, why: failed.append(why))
-    try:
-        job, event = SimpleNamespace(session=SimpleNamespace(ended=False)), ComputeEvent()
-        gate.hold(job, event)
-        time.sleep(0.05)  # past the first half millisecond: asked rarely now
-        job.session.ended = True
-        deadline = time.monotonic() + 2
-        while not failed and time.monotonic() < deadline:
-            loop.run_until_complete(asyncio.sleep(0.005))
-        assert failed == ["the client went away before its compute finished"] and not opened
-    finally:
-        gate.stop()
-        loop.close()
+def test_a_store_whose_client_went_away_fails_at_the_gate_without_waiting_for_its_compute(rig):
+    job, event = store(), ComputeEvent()
+    rig.gate.hold(job, event)
+    time.sleep(0.05)  # past the first half millisecond: asked rarely now
+    job.session.ended = True
+    rig.run_until(lambda: rig.failed)
+    assert rig.failed == ["the client went away before its compute finished"] and not rig.opened
 
 
-def test_stores_leave_the_gate_in_the_order_they_came():
+def test_stores_leave_the_gate_in_the_order_they_came(rig):
     # The first store has waited long enough to be asked only every
     # millisecond; the second comes with its compute done. The first's compute
     # came first, so it is done too: both open at once, the first first.
-    loop = asyncio.new_event_loop()
-    opened, failed = [], []
-    gate = ComputeGate(loop, opened.append, lambda job, why: failed.append(why))
-    try:
-        first, second = (SimpleNamespace(name=name, session=SimpleNamespace(ended=False)) for name in ("1", "2"))
-        first_event, second_event = ComputeEvent(), ComputeEvent()
-        gate.hold(first, first_event)
-        time.sleep(0.05)
-        asked = first_event.asked
-        while first_event.asked == asked:  # just asked: its next ask is a millisecond away
-            time.sleep(0.0001)
-        first_event.done = second_event.done = True
-        gate.hold(second, second_event)
-        deadline = time.monotonic() + 2
-        while len(opened) < 2 and time.monotonic() < deadline:
-            loop.run_until_complete(asyncio.sleep(0.001))
-        assert [job.name for job in opened] == ["1", "2"] and not failed
-    finally:
-        gate.stop()
-        loop.close()
+    first, second = store("1"), store("2")
+    first_event, second_event = ComputeEvent(), ComputeEvent()
+    rig.gate.hold(first, first_event)
+    time.sleep(0.05)
+    asked = first_event.asked
+    while first_event.asked == asked:  # just asked: its next ask is a millisecond away
+        time.sleep(0.0001)
+    first_event.done = second_event.done = True
+    rig.gate.hold(second, second_event)
+    rig.run_until(lambda: len(rig.opened) == 2)
+    assert [job.name for job in rig.opened] == ["1", "2"] and not rig.failed
