@@ -205,3 +205,40 @@ def test_quiet_submits_cost_one_message_each_way(start_daemon, lane):
     assert "3 keys but 2 block ids" in refused.refused.message
     raw.close()
     session.close()
+
+
+@pytest.mark.parametrize("lane", ["native", "python"])
+def test_frames_split_across_reads_and_packed_many_to_a_read_are_each_answered_in_order(start_daemon, lane):
+    """A client's bytes reach the daemon however its writes were cut: hundreds
+    of frames in one write (more than one read takes), frames cut anywhere,
+    down to single bytes. Each is answered, in order, and the connection
+    stays usable. Either lane."""
+    import random
+
+    daemon = start_daemon(lane=lane)
+    session = RawSession(daemon.socket)
+    keys = prompt_keys(16, prompt=350)
+
+    def frame(request_id: int) -> bytes:
+        data = pb.JobFrame(request_id=request_id, submit_load=pb.SubmitLoadRequest(
+            session_id=session.id, worker_id=999, job_id=request_id, keys=keys, block_ids=list(range(16)))
+        ).SerializeToString()
+        return LENGTH.pack(len(data)) + data
+
+    frames = b"".join(frame(i) for i in range(1, 1501))
+    assert len(frames) > 3 * (256 << 10)  # more than the native lane's read of 256 KiB, and not a multiple of it
+    cut = random.Random(35)
+    at = len(frames) // 2
+    session.jobs.sock.sendall(frames[:at])
+    while at < len(frames):
+        size = cut.choice([1, 1, 3, 7, 333, 4099, 70000])
+        session.jobs.sock.sendall(frames[at:at + size])
+        at += size
+    for i in range(1, 1501):
+        reply = session.jobs.reply()
+        assert reply is not None and reply.request_id == i, f"reply {i}: {reply}"
+        assert reply.refused.code == 5 and "unknown worker 999" in reply.refused.message
+    session.jobs.send(pb.JobFrame(request_id=5000, submit_load=pb.SubmitLoadRequest(
+        session_id=session.id, worker_id=999, job_id=5000, keys=keys[:1], block_ids=[0])))
+    assert session.jobs.reply().request_id == 5000
+    session.close()

@@ -39,6 +39,7 @@ uint32_t Conns::add(Session& session, int fd, const std::string& peer, const std
   c.peer = peer;
   c.out = first;
   c.in = leftover;
+  c.in_end = leftover.size();
   c.quiet = quiet;
   conns_[c.id] = std::move(owned);
   session.conn = (int32_t)c.id;
@@ -75,20 +76,25 @@ void Conns::on_epoll(uint32_t id, uint32_t events) {
 
 void Conns::read(Conn& c) {
   for (int round = 0; round < READS_PER_TURN && c.fd >= 0 && !c.paused && !c.closing; round++) {
-    size_t old = c.in.size();
-    c.in.resize(old + READ_BYTES);
-    ssize_t n = recv(c.fd, &c.in[old], READ_BYTES, 0);
+    if (c.in.size() - c.in_end < READ_BYTES) {
+      // What is left is at most a frame not yet whole: moved to the front,
+      // so that the room stays a frame and a read at most.
+      std::memmove(&c.in[0], c.in.data() + c.in_start, c.in_end - c.in_start);
+      c.in_end -= c.in_start;
+      c.in_start = 0;
+      if (c.in.size() - c.in_end < READ_BYTES) c.in.resize(c.in_end + READ_BYTES);
+    }
+    ssize_t n = recv(c.fd, &c.in[c.in_end], READ_BYTES, 0);
     if (n < 0) {
-      c.in.resize(old);
       if (errno == EINTR) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK) end(c, LOST);
       return;
     }
-    c.in.resize(old + (size_t)n);
     if (n == 0) {
       end(c, LOST);
       return;
     }
+    c.in_end += (size_t)n;
     handle_frames(c);
     if (c.fd >= 0) write(c);
     if ((size_t)n < READ_BYTES) return;
@@ -97,7 +103,7 @@ void Conns::read(Conn& c) {
 
 void Conns::handle_frames(Conn& c) {
   while (c.fd >= 0 && !c.paused && !c.closing) {
-    size_t available = c.in.size() - c.in_start;
+    size_t available = c.in_end - c.in_start;
     if (available < 4) break;
     uint32_t length;
     std::memcpy(&length, c.in.data() + c.in_start, 4);
@@ -118,10 +124,7 @@ void Conns::handle_frames(Conn& c) {
     answer(c, frame, received);  // the frame's keys point into c.in: consumed after
     c.in_start += 4 + (size_t)length;
   }
-  if (c.in_start && (c.in_start == c.in.size() || c.in_start > (1 << 20))) {
-    c.in.erase(0, c.in_start);
-    c.in_start = 0;
-  }
+  if (c.in_start == c.in_end) c.in_start = c.in_end = 0;
 }
 
 void Conns::answer(Conn& c, Frame& frame, int64_t received) {

@@ -33,8 +33,11 @@ class Conns : public Replies {
     int fd = -1;
     uint32_t session = 0;
     std::string peer;
+    // Bytes received: [in_start, in_end) of `in`, whose size is the room to
+    // receive into (kept between reads: growing it before each recv would
+    // zero-fill READ_BYTES every time).
     std::string in;
-    size_t in_start = 0;
+    size_t in_start = 0, in_end = 0;
     std::string out;
     size_t out_start = 0;
     bool paused = false;   // its replies pile up unread: its requests wait
