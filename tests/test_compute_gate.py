@@ -79,6 +79,24 @@ def test_a_store_whose_client_went_away_fails_at_the_gate_without_waiting_for_it
     assert rig.failed == ["the client went away before its compute finished"] and not rig.opened
 
 
+def test_stores_whose_computes_take_alike_are_not_asked_before_most_of_it_has_passed(rig):
+    # Stores that each wait 20 ms for their compute, as a worker's stores wait
+    # for its forward passes: once the gate has seen a few, a store is first
+    # asked again at 3/4 of the shortest recent wait, about 8 asks each. Asked
+    # from the start (every 20 us, then every quarter of its wait, at most
+    # every 1 ms), each took 30-50.
+    asks = []
+    for i in range(10):
+        job, event = store(str(i)), ComputeEvent()
+        rig.gate.hold(job, event)
+        time.sleep(0.02)
+        asks.append(event.asked)
+        event.done = True
+        rig.run_until(lambda n=i + 1: len(rig.opened) == n)
+    assert len(rig.opened) == 10 and not rig.failed
+    assert max(asks[-4:]) <= 12, asks
+
+
 def test_stores_leave_the_gate_in_the_order_they_came(rig):
     # The first store has waited long enough to be asked only every
     # millisecond; the second comes with its compute done. The first's compute

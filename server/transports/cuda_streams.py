@@ -260,18 +260,23 @@ class ComputeGate:
     waits here is dropped before anything was queued on the GPU.
     """
 
-    # A store is asked every POLL_SECONDS for its first FAST_SECONDS (a store
-    # submitted just after its compute), then every quarter of the time it has
-    # waited, at most every SLOW_SECONDS: in serving it waits for a whole
-    # forward pass, and asking every 20 us through it kept this thread awake
-    # 50,000 times a second.
+    # A store is asked at once, then every POLL_SECONDS for its first
+    # FAST_SECONDS (a store submitted just after its compute), then every
+    # quarter of the time it has waited, at most every SLOW_SECONDS: in serving
+    # it waits for a whole forward pass, and asking every 20 us through it kept
+    # this thread awake 50,000 times a second. Nor is it asked before 3/4 of
+    # the shortest wait of the last RECENT stores that were not done at once:
+    # a worker's forward passes are alike, and the shortest keeps a short one
+    # from being seen late.
     POLL_SECONDS, FAST_SECONDS, SLOW_SECONDS = 20e-6, 500e-6, 1e-3
+    RECENT = 16
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_open, on_failed):
         self._loop = loop
         self._on_open = on_open
         self._on_failed = on_failed
         self._new: queue.SimpleQueue = queue.SimpleQueue()
+        self._recent: collections.deque = collections.deque(maxlen=self.RECENT)  # the gate thread's
         self._thread = threading.Thread(target=self._run, name="kvdepot-gate", daemon=True)
         self._thread.start()
 
@@ -285,14 +290,15 @@ class ComputeGate:
             self._thread.join(1.0)
 
     @classmethod
-    def next_ask(cls, since: float, now: float) -> float:
+    def next_ask(cls, since: float, now: float, shortest: float = 0.0) -> float:
         waited = now - since
-        return now + (cls.POLL_SECONDS if waited < cls.FAST_SECONDS else min(cls.SLOW_SECONDS, waited / 4))
+        step = cls.POLL_SECONDS if waited < cls.FAST_SECONDS else min(cls.SLOW_SECONDS, waited / 4)
+        return max(now + step, since + shortest * 0.75)
 
     def _run(self) -> None:
         name_os_thread()
-        waiting: list = []  # [job, event, when it came, when it is asked next], in the order they came
-        came = False
+        # [job, event, when it came, when it is asked next, asked before], in the order they came
+        waiting: list = []
         while True:
             timeout = None if not waiting else min(w[3] for w in waiting) - time.monotonic()
             try:
@@ -300,23 +306,22 @@ class ComputeGate:
                 if item is None:
                     return
                 now = time.monotonic()
-                waiting.append([*item, now, now])
-                came = True
+                waiting.append([*item, now, now, False])  # asked at once: it may be done already
                 continue  # take everything queued before polling
             except queue.Empty:
                 pass
-            # A store that came is asked at once (it may be done already), and
-            # with it every store before it: stores leave in the order they
-            # came, and a worker's earlier store, whose compute came first, is
-            # done too. So is every store before one due that ended.
-            waiting = self._sweep(waiting, time.monotonic(), came)
-            came = False
+            waiting = self._sweep(waiting, time.monotonic(), False)
 
     def _sweep(self, waiting: list, now: float, everyone: bool) -> list:
-        """Asks the stores due (every store where `everyone`); returns those still waiting."""
-        ended, still = [], []  # ended: (callback, its arguments), in the order the stores came
+        """Asks the stores due (every store where `everyone`); returns those still waiting.
+
+        A store due that ended has every store before it asked too: stores
+        leave in the order they came, and a worker's earlier store, whose
+        compute came first, is done too."""
+        ended, still, waited = [], [], []  # ended: (callback, its arguments), in the order the stores came
+        shortest = min(self._recent, default=0.0)
         for entry in waiting:
-            job, event, since, ask = entry
+            job, event, since, ask, asked_before = entry
             if job.session.ended:
                 ended.append((self._on_failed, (job, "the client went away before its compute finished")))
                 continue
@@ -330,11 +335,13 @@ class ComputeGate:
                 continue
             if completed:
                 ended.append((self._on_open, (job,)))
+                if asked_before:
+                    waited.append(now - since)
             else:
-                entry[3] = self.next_ask(since, now)
-                still.append(entry)
+                still.append([job, event, since, self.next_ask(since, now, shortest), True])
         if not everyone and any(callback is self._on_open for callback, _ in ended):
             return self._sweep(waiting, now, True)
+        self._recent.extend(waited)
         for callback, arguments in ended:
             self._loop.call_soon_threadsafe(callback, *arguments)
         return still

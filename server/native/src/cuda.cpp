@@ -28,18 +28,22 @@ constexpr uint64_t TAIL_CHUNK_SHARE = 8;
 constexpr uint64_t ONE_STREAM_BYTES = 1 << 20;
 // Who touched a staging buffer last.
 enum Owner : uint8_t { NOBODY = 0, COPY_STREAM = 1, KERNEL_STREAM = 2 };
-// A store at the gate is asked every GATE_POLL_NS for its first GATE_FAST_NS
-// (a store submitted just after its compute: the benchmarks' case), then every
-// quarter of the time it has waited, at most every GATE_SLOW_NS. In serving a
-// store waits for a whole forward pass (tens of milliseconds), and asking every
-// 20 us through it kept a core's thread awake 50,000 times a second; this way a
-// store is seen at most a quarter of its wait, and 1 ms, late.
+// A store at the gate is asked at once, then every GATE_POLL_NS for its first
+// GATE_FAST_NS (a store submitted just after its compute: the benchmarks'
+// case), then every quarter of the time it has waited, at most every
+// GATE_SLOW_NS. In serving a store waits for a whole forward pass (tens of
+// milliseconds), and asking every 20 us through it kept a core's thread awake
+// 50,000 times a second; this way a store is seen at most a quarter of its
+// wait, and 1 ms, late. Nor is it asked before 3/4 of the shortest wait of the
+// last GATE_RECENT stores that were not done at once: a worker's forward
+// passes are alike, and the shortest keeps a short one from being seen late.
 constexpr int64_t GATE_POLL_NS = 20000, GATE_FAST_NS = 500000, GATE_SLOW_NS = 1000000;
+constexpr size_t GATE_RECENT = 16;
 
-int64_t next_gate_ask(int64_t since, int64_t now) {
+int64_t next_gate_ask(int64_t since, int64_t now, int64_t shortest) {
   int64_t waited = now - since;
-  if (waited < GATE_FAST_NS) return now + GATE_POLL_NS;
-  return now + std::min(GATE_SLOW_NS, waited / 4);
+  int64_t next = now + (waited < GATE_FAST_NS ? GATE_POLL_NS : std::min(GATE_SLOW_NS, waited / 4));
+  return std::max(next, since + shortest / 4 * 3);
 }
 
 // A job is expected to start when the one before it on its stream was seen
@@ -419,6 +423,9 @@ void CudaTransport::gate_run() {
     int64_t since, next_ask;
   };
   std::vector<Waiting> waiting;  // in the order they came
+  // How long the last GATE_RECENT stores not done at their first ask waited.
+  std::deque<int64_t> recent;
+  auto shortest = [&recent] { return recent.empty() ? 0 : *std::min_element(recent.begin(), recent.end()); };
   std::unique_lock<std::mutex> lock(gate_mutex_);
   // Stores queued or abandoned while the thread asked events (unlocked) are
   // seen here, not left to the next store due.
@@ -434,10 +441,7 @@ void CudaTransport::gate_run() {
     }
     if (stopping_) return;
     int64_t now = now_ns();
-    // A store that came is asked at once (it may be done already), and with
-    // it every store before it: stores leave in the order they came, and a
-    // worker's earlier store, whose compute came first, is done too.
-    bool all = !gate_new_.empty();
+    // A store that came is asked at once (it may be done already).
     for (Job* job : gate_new_) waiting.push_back({job, now, now});
     gate_new_.clear();
     std::unordered_set<Job*> abandoned;
@@ -445,7 +449,11 @@ void CudaTransport::gate_run() {
     lock.unlock();
     std::vector<std::pair<Job*, std::string>> done;
     std::vector<Waiting> still;
-    for (;;) {
+    std::vector<int64_t> waited;  // of the stores that ended after their first ask
+    // A store due that ended: every store before it is asked too, so that
+    // stores leave in the order they came (a worker's earlier store, whose
+    // compute came first, is done too).
+    for (bool all = false;; all = true) {
       bool ended = false;
       for (Waiting& w : waiting) {
         if (abandoned.count(w.job)) {
@@ -458,19 +466,23 @@ void CudaTransport::gate_run() {
         }
         int rc = api_.event_query(w.job->event);
         if (rc == NOT_READY) {
-          still.push_back({w.job, w.since, next_gate_ask(w.since, now)});
+          still.push_back({w.job, w.since, next_gate_ask(w.since, now, shortest())});
           continue;
         }
         ended = true;
+        if (rc == 0 && now > w.since) waited.push_back(now - w.since);
         // One bad event must not stop every other store.
         done.push_back({w.job, rc == 0 ? "" : format("waiting for the worker's compute failed: %s",
                                                       api_.error_string(rc))});
       }
-      // A store due that ended: the ones before it are asked too, in order.
       if (all || !ended) break;
-      all = true;
       done.clear();
       still.clear();
+      waited.clear();
+    }
+    for (int64_t w : waited) {
+      recent.push_back(w);
+      if (recent.size() > GATE_RECENT) recent.pop_front();
     }
     waiting.swap(still);
     lock.lock();
