@@ -1,5 +1,5 @@
 """The native lane's CUDA path without a GPU: its real code (server/native/src/
-cuda.cpp) driven through the lane's C functions, over a stand-in for the CUDA
+cuda*.cpp) driven through the lane's C functions, over a stand-in for the CUDA
 runtime (tests/fake_cuda/fake_cuda.cpp: host memory, every operation at
 once, the copy kernel on the CPU). What it shows is the lane's bookkeeping:
 bytes land where the block ids and slots say, in chunks smaller than a job,

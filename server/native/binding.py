@@ -231,7 +231,7 @@ COMMITTED_BLOCK = struct.Struct("<Q32s")
 TRACE = struct.Struct("<IQBI")
 STAMP = struct.Struct("<Bq")
 
-# Trace stages by the numbers jobs.cpp and cuda.cpp stamp (kvdepot/jobtrace.py names).
+# Trace stages by the numbers jobs.cpp and cuda_streams.h stamp (kvdepot/jobtrace.py names).
 STAGES = ("received", "begin", "launch", "ids_up", "kernel", "transfers", "first_chunk", "queued", "gpu_done",
           "finish", "done_sent", "committed")
 

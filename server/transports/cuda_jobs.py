@@ -121,7 +121,7 @@ class JobQueue:
         on the host side of the ring (span) until uploaded here. A block
         takes `block_span` slots in the pool and as many rows of a buffer:
         block i of a chunk sits at buffer + i * pitch, the pitch the kernel
-        takes where it took a row's bytes (server/native/src/cuda.cpp alike)."""
+        takes where it took a row's bytes (server/native/src/cuda_staging.cpp alike)."""
         programs = self._programs or copy_kernel.staging_programs(copies.device.index)
         slot_bytes, pool_base = self._slot_bytes, self._pool_base
         pitch = block_span * slot_bytes

@@ -6,7 +6,7 @@ Two kernels: `_hash_blocks` gives each (row, 4 KiB block) program one
 block's mixed sums; `_hash_rows` sums a row's blocks and writes its hash to
 `dest` (pinned host memory, which the GPU writes through UVA). The native
 lane launches both by their handles after a store's gather (server/native/
-src/cuda.cpp), with the block ids' ring holding the hashes after the fence.
+src/cuda_staging.cpp), with the block ids' ring holding the hashes after the fence.
 """
 
 from __future__ import annotations

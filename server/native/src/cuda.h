@@ -8,20 +8,6 @@
 
 namespace kvd {
 
-// Runs of consecutive entries of a ring, taken in order and given back
-// (mostly) in order as jobs end (cuda_streams.py Spans).
-class Spans {
- public:
-  explicit Spans(uint64_t entries) : entries_(entries) {}
-  bool take(uint64_t count, int64_t* start, int64_t* end);
-  void give_back(int64_t start, int64_t end);
-
- private:
-  uint64_t entries_;
-  uint64_t head_ = 0;
-  std::deque<std::pair<int64_t, int64_t>> taken_;
-};
-
 struct CopyStream;
 
 class CudaTransport : public Transport {

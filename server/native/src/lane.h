@@ -7,7 +7,7 @@
 // part: index.cpp (the block index), eviction.cpp (LRU, ARC, shares),
 // slots.cpp (the pool's runs of slots), jobs.cpp (sessions, workers, jobs),
 // wire.cpp (the job socket's protobuf frames), conns.cpp (the job socket's
-// connections), shm.cpp and cuda.cpp (the transports' copies), seal.cpp
+// connections), shm.cpp and cuda*.cpp (the transports' copies), seal.cpp
 // (records of the kept pool), capi.cpp (the C functions Python calls).
 //
 // Threads: everything here is the event loop's thread's, called from Python

@@ -1,6 +1,6 @@
 // The lane's transports: who moves a job's bytes (core/transport.py). The
 // shared-memory one copies between a worker's staging memory and the pool
-// (shm.cpp); the CUDA one queues a job's copies on its GPU (cuda.cpp).
+// (shm.cpp); the CUDA one queues a job's copies on its GPU (cuda*.cpp).
 #pragma once
 
 #include "jobs.h"

@@ -1,0 +1,166 @@
+// A job's copies through its stream's two staging buffers on the GPU
+// (cuda_streams.py, cuda.py): per chunk a gather (store) or scatter (load)
+// kernel and one cudaMemcpyAsync per run of consecutive slots, ordered by the
+// buffers' events.
+#include "cuda_streams.h"
+
+namespace kvd {
+
+namespace {
+constexpr uint64_t TAIL_CHUNK_SHARE = 8;
+// A job of at most this many bytes, one chunk, runs on the copy stream alone:
+// its gather (or scatter) and its transfers need no event between them, about
+// half the calls of a small job. A bigger job's kernels run on their own
+// stream, beside the previous job's transfers: on one stream they would take
+// turns, and the bus would idle while each gather runs.
+constexpr uint64_t ONE_STREAM_BYTES = 1 << 20;
+
+// (first, count) of a job's staging chunks of up to `rows` blocks; a load alone
+// ends with a small chunk (cuda_streams.py staging_chunks).
+std::vector<std::pair<uint64_t, uint64_t>> staging_chunks(uint64_t blocks, uint64_t rows, bool small_tail) {
+  uint64_t tail = small_tail && blocks > 1 ? std::max<uint64_t>(1, std::min(blocks, rows) / TAIL_CHUNK_SHARE) : 0;
+  std::vector<std::pair<uint64_t, uint64_t>> chunks;
+  uint64_t first = 0;
+  for (uint64_t left = blocks - tail; left;) {
+    uint64_t size = std::min(rows, left);
+    chunks.push_back({first, size});
+    first += size;
+    left -= size;
+  }
+  if (tail) chunks.push_back({first, tail});
+  return chunks;
+}
+}  // namespace
+
+uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_host) {
+  const CudaDeviceConfig& device = devices_.at(job.worker->device_index)->config;
+  const CudaStreamConfig& c = stream.config;
+  const Worker& w = *job.worker;
+  uint64_t n = job.slots.size();
+  // A block takes `span` slots in the pool and `span` rows of slot_bytes in a
+  // staging buffer: block i of a chunk sits at buffer + i * pitch, and the
+  // kernels take the pitch where they took a row's bytes.
+  uint64_t span = this->span(w), pitch = span * slot_bytes_, per_chunk = std::max<uint64_t>(1, c.rows / span);
+  void* transfers = stream.stream();
+  bool uploaded = false;
+  auto upload = [&](void* on) {
+    if (uploaded) return;
+    uint64_t at = 8 * (uint64_t)job.span_start;
+    check(api_.memcpy_async(reinterpret_cast<void*>(c.ring_gpu + at), reinterpret_cast<void*>(c.ring_host + at), 8 * n,
+                            MEMCPY_DEFAULT, on),
+          "cudaMemcpyAsync");
+    uploaded = true;
+    stamp(job, IDS_UP);
+  };
+  auto launch = [&](uint64_t first, uint64_t count, uint64_t buffer, void* on) {
+    uint64_t chunks = (w.max_page_bytes + device.chunk_bytes - 1) / device.chunk_bytes;
+    uint64_t work = count * w.pages_per_block * chunks;
+    if (work >= (1ull << 31) - (1ull << 20)) throw std::runtime_error("a job too large for one launch of the copy kernel");
+    launch_kernel(c.copy, (unsigned)std::min<uint64_t>(work, c.copy.programs), 1,
+                  {c.ring_gpu + 8 * ((uint64_t)job.span_start + first), c.positions, w.table[0], w.table[1], w.table[2],
+                   w.table[3], buffer, pitch, w.pages_per_block, chunks, work},
+                  on);
+    stamp(job, KERNEL);
+  };
+  // A store's rows hashed where they are, for their records (hash_kernel.py):
+  // into the ring's entries after the fence.
+  auto hash = [&](uint64_t first, uint64_t count, int b, void* on) {
+    uint64_t length = w.block_bytes, per_row = (length + 4095) / 4096;
+    launch_kernel(c.hash_blocks, (unsigned)per_row, (unsigned)count,
+                  {c.buffers[b], pitch, length, c.hash_keys, c.hash_scratch[b], per_row}, on);
+    launch_kernel(c.hash_rows, (unsigned)count, 1,
+                  {c.hash_scratch[b], length, per_row, c.ring_host + 8 * ((uint64_t)job.span_start + n + 1 + first)}, on);
+  };
+  // Before `on` touches buffer b, it waits for the other stream's last use of
+  // b. That use is marked (`hand_over`) as soon as it is queued: an event
+  // recorded only when the next user comes would also wait for whatever that
+  // stream queued since (the next job's transfers, or its kernels), and a
+  // stream's transfers would take turns with its kernels instead of
+  // overlapping them. Where nothing marked it (the copy stream alone ran the
+  // small jobs before), the event is recorded now.
+  auto wait_for_last_use = [&](int b, uint8_t on) {
+    uint8_t last = stream.owner[b];
+    void* event = reinterpret_cast<void*>(last == KERNEL_STREAM ? c.filled[b] : c.drained[b]);
+    if (!stream.marked[b]) check(api_.event_record(event, stream.of(last)), "cudaEventRecord");
+    stream.marked[b] = true;
+    check(api_.stream_wait_event(stream.of(on), event, 0), "cudaStreamWaitEvent");
+  };
+  auto take_buffer = [&](int b, uint8_t on) {
+    uint8_t last = stream.owner[b];
+    if (last != NOBODY && last != on) wait_for_last_use(b, on);
+    stream.owner[b] = on;
+    stream.marked[b] = false;
+  };
+  auto hand_over = [&](int b) {
+    uint8_t last = stream.owner[b];
+    void* event = reinterpret_cast<void*>(last == KERNEL_STREAM ? c.filled[b] : c.drained[b]);
+    check(api_.event_record(event, stream.of(last)), "cudaEventRecord");
+    stream.marked[b] = true;
+  };
+  bool one_stream = n * pitch <= ONE_STREAM_BYTES && n <= per_chunk;
+  uint8_t kernel_side = one_stream ? COPY_STREAM : KERNEL_STREAM;
+  if (one_stream && !to_host) {
+    // A load on the copy stream alone waits for the buffer it takes, whose
+    // last scatter may not be the kernel stream's last: the other buffer's
+    // may come later, and into the same GPU blocks. Loads land in the order
+    // they were submitted, so it waits for that one too (once, at the turn
+    // from two streams to one: the next job takes that buffer anyway).
+    int other = 1 - stream.next_buffer;
+    if (stream.owner[other] == KERNEL_STREAM) wait_for_last_use(other, COPY_STREAM);
+  }
+  for (auto& chunk : staging_chunks(n, per_chunk, !one_stream && !to_host && stream.idle())) {
+    uint64_t first = chunk.first, count = chunk.second;
+    int b = stream.next_buffer;
+    stream.next_buffer = (b + 1) % 2;
+    uint64_t buffer = c.buffers[b];
+    // Blocks whose runs of slots follow each other inside one CUDA
+    // registration of the pool (a DMA copy cannot cross two), one transfer
+    // each: `count` blocks from block `at` of the chunk.
+    struct Run {
+      int64_t slot;
+      uint64_t at, count;
+    };
+    std::vector<Run> runs;
+    for (uint64_t at = 0; at < count; at++) {
+      int64_t slot = job.slots[first + at];
+      if (!runs.empty() && runs.back().slot + (int64_t)(runs.back().count * span) == slot &&
+          (uint64_t)slot % device.per_registration)
+        runs.back().count++;
+      else
+        runs.push_back({slot, at, 1});
+    }
+    auto transfer_runs = [&] {
+      for (Run& r : runs) {
+        uint8_t* pool = pool_ + (uint64_t)r.slot * slot_bytes_;
+        void* rows = reinterpret_cast<void*>(buffer + r.at * pitch);
+        check(to_host ? api_.memcpy_async(pool, rows, r.count * pitch, MEMCPY_DEFAULT, transfers)
+                      : api_.memcpy_async(rows, pool, r.count * pitch, MEMCPY_DEFAULT, transfers),
+              "cudaMemcpyAsync");
+      }
+    };
+    if (to_host) {
+      take_buffer(b, kernel_side);
+      upload(stream.of(kernel_side));
+      launch(first, count, buffer, stream.of(kernel_side));
+      if (hashing(stream, true)) hash(first, count, b, stream.of(kernel_side));
+      if (!one_stream) hand_over(b);
+      take_buffer(b, COPY_STREAM);
+      transfer_runs();
+      if (!one_stream) hand_over(b);
+    } else {
+      take_buffer(b, COPY_STREAM);
+      transfer_runs();
+      if (!one_stream) hand_over(b);
+      stamp(job, TRANSFERS);
+      // Only now: the load's first transfer is queued already, and the copy engine does not wait for the upload.
+      upload(stream.of(kernel_side));
+      take_buffer(b, kernel_side);
+      launch(first, count, buffer, stream.of(kernel_side));
+      if (!one_stream) hand_over(b);
+    }
+    stamp(job, FIRST_CHUNK);
+  }
+  return kernel_side;
+}
+
+}  // namespace kvd

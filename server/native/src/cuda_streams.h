@@ -1,0 +1,83 @@
+// A GPU's copy streams (port of server/transports/cuda_streams.py): per
+// direction a stream, its ring of block ids and the thread that sees its jobs
+// end. What the CUDA transport's files (cuda.cpp, cuda_gate.cpp,
+// cuda_staging.cpp) share; nothing outside them includes it.
+#pragma once
+
+#include "cuda.h"
+
+namespace kvd {
+
+constexpr int MEMCPY_DEFAULT = 4;  // the direction from the addresses (UVA)
+constexpr int NOT_READY = 600;     // cudaErrorNotReady
+// Who touched a staging buffer last.
+enum Owner : uint8_t { NOBODY = 0, COPY_STREAM = 1, KERNEL_STREAM = 2 };
+// Stage stamps (server/native/binding.py STAGES).
+enum Stage : uint8_t { LAUNCH = 2, IDS_UP = 3, KERNEL = 4, TRANSFERS = 5, FIRST_CHUNK = 6, QUEUED = 7, GPU_DONE = 8 };
+
+// Stamps a traced job's stage, once.
+void stamp(Job& job, uint8_t stage);
+
+// Runs of consecutive entries of a ring, taken in order and given back
+// (mostly) in order as jobs end (cuda_streams.py Spans).
+class Spans {
+ public:
+  explicit Spans(uint64_t entries) : entries_(entries) {}
+  bool take(uint64_t count, int64_t* start, int64_t* end);
+  void give_back(int64_t start, int64_t end);
+
+ private:
+  uint64_t entries_;
+  uint64_t head_ = 0;
+  std::deque<std::pair<int64_t, int64_t>> taken_;
+};
+
+struct Tracked {
+  void* event;
+  Job* job;
+  int64_t fence_index;  // -1: no fence to check
+  uint64_t fence_seq;
+  int64_t queued_ns;    // when the lane's thread queued it
+  uint64_t bytes;       // what it moves
+  bool alone;           // it found the stream idle
+  bool spin;            // a small job that found the stream idle: polled closely
+  int64_t hash_index;   // where the GPU wrote its rows' hashes in the ring; -1: none
+  uint64_t rows;
+};
+
+struct CopyStream {
+  CudaStreamConfig config;
+  int device = 0;
+  const CudaApi* api = nullptr;
+  Completions* completions = nullptr;
+  Spans spans;
+  int next_buffer = 0;
+  uint8_t owner[2] = {NOBODY, NOBODY};
+  bool marked[2] = {false, false};  // owner's event recorded right after its last use of the buffer
+  std::deque<Job*> waiting;  // for room in the ring, in order (the lane's thread's)
+  int64_t last_end_ns = 0;  // the completion thread's: when it saw the last job end
+  std::atomic<uint64_t> tracked{0}, done{0};
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::deque<Tracked> pending;
+  bool stopping = false;
+  std::mutex spare_mutex;
+  std::vector<void*> spare;  // ended events, for reuse
+  std::thread thread;
+
+  explicit CopyStream(const CudaStreamConfig& c) : config(c), spans(c.ring_entries) {}
+  bool idle() const { return tracked.load() == done.load(); }
+  void* stream() const { return reinterpret_cast<void*>(config.stream); }
+  void* kernels() const { return reinterpret_cast<void*>(config.kernels); }
+  void* of(uint8_t owner) const { return owner == KERNEL_STREAM ? kernels() : stream(); }
+  Ended ended(Tracked& item, int rc);
+  void wait_for(const Tracked& item);
+  void run();
+};
+
+struct CudaTransport::Device {
+  CudaDeviceConfig config;
+  std::unique_ptr<CopyStream> store, load;
+};
+
+}  // namespace kvd
