@@ -8,12 +8,16 @@ namespace kvd {
 
 namespace {
 // A job is expected to start when the one before it on its stream was seen
-// to end (or when it was queued, if later) and to move at this many bytes a
-// nanosecond, plus JOB_NS; past that its event is asked, first after
-// FIRST_POLL_NS, then twice as long each time. The rate is above what PCIe 5
-// x16 gives (about 55), so that the sleep ends before the copy does and a busy
-// stream's completions are never paced below the bus.
-constexpr double NOMINAL_BYTES_PER_NS = 64.0;
+// to end (or when it was queued, if later) and to take JOB_NS, plus its bytes
+// at AHEAD times the rate the stream's jobs were last seen to move (at most
+// NOMINAL_BYTES_PER_NS, above what PCIe 5 x16 gives, about 55); past that its
+// event is asked, first after FIRST_POLL_NS, then twice as long each time.
+// Predicted at the nominal rate alone, a busy stream's jobs (each sharing the
+// bus with the other direction's) were asked four or five times each. AHEAD
+// keeps the sleep ending before the copy does, and a rate seen too low climbs
+// back by that much a job (a job seen late was seen when the sleep ended), so
+// that a busy stream's completions are never paced below the bus.
+constexpr double NOMINAL_BYTES_PER_NS = 64.0, MIN_BYTES_PER_NS = 4.0, AHEAD = 1.15, RATE_WEIGHT = 0.25;
 constexpr int64_t JOB_NS = 10000, FIRST_POLL_NS = 5000, LAST_POLL_NS = 200000, SPIN_NS = 50000;
 // A job that found its stream idle is asked at least this often once it is
 // due, for a quarter of its predicted time (ALONE_CLOSE_NS at least): its
@@ -93,7 +97,7 @@ Ended CopyStream::ended(Tracked& item, int rc) {
   return Ended{job, true, ""};
 }
 
-void CopyStream::wait_for(const Tracked& item) {
+int64_t CopyStream::wait_for(const Tracked& item, bool* overslept) {
   // Asleep until the job should have ended, then asking its event: a few
   // queries a job instead of a wake-up by the driver's event thread for each
   // (cudaEventBlockingSync) or a core spinning. A small job that had the
@@ -101,19 +105,36 @@ void CopyStream::wait_for(const Tracked& item) {
   // Predicted from the observed end of the job before it, not from that job's
   // prediction: predictions chained at a nominal rate would pace a busy stream
   // at that rate, whatever the bus does.
-  int64_t duration = JOB_NS + (int64_t)((double)item.bytes / NOMINAL_BYTES_PER_NS);
-  int64_t expected = std::max(last_end_ns, item.queued_ns) + duration;
+  int64_t start = std::max(last_end_ns, item.queued_ns);
+  double predicted = rate > 0 ? std::min(NOMINAL_BYTES_PER_NS, rate * AHEAD) : NOMINAL_BYTES_PER_NS;
+  int64_t duration = JOB_NS + (int64_t)((double)item.bytes / predicted);
+  int64_t expected = start + duration;
   int64_t now = now_ns();
   if (expected > now + 2000) std::this_thread::sleep_for(std::chrono::nanoseconds(expected - now));
   int64_t spin_until = item.spin ? now_ns() + SPIN_NS : 0;
   int64_t close_until = item.alone ? std::max(now, expected) + std::max(ALONE_CLOSE_NS, duration / 4) : 0;
   int64_t backoff = FIRST_POLL_NS;
+  *overslept = true;
   while (api->event_query(item.event) == NOT_READY) {
+    *overslept = false;
     int64_t at = now_ns();
     if (at < spin_until) continue;
     std::this_thread::sleep_for(std::chrono::nanoseconds(backoff));
     backoff = std::min(backoff * 2, at < close_until ? ALONE_POLL_NS : LAST_POLL_NS);
   }
+  return start;
+}
+
+void CopyStream::saw(const Tracked& item, int64_t start, int64_t seen, bool overslept) {
+  // Only a job that waited behind another started when that one ended: a job
+  // alone also paid its launch, and a store alone its gather and hash.
+  if (item.alone || start != last_end_ns) return;
+  double took = (double)std::max<int64_t>(seen - start - JOB_NS, 1000);
+  double sample = (double)item.bytes / took;
+  double before = rate > 0 ? rate : NOMINAL_BYTES_PER_NS;
+  double smoothed = (1 - RATE_WEIGHT) * before + RATE_WEIGHT * sample;
+  // Done before its first ask, it moved at least at the rate predicted.
+  rate = std::clamp(overslept ? std::max(smoothed, sample) : smoothed, MIN_BYTES_PER_NS, NOMINAL_BYTES_PER_NS);
 }
 
 void CopyStream::run() {
@@ -125,7 +146,8 @@ void CopyStream::run() {
     if (pending.empty()) return;  // stopping
     Tracked first = pending.front();
     lock.unlock();
-    wait_for(first);
+    bool overslept = false;
+    int64_t start = wait_for(first, &overslept);
     // It, and every job after it that has ended too, go to the loop together.
     std::vector<Tracked> items;
     lock.lock();
@@ -136,7 +158,9 @@ void CopyStream::run() {
       pending.pop_front();
     }
     lock.unlock();
-    last_end_ns = now_ns();
+    int64_t seen = now_ns();
+    saw(first, start, seen, overslept);
+    last_end_ns = seen;
     std::vector<Ended> ended;
     for (Tracked& item : items) ended.push_back(this->ended(item, api->event_query(item.event)));
     done += ended.size();

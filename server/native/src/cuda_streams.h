@@ -56,6 +56,7 @@ struct CopyStream {
   bool marked[2] = {false, false};  // owner's event recorded right after its last use of the buffer
   std::deque<Job*> waiting;  // for room in the ring, in order (the lane's thread's)
   int64_t last_end_ns = 0;  // the completion thread's: when it saw the last job end
+  double rate = 0;          // the completion thread's: bytes a ns its jobs were seen to move, smoothed (0: none yet)
   std::atomic<uint64_t> tracked{0}, done{0};
   std::mutex mutex;
   std::condition_variable wake;
@@ -71,7 +72,10 @@ struct CopyStream {
   void* kernels() const { return reinterpret_cast<void*>(config.kernels); }
   void* of(uint8_t owner) const { return owner == KERNEL_STREAM ? kernels() : stream(); }
   Ended ended(Tracked& item, int rc);
-  void wait_for(const Tracked& item);
+  // Returns when the job was expected to start; overslept: it was done at the first ask.
+  int64_t wait_for(const Tracked& item, bool* overslept);
+  // Learns the stream's rate from a job seen ended.
+  void saw(const Tracked& item, int64_t start, int64_t seen, bool overslept);
   void run();
 };
 
