@@ -262,12 +262,14 @@ class ComputeGate:
 
     # A store is asked at once, then every POLL_SECONDS for its first
     # FAST_SECONDS (a store submitted just after its compute), then every
-    # quarter of the time it has waited, at most every SLOW_SECONDS: in serving
-    # it waits for a whole forward pass, and asking every 20 us through it kept
-    # this thread awake 50,000 times a second. Nor is it asked before 3/4 of
-    # the shortest wait of the last RECENT stores that were not done at once:
-    # a worker's forward passes are alike, and the shortest keeps a short one
-    # from being seen late.
+    # quarter of the time it has waited, at most every SLOW_SECONDS: a store
+    # waiting out a forward pass is asked a few dozen times, not every 20 us,
+    # and seen at most a quarter of its wait, and 1 ms, late. Nor is it asked
+    # before 3/4 of the shortest wait of the last RECENT stores that were not
+    # done at once, since forward passes are alike. A store's wait is taken as
+    # the time to its last ask that found it not done (a lower bound: the
+    # gate's own lateness is not in it), so one store shorter than the others
+    # puts the next ones back on the schedule above.
     POLL_SECONDS, FAST_SECONDS, SLOW_SECONDS = 20e-6, 500e-6, 1e-3
     RECENT = 16
 
@@ -297,7 +299,8 @@ class ComputeGate:
 
     def _run(self) -> None:
         name_os_thread()
-        # [job, event, when it came, when it is asked next, asked before], in the order they came
+        # [job, event, when it came, when it is asked next, when an ask last found it not done (None:
+        # never)], in the order they came
         waiting: list = []
         while True:
             timeout = None if not waiting else min(w[3] for w in waiting) - time.monotonic()
@@ -306,7 +309,7 @@ class ComputeGate:
                 if item is None:
                     return
                 now = time.monotonic()
-                waiting.append([*item, now, now, False])  # asked at once: it may be done already
+                waiting.append([*item, now, now, None])  # asked at once: it may be done already
                 continue  # take everything queued before polling
             except queue.Empty:
                 pass
@@ -315,13 +318,14 @@ class ComputeGate:
     def _sweep(self, waiting: list, now: float, everyone: bool) -> list:
         """Asks the stores due (every store where `everyone`); returns those still waiting.
 
-        A store due that ended has every store before it asked too: stores
-        leave in the order they came, and a worker's earlier store, whose
-        compute came first, is done too."""
-        ended, still, waited = [], [], []  # ended: (callback, its arguments), in the order the stores came
+        A store due that ended has every store asked: stores leave in the
+        order they came. Newest first: a worker's later store seen done means
+        its earlier ones, asked after it, are done too (their compute came
+        first), where asked before it they may have ended in between."""
+        ended, still, waited = [], [], []  # ended: (callback, its arguments), newest first
         shortest = min(self._recent, default=0.0)
-        for entry in waiting:
-            job, event, since, ask, asked_before = entry
+        for entry in reversed(waiting):
+            job, event, since, ask, not_done_at = entry
             if job.session.ended:
                 ended.append((self._on_failed, (job, "the client went away before its compute finished")))
                 continue
@@ -335,16 +339,16 @@ class ComputeGate:
                 continue
             if completed:
                 ended.append((self._on_open, (job,)))
-                if asked_before:
-                    waited.append(now - since)
+                if not_done_at is not None:
+                    waited.append(not_done_at - since)
             else:
-                still.append([job, event, since, self.next_ask(since, now, shortest), True])
+                still.append([job, event, since, self.next_ask(since, now, shortest), now])
         if not everyone and any(callback is self._on_open for callback, _ in ended):
             return self._sweep(waiting, now, True)
         self._recent.extend(waited)
-        for callback, arguments in ended:
+        for callback, arguments in reversed(ended):
             self._loop.call_soon_threadsafe(callback, *arguments)
-        return still
+        return still[::-1]
 
 
 def completed(event: torch.cuda.Event) -> bool:

@@ -23,8 +23,12 @@ extern "C" {
 // Kernel "functions": which way the copy goes, and the two of the shard hash
 // (server/transports/hash_kernel.py, host/shard_hash.py).
 const uintptr_t GATHER = 0x1000, SCATTER = 0x2000, HASH_BLOCKS = 0x3000, HASH_ROWS = 0x4000;
-// Compute events whose handle starts with this byte complete only once released.
-std::atomic<int> compute_done{1};
+// Compute events complete only once released (fake_set_compute_done), except
+// those whose handle starts with 'D' (done from the start) or 'R': once
+// release_on_ask is set and then a 'D' event has been asked, asking an 'R'
+// event releases every compute event (a worker's later compute ending, and
+// its earlier ones with it, between two of the gate's asks).
+std::atomic<int> compute_done{1}, release_on_ask{0};  // release_on_ask: 0 off, 1 set, 2 a 'D' event asked since
 std::atomic<int> launches{0}, copies{0};
 // How often a compute event was asked (the gate's polls).
 std::atomic<int> compute_queries{0};
@@ -99,10 +103,18 @@ void fake_clear_ops() {
   op_clocks.clear();
 }
 int fake_event_query(void* event) {
-  // An IPC-opened compute event is a tagged pointer: 1 in its low bit.
-  if ((uintptr_t)event & 1) compute_queries++;
-  if (((uintptr_t)event & 1) && !compute_done.load()) return 600;
-  return 0;
+  // An IPC-opened compute event is a tagged pointer: 1 in its low bit, then 2
+  // for a 'D' handle's, 4 for an 'R' handle's.
+  uintptr_t tag = (uintptr_t)event & 7;
+  if (!(tag & 1)) return 0;
+  compute_queries++;
+  if (tag & 2) {
+    int set = 1;
+    release_on_ask.compare_exchange_strong(set, 2);
+    return 0;
+  }
+  if ((tag & 4) && release_on_ask.load() == 2) compute_done = 1;
+  return compute_done.load() ? 0 : 600;
 }
 int fake_compute_queries() { return compute_queries; }
 int fake_event_synchronize(void*) { return 0; }
@@ -119,7 +131,7 @@ int fake_ipc_open_event(void** event, Handle handle) {
   if (handle.reserved[0] == 'X') return 1;  // a handle that is not an event
   static uintptr_t next = 0x100;
   next += 16;
-  *event = reinterpret_cast<void*>(next | 1);
+  *event = reinterpret_cast<void*>(next | 1 | (handle.reserved[0] == 'D' ? 2 : 0) | (handle.reserved[0] == 'R' ? 4 : 0));
   return 0;
 }
 int fake_stream_synchronize(void*) { return 0; }
@@ -192,5 +204,6 @@ int fake_launch_kernel(void* function, unsigned grid, unsigned grid_y, unsigned,
 }
 
 void fake_set_compute_done(int done) { compute_done = done; }
+void fake_set_release_on_ask(int on) { release_on_ask = on; }
 int fake_launches() { return launches; }
 }

@@ -11,12 +11,13 @@ namespace {
 // A store at the gate is asked at once, then every GATE_POLL_NS for its first
 // GATE_FAST_NS (a store submitted just after its compute: the benchmarks'
 // case), then every quarter of the time it has waited, at most every
-// GATE_SLOW_NS. In serving a store waits for a whole forward pass (tens of
-// milliseconds), and asking every 20 us through it kept a core's thread awake
-// 50,000 times a second; this way a store is seen at most a quarter of its
+// GATE_SLOW_NS: a store waiting out a forward pass (tens of milliseconds) is
+// asked a few dozen times, not every 20 us, and seen at most a quarter of its
 // wait, and 1 ms, late. Nor is it asked before 3/4 of the shortest wait of the
-// last GATE_RECENT stores that were not done at once: a worker's forward
-// passes are alike, and the shortest keeps a short one from being seen late.
+// last GATE_RECENT stores that were not done at once, since forward passes are
+// alike. A store's wait is taken as the time to its last ask that found it
+// not done (a lower bound: the gate's own lateness is not in it), so one store
+// shorter than the others puts the next ones back on the schedule above.
 constexpr int64_t GATE_POLL_NS = 20000, GATE_FAST_NS = 500000, GATE_SLOW_NS = 1000000;
 constexpr size_t GATE_RECENT = 16;
 
@@ -64,6 +65,7 @@ void CudaTransport::gate_run() {
   struct Waiting {
     Job* job;
     int64_t since, next_ask;
+    int64_t not_done_at;  // when an ask last found it not done; -1: never
   };
   std::vector<Waiting> waiting;  // in the order they came
   // How long the last GATE_RECENT stores not done at their first ask waited.
@@ -85,20 +87,22 @@ void CudaTransport::gate_run() {
     if (stopping_) return;
     int64_t now = now_ns();
     // A store that came is asked at once (it may be done already).
-    for (Job* job : gate_new_) waiting.push_back({job, now, now});
+    for (Job* job : gate_new_) waiting.push_back({job, now, now, -1});
     gate_new_.clear();
     std::unordered_set<Job*> abandoned;
     abandoned.swap(gate_abandoned_);
     lock.unlock();
     std::vector<std::pair<Job*, std::string>> done;
     std::vector<Waiting> still;
-    std::vector<int64_t> waited;  // of the stores that ended after their first ask
-    // A store due that ended: every store before it is asked too, so that
-    // stores leave in the order they came (a worker's earlier store, whose
-    // compute came first, is done too).
+    std::vector<int64_t> waited;  // of the stores that ended after an ask found them not done
+    // A store due that ended: every store is asked, so that stores leave in
+    // the order they came. Newest first: a worker's later store seen done
+    // means its earlier ones, asked after it, are done too (their compute
+    // came first), where asked before it they may have ended in between.
     for (bool all = false;; all = true) {
       bool ended = false;
-      for (Waiting& w : waiting) {
+      for (auto it = waiting.rbegin(); it != waiting.rend(); ++it) {
+        Waiting w = *it;
         if (abandoned.count(w.job)) {
           done.push_back({w.job, "the client went away before its compute finished"});
           continue;
@@ -109,11 +113,13 @@ void CudaTransport::gate_run() {
         }
         int rc = api_.event_query(w.job->event);
         if (rc == NOT_READY) {
-          still.push_back({w.job, w.since, next_gate_ask(w.since, now, shortest())});
+          still.push_back({w.job, w.since, next_gate_ask(w.since, now, shortest()), now});
           continue;
         }
-        ended = true;
-        if (rc == 0 && now > w.since) waited.push_back(now - w.since);
+        if (rc == 0) {
+          ended = true;
+          if (w.not_done_at >= 0) waited.push_back(w.not_done_at - w.since);
+        }
         // One bad event must not stop every other store.
         done.push_back({w.job, rc == 0 ? "" : format("waiting for the worker's compute failed: %s",
                                                       api_.error_string(rc))});
@@ -123,6 +129,8 @@ void CudaTransport::gate_run() {
       still.clear();
       waited.clear();
     }
+    std::reverse(done.begin(), done.end());
+    std::reverse(still.begin(), still.end());
     for (int64_t w : waited) {
       recent.push_back(w);
       if (recent.size() > GATE_RECENT) recent.pop_front();
