@@ -9,15 +9,21 @@ namespace kvd {
 namespace {
 // A job is expected to start when the one before it on its stream was seen
 // to end (or when it was queued, if later) and to take JOB_NS, plus its bytes
-// at AHEAD times the rate the stream's jobs were last seen to move (at most
-// NOMINAL_BYTES_PER_NS, above what PCIe 5 x16 gives, about 55); past that its
-// event is asked, first after FIRST_POLL_NS, then twice as long each time.
-// Predicted at the nominal rate alone, a busy stream's jobs (each sharing the
-// bus with the other direction's) were asked four or five times each. AHEAD
-// keeps the sleep ending before the copy does, and a rate seen too low climbs
-// back by that much a job (a job seen late was seen when the sleep ended), so
-// that a busy stream's completions are never paced below the bus.
-constexpr double NOMINAL_BYTES_PER_NS = 64.0, MIN_BYTES_PER_NS = 4.0, AHEAD = 1.15, RATE_WEIGHT = 0.25;
+// at AHEAD times the rate the stream's jobs were last seen to move, between
+// MIN_BYTES_PER_NS and NOMINAL_BYTES_PER_NS (above what PCIe 5 x16 gives,
+// about 55); past that its event is asked, first after FIRST_POLL_NS, then
+// twice as long each time. A busy stream's jobs share the bus with the other
+// direction's and move well below the nominal rate: predicted at it, each
+// would be asked four or five times. AHEAD keeps the sleep ending before the
+// copy does; a job done at its first ask moved at least at the rate
+// predicted, which the rate then takes, so a rate seen too low climbs back by
+// AHEAD a job. The rate is learned from jobs of at least LEARN_BYTES only: a
+// small job's time is mostly the thread's own latency, not the bus. The floor
+// bounds how late a job's end can be seen when the bus comes back: below it a
+// stream is not moving at any rate but waiting (another process's time slice,
+// docs/operations.md), and the asks find its end.
+constexpr double NOMINAL_BYTES_PER_NS = 64.0, MIN_BYTES_PER_NS = 32.0, AHEAD = 1.15, RATE_WEIGHT = 0.25;
+constexpr uint64_t LEARN_BYTES = 4 << 20;
 constexpr int64_t JOB_NS = 10000, FIRST_POLL_NS = 5000, LAST_POLL_NS = 200000, SPIN_NS = 50000;
 // A job that found its stream idle is asked at least this often once it is
 // due, for a quarter of its predicted time (ALONE_CLOSE_NS at least): its
@@ -97,44 +103,44 @@ Ended CopyStream::ended(Tracked& item, int rc) {
   return Ended{job, true, ""};
 }
 
-int64_t CopyStream::wait_for(const Tracked& item, bool* overslept) {
+CopyStream::Waited CopyStream::wait_for(const Tracked& item) {
   // Asleep until the job should have ended, then asking its event: a few
   // queries a job instead of a wake-up by the driver's event thread for each
   // (cudaEventBlockingSync) or a core spinning. A small job that had the
   // stream to itself is asked closely for a while, so that it is not late.
   // Predicted from the observed end of the job before it, not from that job's
   // prediction: predictions chained at a nominal rate would pace a busy stream
-  // at that rate, whatever the bus does.
-  int64_t start = std::max(last_end_ns, item.queued_ns);
-  double predicted = rate > 0 ? std::min(NOMINAL_BYTES_PER_NS, rate * AHEAD) : NOMINAL_BYTES_PER_NS;
-  int64_t duration = JOB_NS + (int64_t)((double)item.bytes / predicted);
-  int64_t expected = start + duration;
+  // at that rate, whatever the bus does. A job alone has the bus to itself:
+  // the nominal rate, not the one learned from jobs that shared it.
+  bool learned = rate > 0 && !item.alone;
+  Waited waited{std::max(last_end_ns, item.queued_ns),
+                learned ? std::min(NOMINAL_BYTES_PER_NS, rate * AHEAD) : NOMINAL_BYTES_PER_NS, true};
+  int64_t duration = JOB_NS + (int64_t)((double)item.bytes / waited.rate);
+  int64_t expected = waited.start + duration;
   int64_t now = now_ns();
   if (expected > now + 2000) std::this_thread::sleep_for(std::chrono::nanoseconds(expected - now));
   int64_t spin_until = item.spin ? now_ns() + SPIN_NS : 0;
   int64_t close_until = item.alone ? std::max(now, expected) + std::max(ALONE_CLOSE_NS, duration / 4) : 0;
   int64_t backoff = FIRST_POLL_NS;
-  *overslept = true;
   while (api->event_query(item.event) == NOT_READY) {
-    *overslept = false;
+    waited.overslept = false;
     int64_t at = now_ns();
     if (at < spin_until) continue;
     std::this_thread::sleep_for(std::chrono::nanoseconds(backoff));
     backoff = std::min(backoff * 2, at < close_until ? ALONE_POLL_NS : LAST_POLL_NS);
   }
-  return start;
+  return waited;
 }
 
-void CopyStream::saw(const Tracked& item, int64_t start, int64_t seen, bool overslept) {
+void CopyStream::saw(const Tracked& item, const Waited& waited, int64_t seen) {
   // Only a job that waited behind another started when that one ended: a job
   // alone also paid its launch, and a store alone its gather and hash.
-  if (item.alone || start != last_end_ns) return;
-  double took = (double)std::max<int64_t>(seen - start - JOB_NS, 1000);
-  double sample = (double)item.bytes / took;
+  if (item.alone || waited.start != last_end_ns || item.bytes < LEARN_BYTES) return;
+  double took = (double)std::max<int64_t>(seen - waited.start - JOB_NS, 1000);
   double before = rate > 0 ? rate : NOMINAL_BYTES_PER_NS;
-  double smoothed = (1 - RATE_WEIGHT) * before + RATE_WEIGHT * sample;
-  // Done before its first ask, it moved at least at the rate predicted.
-  rate = std::clamp(overslept ? std::max(smoothed, sample) : smoothed, MIN_BYTES_PER_NS, NOMINAL_BYTES_PER_NS);
+  double smoothed = (1 - RATE_WEIGHT) * before + RATE_WEIGHT * ((double)item.bytes / took);
+  rate = std::clamp(waited.overslept ? std::max(smoothed, waited.rate) : smoothed, MIN_BYTES_PER_NS,
+                    NOMINAL_BYTES_PER_NS);
 }
 
 void CopyStream::run() {
@@ -146,8 +152,7 @@ void CopyStream::run() {
     if (pending.empty()) return;  // stopping
     Tracked first = pending.front();
     lock.unlock();
-    bool overslept = false;
-    int64_t start = wait_for(first, &overslept);
+    Waited waited = wait_for(first);
     // It, and every job after it that has ended too, go to the loop together.
     std::vector<Tracked> items;
     lock.lock();
@@ -159,7 +164,7 @@ void CopyStream::run() {
     }
     lock.unlock();
     int64_t seen = now_ns();
-    saw(first, start, seen, overslept);
+    saw(first, waited, seen);
     last_end_ns = seen;
     std::vector<Ended> ended;
     for (Tracked& item : items) ended.push_back(this->ended(item, api->event_query(item.event)));

@@ -72,10 +72,14 @@ struct CopyStream {
   void* kernels() const { return reinterpret_cast<void*>(config.kernels); }
   void* of(uint8_t owner) const { return owner == KERNEL_STREAM ? kernels() : stream(); }
   Ended ended(Tracked& item, int rc);
-  // Returns when the job was expected to start; overslept: it was done at the first ask.
-  int64_t wait_for(const Tracked& item, bool* overslept);
+  struct Waited {
+    int64_t start;   // when the job was expected to start
+    double rate;     // the bytes a ns it was predicted to move at
+    bool overslept;  // it was done at the first ask
+  };
+  Waited wait_for(const Tracked& item);
   // Learns the stream's rate from a job seen ended.
-  void saw(const Tracked& item, int64_t start, int64_t seen, bool overslept);
+  void saw(const Tracked& item, const Waited& waited, int64_t seen);
   void run();
 };
 
