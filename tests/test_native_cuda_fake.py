@@ -231,7 +231,7 @@ def test_stores_whose_computes_take_alike_are_not_asked_before_most_of_it_has_pa
     # for its forward passes: once the gate has seen a few, a store is first
     # asked again at 3/4 of the shortest recent wait, about 10 asks each; on
     # the schedule alone (every 20 us, then every quarter of its wait, at most
-    # every 1 ms) each would be asked 40 times or more.
+    # every 1 ms) each would be asked several dozen times.
     asks = []
     for i in range(10):
         fake.fake_set_compute_done(0)
@@ -242,9 +242,26 @@ def test_stores_whose_computes_take_alike_are_not_asked_before_most_of_it_has_pa
         fake.fake_set_compute_done(1)
         assert rig.wait([i + 1]) == {i + 1: (True, "")}
     assert max(asks[-4:]) <= 22, asks
+    # A store asked early, because another store came done, was done at some
+    # time unknown: it teaches no wait, and the next store is still asked a
+    # few times, not as if waits were short.
+    fake.fake_set_compute_done(0)
+    rig.store(11, keys(1, 911), [11])
+    time.sleep(0.01)
+    fake.fake_set_compute_done(1)
+    rig.store(12, keys(1, 912), [12], event=b"D" * 64)
+    assert rig.wait([11, 12]) == {11: (True, ""), 12: (True, "")}
+    fake.fake_set_compute_done(0)
+    before = fake.fake_compute_queries()
+    rig.store(13, keys(1, 913), [13])
+    time.sleep(0.03)
+    asked = fake.fake_compute_queries() - before
+    fake.fake_set_compute_done(1)
+    assert rig.wait([13]) == {13: (True, "")}
+    assert asked <= 22, asked
     # Shorter computes after them: the first is seen late by at most 3/4 of
     # the shortest recent wait; it puts the next ones back on the schedule,
-    # where they are seen within a fraction of their 2 ms.
+    # where they are seen a few ms late at most.
     late = []
     for i in range(3):
         fake.fake_set_compute_done(0)
@@ -254,7 +271,7 @@ def test_stores_whose_computes_take_alike_are_not_asked_before_most_of_it_has_pa
         released = time.monotonic()
         assert rig.wait([20 + i]) == {20 + i: (True, "")}
         late.append(time.monotonic() - released)
-    assert late[0] < 0.2 and max(late[1:]) < 0.008, late
+    assert late[0] < 0.2 and max(late[1:]) < 0.012, late
 
 
 def test_a_workers_later_store_does_not_leave_the_gate_before_its_earlier_one(rig, fake):

@@ -339,7 +339,9 @@ class ComputeGate:
                 continue
             if completed:
                 ended.append((self._on_open, (job,)))
-                if not_done_at is not None:
+                # A wait is learned only from a store asked on its schedule:
+                # one asked early (another store ended) was done at some time unknown.
+                if not_done_at is not None and ask <= now:
                     waited.append(not_done_at - since)
             else:
                 still.append([job, event, since, self.next_ask(since, now, shortest), now])

@@ -118,7 +118,9 @@ void CudaTransport::gate_run() {
         }
         if (rc == 0) {
           ended = true;
-          if (w.not_done_at >= 0) waited.push_back(w.not_done_at - w.since);
+          // A wait is learned only from a store asked on its schedule: one
+          // asked early (another store ended) was done at some time unknown.
+          if (w.not_done_at >= 0 && w.next_ask <= now) waited.push_back(w.not_done_at - w.since);
         }
         // One bad event must not stop every other store.
         done.push_back({w.job, rc == 0 ? "" : format("waiting for the worker's compute failed: %s",
