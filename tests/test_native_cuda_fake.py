@@ -138,6 +138,18 @@ class Rig:
         assert self.lane.verify() == ""
         return {j: self.done.pop(j) for j in jobs}
 
+    def ended_in_order(self, count: int, timeout: float = 5.0) -> list[tuple[int, bool]]:
+        """(job, ok) of the next `count` jobs to end, in the order the lane reported them."""
+        order = []
+        deadline = time.monotonic() + timeout
+        while len(order) < count and time.monotonic() < deadline:
+            for event in self.lane.take_events():
+                if event.type is EventType.JOB_DONE:
+                    _, job, ok, _, _ = binding.JOB_DONE.unpack_from(event.payload)
+                    order.append((job, bool(ok)))
+            time.sleep(0.001)
+        return order
+
     def ops(self) -> list[Op]:
         """The copies and kernels queued since the log was cleared, in order."""
         found = []
@@ -287,15 +299,7 @@ def test_a_workers_later_store_does_not_leave_the_gate_before_its_earlier_one(ri
     time.sleep(0.05)
     fake.fake_set_release_on_ask(1)
     rig.store(3, keys(1, 822), [3], event=b"D" * 64)
-    order = []
-    deadline = time.monotonic() + 5
-    while len(order) < 3 and time.monotonic() < deadline:
-        for event in rig.lane.take_events():
-            if event.type is EventType.JOB_DONE:
-                _, job, ok, _, _ = binding.JOB_DONE.unpack_from(event.payload)
-                order.append((job, bool(ok)))
-        time.sleep(0.001)
-    assert order == [(1, True), (2, True), (3, True)]
+    assert rig.ended_in_order(3) == [(1, True), (2, True), (3, True)]
     assert rig.lane.verify() == ""
 
 
@@ -311,15 +315,7 @@ def test_stores_leave_the_gate_in_the_order_they_came(rig, fake):
         time.sleep(0.0001)
     fake.fake_set_compute_done(1)
     rig.store(2, keys(2, 810), [3, 4])
-    order = []
-    deadline = time.monotonic() + 5
-    while len(order) < 2 and time.monotonic() < deadline:
-        for event in rig.lane.take_events():
-            if event.type is EventType.JOB_DONE:
-                _, job, ok, _, _ = binding.JOB_DONE.unpack_from(event.payload)
-                order.append((job, bool(ok)))
-        time.sleep(0.001)
-    assert order == [(1, True), (2, True)]
+    assert rig.ended_in_order(2) == [(1, True), (2, True)]
     assert rig.lane.verify() == ""
 
 
