@@ -72,19 +72,23 @@ def _cpu_seconds(pid: int, thread: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _threads_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of the daemon's threads, summed by name (digits dropped:
-    kvdepot-store-0 and -1 are one), the event loop's thread as "loop"."""
-    seconds: dict[str, float] = {}
+def _threads_cpu(pid: int) -> dict[str, tuple[float, int]]:
+    """(CPU seconds, times put on a core) of the daemon's threads, summed by
+    name (digits dropped: kvdepot-store-0 and -1 are one), the event loop's
+    thread as "loop". A thread that sleeps between jobs is put on a core once
+    a wake: the second figure counts the hand-overs it took."""
+    threads: dict[str, tuple[float, int]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             name = (task / "comm").read_text().strip()
             used = _cpu_seconds(pid, int(task.name))
-        except (OSError, ValueError):
+            runs = int((task / "schedstat").read_text().split()[2])
+        except (OSError, ValueError, IndexError):
             continue  # a thread that ended meanwhile
         name = "loop" if int(task.name) == pid else name.rstrip("0123456789").rstrip("-_")
-        seconds[name] = seconds.get(name, 0.0) + used
-    return seconds
+        seconds, count = threads.get(name, (0.0, 0))
+        threads[name] = (seconds + used, count + runs)
+    return threads
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -274,7 +278,7 @@ def run_point(args, pool: Workers, daemon_pid: int, workers: int, blocks: int, d
     threads_after = _threads_cpu(daemon_pid)
     reports = [json.loads(proc.stdout.readline()) for proc in procs]
     path_thread = "kvdepot-lane" if "kvdepot-lane" in threads_after else "loop"
-    path_used = threads_after.get(path_thread, 0.0) - threads_before.get(path_thread, 0.0)
+    path_used = threads_after.get(path_thread, (0.0, 0))[0] - threads_before.get(path_thread, (0.0, 0))[0]
     every = [x for r in reports for kind in ("store", "load") for x in r["latencies"][kind]]
     jobs = len(every)
     block_bytes = _block_bytes(args)
@@ -297,9 +301,13 @@ def run_point(args, pool: Workers, daemon_pid: int, workers: int, blocks: int, d
         "path_cpu_us_per_job": path_used / max(1, jobs) * 1e6,
         "path_cpu_share": path_used / args.seconds,
         # µs of CPU a job by daemon thread (the warm pool's sealing hashes every stored byte).
-        "threads_us_per_job": {name: round((used - threads_before.get(name, 0.0)) / max(1, jobs) * 1e6, 1)
-                               for name, used in sorted(threads_after.items())
-                               if used - threads_before.get(name, 0.0) > 0},
+        "threads_us_per_job": {name: round((used - threads_before.get(name, (0.0, 0))[0]) / max(1, jobs) * 1e6, 1)
+                               for name, (used, _) in sorted(threads_after.items())
+                               if used - threads_before.get(name, (0.0, 0))[0] > 0},
+        # Times a job each thread was put on a core (its wakes).
+        "threads_runs_per_job": {name: round((runs - threads_before.get(name, (0.0, 0))[1]) / max(1, jobs), 2)
+                                 for name, (_, runs) in sorted(threads_after.items())
+                                 if runs > threads_before.get(name, (0.0, 0))[1]},
         "gb_per_s": jobs * blocks * block_bytes / args.seconds / 1e9,
         "failed": sum(r["failed"] for r in reports),
     }
@@ -398,8 +406,10 @@ def _run_and_print(args, pool: Workers, daemon_pid: int, workers: int, blocks: i
           f"{point['path_cpu_share']:>8.0%} {point['gb_per_s']:>7.1f}"
           + (f"  ({point['failed']} failed)" if point["failed"] else ""), flush=True)
     if args.threads:
-        print("        µs CPU a job by thread: " + ", ".join(
-            f"{name} {us:.0f}" for name, us in point["threads_us_per_job"].items()), flush=True)
+        runs = point["threads_runs_per_job"]
+        print("        µs CPU a job by thread (wakes a job): " + ", ".join(
+            f"{name} {us:.0f} ({runs.get(name, 0):.1f})" for name, us in point["threads_us_per_job"].items()),
+            flush=True)
     for kind, steps in point.get("stages_us", {}).items():
         print(f"        {kind}s, µs p50/p99: " + ", ".join(
             f"{name} {p50:.0f}" + (f"/{p99:.0f}" if p99 is not None else "") for name, (p50, p99) in steps.items()),
@@ -452,7 +462,7 @@ def main() -> int:
     parser.add_argument("--load-sets", type=int, default=8, help="jobs' worth of blocks each worker loads in turn")
     parser.add_argument("--compute-us", type=float, default=0,
                         help="CUDA: a kernel of this many µs before each store, which it waits for")
-    parser.add_argument("--threads", action="store_true", help="also print the daemon's CPU a job by thread")
+    parser.add_argument("--threads", action="store_true", help="also print the daemon's CPU and wakes a job by thread")
     parser.add_argument("--stages", action="store_true",
                         help="also print where a job's time goes in the daemon (job tracing on)")
     parser.add_argument("--label", default="")
