@@ -43,6 +43,8 @@ CudaTransport::~CudaTransport() {
       s->wake.notify_all();
       s->thread.join();
       for (void* event : s->spare) api_.event_destroy(event);
+      for (int b = 0; b < 2; b++)
+        if (s->last_use_ended[b]) api_.event_destroy(s->last_use[b]);
     }
 }
 
@@ -181,6 +183,14 @@ void CudaTransport::ended(Job& job) {
   CopyStream& stream = job.kind == JobKind::STORE ? *device.store : *device.load;
   stream.spans.give_back(job.span_start, job.span_end);
   job.span_start = job.span_end = -1;
+  if (job.copy_event) {
+    // An event that marks a buffer's last use is reused only once the buffer
+    // has a newer one: the next job to take the buffer may still wait for it.
+    int b = stream.last_use[0] == job.copy_event ? 0 : stream.last_use[1] == job.copy_event ? 1 : -1;
+    if (b < 0) stream.spare.push_back(job.copy_event);
+    else stream.last_use_ended[b] = true;
+    job.copy_event = nullptr;
+  }
   // Jobs that waited for room go now, in order, as long as there is room.
   while (!stream.waiting.empty()) {
     Job* next = stream.waiting.front();
@@ -207,38 +217,28 @@ void CudaTransport::enqueue(Job& job, CopyStream& stream, bool to_host) {
   set_device(config.index);
   int64_t* host = reinterpret_cast<int64_t*>(stream.config.ring_host);
   for (uint64_t i = 0; i < n; i++) host[job.span_start + i] = job.block_ids[i];
-  uint8_t kernel_side = copy_via_staging(job, stream, to_host);
-  int64_t fence_index = -1;
-  if (job.event) {
-    // The fence the worker's compute wrote, read back after the copy.
-    fence_index = job.span_start + (int64_t)n;
-    check(api_.memcpy_async(reinterpret_cast<void*>(stream.config.ring_host + 8 * fence_index),
-                            reinterpret_cast<void*>(job.worker->fence_address), 8, MEMCPY_DEFAULT, stream.stream()),
-          "cudaMemcpyAsync");
-  }
   // A small job on an idle stream is asked for closely once it should have
   // ended (a sleeping thread would make it late); others are asked less often.
   uint64_t nbytes = n * span(*job.worker) * slot_bytes_;  // its runs of slots
   bool alone = stream.idle(), spin = alone && nbytes <= config.spin_bytes;
   int64_t queued_ns = now_ns();
-  void* event = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(stream.spare_mutex);
-    if (!stream.spare.empty()) {
-      event = stream.spare.back();
-      stream.spare.pop_back();
-    }
+  if (stream.spare.empty()) {
+    void* created = nullptr;
+    check(api_.event_create(&created, EVENT_DISABLE_TIMING), "cudaEventCreate");
+    stream.spare.push_back(created);
   }
-  if (!event) check(api_.event_create(&event, EVENT_DISABLE_TIMING), "cudaEventCreate");
-  // A store ends with its last transfer, a load with its last scatter.
-  check(api_.event_record(event, to_host ? stream.stream() : stream.of(kernel_side)), "cudaEventRecord");
+  job.copy_event = stream.spare.back();
+  stream.spare.pop_back();
+  // The fence the worker's compute wrote, read back after the copy.
+  int64_t fence_index = job.event ? job.span_start + (int64_t)n : -1;
+  copy_via_staging(job, stream, to_host, fence_index, job.copy_event);
   stamp(job, QUEUED);
   stream.tracked++;
   {
     std::lock_guard<std::mutex> lock(stream.mutex);
     int64_t hash_index = hashing(stream, to_host) ? job.span_start + (int64_t)n + 1 : -1;
     stream.pending.push_back(
-        Tracked{event, &job, fence_index, job.fence_seq, queued_ns, nbytes, alone, spin, hash_index, n});
+        Tracked{job.copy_event, &job, fence_index, job.fence_seq, queued_ns, nbytes, alone, spin, hash_index, n});
   }
   stream.wake.notify_one();
 }

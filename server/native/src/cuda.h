@@ -33,8 +33,9 @@ class CudaTransport : public Transport {
   struct Device;
   void launch(Job& job);
   void enqueue(Job& job, CopyStream& stream, bool to_host);
-  // Queues the job's chunks; returns the stream its kernels ran on (Owner).
-  uint8_t copy_via_staging(Job& job, CopyStream& stream, bool to_host);
+  // Queues the job's chunks, a store's fence readback (into the ring's entry
+  // `fence_index`; -1: none) and `end` after them.
+  void copy_via_staging(Job& job, CopyStream& stream, bool to_host, int64_t fence_index, void* end);
   void fail(Job& job, const std::string& reason);
   void launch_kernel(const KernelConfig& kernel, unsigned gx, unsigned gy, std::initializer_list<uint64_t> args,
                      void* on);

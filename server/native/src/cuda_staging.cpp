@@ -32,7 +32,7 @@ std::vector<std::pair<uint64_t, uint64_t>> staging_chunks(uint64_t blocks, uint6
 }
 }  // namespace
 
-uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_host) {
+void CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_host, int64_t fence_index, void* end) {
   const CudaDeviceConfig& device = devices_.at(job.worker->device_index)->config;
   const CudaStreamConfig& c = stream.config;
   const Worker& w = *job.worker;
@@ -78,12 +78,17 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
   // stream's transfers would take turns with its kernels instead of
   // overlapping them. Where nothing marked it (the copy stream alone ran the
   // small jobs before), the event is recorded now.
+  auto buffer_event = [&](int b, uint8_t owner) {
+    return reinterpret_cast<void*>(owner == KERNEL_STREAM ? c.filled[b] : c.drained[b]);
+  };
   auto wait_for_last_use = [&](int b, uint8_t on) {
     uint8_t last = stream.owner[b];
-    void* event = reinterpret_cast<void*>(last == KERNEL_STREAM ? c.filled[b] : c.drained[b]);
-    if (!stream.marked[b]) check(api_.event_record(event, stream.of(last)), "cudaEventRecord");
-    stream.marked[b] = true;
-    check(api_.stream_wait_event(stream.of(on), event, 0), "cudaStreamWaitEvent");
+    if (!stream.marked[b]) {
+      stream.mark_last_use(b, buffer_event(b, last));
+      check(api_.event_record(stream.last_use[b], stream.of(last)), "cudaEventRecord");
+      stream.marked[b] = true;
+    }
+    check(api_.stream_wait_event(stream.of(on), stream.last_use[b], 0), "cudaStreamWaitEvent");
   };
   auto take_buffer = [&](int b, uint8_t on) {
     uint8_t last = stream.owner[b];
@@ -91,10 +96,11 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
     stream.owner[b] = on;
     stream.marked[b] = false;
   };
-  auto hand_over = [&](int b) {
-    uint8_t last = stream.owner[b];
-    void* event = reinterpret_cast<void*>(last == KERNEL_STREAM ? c.filled[b] : c.drained[b]);
-    check(api_.event_record(event, stream.of(last)), "cudaEventRecord");
+  // The job's last hand-over records its end event: the one event says both
+  // that the buffer is free and that the job ended.
+  auto hand_over = [&](int b, bool last_chunk) {
+    stream.mark_last_use(b, last_chunk ? end : buffer_event(b, stream.owner[b]));
+    check(api_.event_record(stream.last_use[b], stream.of(stream.owner[b])), "cudaEventRecord");
     stream.marked[b] = true;
   };
   bool one_stream = n * pitch <= ONE_STREAM_BYTES && n <= per_chunk;
@@ -108,8 +114,10 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
     int other = 1 - stream.next_buffer;
     if (stream.owner[other] == KERNEL_STREAM) wait_for_last_use(other, COPY_STREAM);
   }
-  for (auto& chunk : staging_chunks(n, per_chunk, !one_stream && !to_host && stream.idle())) {
+  auto chunks = staging_chunks(n, per_chunk, !one_stream && !to_host && stream.idle());
+  for (auto& chunk : chunks) {
     uint64_t first = chunk.first, count = chunk.second;
+    bool last_chunk = &chunk == &chunks.back();
     int b = stream.next_buffer;
     stream.next_buffer = (b + 1) % 2;
     uint64_t buffer = c.buffers[b];
@@ -143,24 +151,31 @@ uint8_t CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_ho
       upload(stream.of(kernel_side));
       launch(first, count, buffer, stream.of(kernel_side));
       if (hashing(stream, true)) hash(first, count, b, stream.of(kernel_side));
-      if (!one_stream) hand_over(b);
+      if (!one_stream) hand_over(b, false);
       take_buffer(b, COPY_STREAM);
       transfer_runs();
-      if (!one_stream) hand_over(b);
+      if (last_chunk && fence_index >= 0)
+        // After the copy, and before the event the stream's thread reads it at.
+        check(api_.memcpy_async(reinterpret_cast<void*>(c.ring_host + 8 * (uint64_t)fence_index),
+                                reinterpret_cast<void*>(job.worker->fence_address), 8, MEMCPY_DEFAULT, transfers),
+              "cudaMemcpyAsync");
+      if (!one_stream) hand_over(b, last_chunk);
     } else {
       take_buffer(b, COPY_STREAM);
       transfer_runs();
-      if (!one_stream) hand_over(b);
+      if (!one_stream) hand_over(b, false);
       stamp(job, TRANSFERS);
       // Only now: the load's first transfer is queued already, and the copy engine does not wait for the upload.
       upload(stream.of(kernel_side));
       take_buffer(b, kernel_side);
       launch(first, count, buffer, stream.of(kernel_side));
-      if (!one_stream) hand_over(b);
+      if (!one_stream) hand_over(b, last_chunk);
     }
     stamp(job, FIRST_CHUNK);
   }
-  return kernel_side;
+  // A store ends with its last transfer, a load with its last scatter: on one
+  // stream, the last thing queued on it.
+  if (one_stream) check(api_.event_record(end, stream.stream()), "cudaEventRecord");
 }
 
 }  // namespace kvd

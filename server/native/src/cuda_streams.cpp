@@ -85,10 +85,6 @@ Ended CopyStream::ended(Tracked& item, int rc) {
   Job* job = item.job;
   stamp(*job, GPU_DONE);
   if (rc) return Ended{job, false, format("copy failed on the GPU: %s (CUDA error %d)", api->error_string(rc), rc)};
-  {
-    std::lock_guard<std::mutex> lock(spare_mutex);
-    spare.push_back(item.event);
-  }
   volatile int64_t* ring = reinterpret_cast<volatile int64_t*>(config.ring_host);
   if (item.hash_index >= 0) {
     job->hashes.resize(item.rows);
@@ -114,7 +110,7 @@ CopyStream::Waited CopyStream::wait_for(const Tracked& item) {
   // the nominal rate, not the one learned from jobs that shared it.
   bool learned = rate > 0 && !item.alone;
   Waited waited{std::max(last_end_ns, item.queued_ns),
-                learned ? std::min(NOMINAL_BYTES_PER_NS, rate * AHEAD) : NOMINAL_BYTES_PER_NS, true};
+                learned ? std::min(NOMINAL_BYTES_PER_NS, rate * AHEAD) : NOMINAL_BYTES_PER_NS, true, 0};
   int64_t duration = JOB_NS + (int64_t)((double)item.bytes / waited.rate);
   int64_t expected = waited.start + duration;
   int64_t now = now_ns();
@@ -122,7 +118,7 @@ CopyStream::Waited CopyStream::wait_for(const Tracked& item) {
   int64_t spin_until = item.spin ? now_ns() + SPIN_NS : 0;
   int64_t close_until = item.alone ? std::max(now, expected) + std::max(ALONE_CLOSE_NS, duration / 4) : 0;
   int64_t backoff = FIRST_POLL_NS;
-  while (api->event_query(item.event) == NOT_READY) {
+  while ((waited.rc = api->event_query(item.event)) == NOT_READY) {
     waited.overslept = false;
     int64_t at = now_ns();
     if (at < spin_until) continue;
@@ -153,13 +149,14 @@ void CopyStream::run() {
     Tracked first = pending.front();
     lock.unlock();
     Waited waited = wait_for(first);
-    // It, and every job after it that has ended too, go to the loop together.
-    std::vector<Tracked> items;
+    // It, and every job after it that has ended too, go to the loop together
+    // (each with what its one ask answered).
+    std::vector<std::pair<Tracked, int>> items;
     lock.lock();
-    items.push_back(pending.front());
+    items.push_back({pending.front(), waited.rc});
     pending.pop_front();
-    while (!pending.empty() && api->event_query(pending.front().event) != NOT_READY) {
-      items.push_back(pending.front());
+    for (int rc; !pending.empty() && (rc = api->event_query(pending.front().event)) != NOT_READY;) {
+      items.push_back({pending.front(), rc});
       pending.pop_front();
     }
     lock.unlock();
@@ -167,7 +164,7 @@ void CopyStream::run() {
     saw(first, waited, seen);
     last_end_ns = seen;
     std::vector<Ended> ended;
-    for (Tracked& item : items) ended.push_back(this->ended(item, api->event_query(item.event)));
+    for (auto& item : items) ended.push_back(this->ended(item.first, item.second));
     done += ended.size();
     completions->push(std::move(ended));
     lock.lock();

@@ -54,6 +54,14 @@ struct CopyStream {
   int next_buffer = 0;
   uint8_t owner[2] = {NOBODY, NOBODY};
   bool marked[2] = {false, false};  // owner's event recorded right after its last use of the buffer
+  void* last_use[2] = {nullptr, nullptr};  // that event (where marked): the buffer's, or a job's end
+  bool last_use_ended[2] = {false, false};  // it is the end of a job that ended: spare once replaced
+  // Makes `event` buffer b's last use, giving back the one it replaces where its job has ended.
+  void mark_last_use(int b, void* event) {
+    if (last_use_ended[b]) spare.push_back(last_use[b]);
+    last_use_ended[b] = false;
+    last_use[b] = event;
+  }
   std::deque<Job*> waiting;  // for room in the ring, in order (the lane's thread's)
   int64_t last_end_ns = 0;  // the completion thread's: when it saw the last job end
   double rate = 0;          // the completion thread's: bytes a ns its jobs were seen to move, smoothed (0: none yet)
@@ -62,8 +70,7 @@ struct CopyStream {
   std::condition_variable wake;
   std::deque<Tracked> pending;
   bool stopping = false;
-  std::mutex spare_mutex;
-  std::vector<void*> spare;  // ended events, for reuse
+  std::vector<void*> spare;  // the lane's thread's: ended jobs' events, for reuse
   std::thread thread;
 
   explicit CopyStream(const CudaStreamConfig& c) : config(c), spans(c.ring_entries) {}
@@ -76,6 +83,7 @@ struct CopyStream {
     int64_t start;   // when the job was expected to start
     double rate;     // the bytes a ns it was predicted to move at
     bool overslept;  // it was done at the first ask
+    int rc;          // what the last ask answered: 0, or why the copy failed
   };
   Waited wait_for(const Tracked& item);
   // Learns the stream's rate from a job seen ended.

@@ -225,11 +225,12 @@ struct Job {
   std::vector<uint32_t> block_ids;
   std::vector<int64_t> slots;
   int64_t submitted_ns = 0;
-  // The CUDA transport's state: a store's compute event and fence number, and
-  // its entries of its stream's id ring.
+  // The CUDA transport's state: a store's compute event and fence number, its
+  // entries of its stream's id ring, and the event its copies end with.
   void* event = nullptr;
   uint64_t fence_seq = 0;
   int64_t span_start = -1, span_end = -1;
+  void* copy_event = nullptr;
   bool at_gate = false;
   // A store's keys left out (already stored) and not stored, for its JobDone.
   uint32_t already = 0, not_stored = 0;
