@@ -54,9 +54,9 @@ def store(name: str = "") -> SimpleNamespace:
 
 
 def test_a_store_waiting_through_a_long_compute_is_asked_a_few_hundred_times_and_opens_once_done(rig):
-    # A forward pass of half a second: asked every 20 us for the first half
+    # A forward pass of half a second: asked every 40 us for the first half
     # millisecond, then every quarter of the wait (at most every 1 ms), about
-    # 540 asks; asking every 20 us throughout made thousands.
+    # 530 asks; asking every 20 us throughout made thousands.
     job, event = store(), ComputeEvent()
     rig.gate.hold(job, event)
     time.sleep(0.5)
@@ -83,7 +83,7 @@ def test_stores_whose_computes_take_alike_are_not_asked_before_most_of_it_has_pa
     # Stores that each wait 30 ms for their compute, as a worker's stores wait
     # for its forward passes: once the gate has seen a few, a store is first
     # asked again at 3/4 of the shortest recent wait, about 10 asks each; on
-    # the schedule alone (every 20 us, then every quarter of its wait, at most
+    # the schedule alone (every 40 us, then every quarter of its wait, at most
     # every 1 ms) each would be asked several dozen times.
     asks = []
     for i in range(10):

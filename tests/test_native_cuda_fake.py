@@ -224,7 +224,7 @@ def test_a_store_waits_at_the_gate_until_its_compute_is_done(rig, fake):
 def test_a_store_waiting_through_a_long_compute_is_not_asked_every_20_microseconds(rig, fake):
     # In serving a store waits for a whole forward pass. The gate asks often
     # only in a store's first half millisecond, then every quarter of its wait
-    # (at most every 1 ms): about 540 asks in these 0.5 s, where asking every
+    # (at most every 1 ms): about 530 asks in these 0.5 s, where asking every
     # 20 us made 25,000 (fewer on a slow machine, but thousands).
     fake.fake_set_compute_done(0)
     before = fake.fake_compute_queries()
@@ -242,7 +242,7 @@ def test_stores_whose_computes_take_alike_are_not_asked_before_most_of_it_has_pa
     # Stores that each wait 30 ms for their compute, as a worker's stores wait
     # for its forward passes: once the gate has seen a few, a store is first
     # asked again at 3/4 of the shortest recent wait, about 10 asks each; on
-    # the schedule alone (every 20 us, then every quarter of its wait, at most
+    # the schedule alone (every 40 us, then every quarter of its wait, at most
     # every 1 ms) each would be asked several dozen times.
     asks = []
     for i in range(10):

@@ -263,14 +263,14 @@ class ComputeGate:
     # A store is asked at once, then every POLL_SECONDS for its first
     # FAST_SECONDS (a store submitted just after its compute), then every
     # quarter of the time it has waited, at most every SLOW_SECONDS: a store
-    # waiting out a forward pass is asked a few dozen times, not every 20 us,
+    # waiting out a forward pass is asked a few dozen times, not every 40 us,
     # and seen at most a quarter of its wait, and 1 ms, late. Nor is it asked
     # before 3/4 of the shortest wait of the last RECENT stores that were not
     # done at once, since forward passes are alike. A store's wait is taken as
     # the time to its last ask that found it not done (a lower bound: the
     # gate's own lateness is not in it), so one store shorter than the others
     # puts the next ones back on the schedule above.
-    POLL_SECONDS, FAST_SECONDS, SLOW_SECONDS = 20e-6, 500e-6, 1e-3
+    POLL_SECONDS, FAST_SECONDS, SLOW_SECONDS = 40e-6, 500e-6, 1e-3
     RECENT = 16
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_open, on_failed):

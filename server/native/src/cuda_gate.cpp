@@ -12,13 +12,13 @@ namespace {
 // GATE_FAST_NS (a store submitted just after its compute: the benchmarks'
 // case), then every quarter of the time it has waited, at most every
 // GATE_SLOW_NS: a store waiting out a forward pass (tens of milliseconds) is
-// asked a few dozen times, not every 20 us, and seen at most a quarter of its
+// asked a few dozen times, not every 40 us, and seen at most a quarter of its
 // wait, and 1 ms, late. Nor is it asked before 3/4 of the shortest wait of the
 // last GATE_RECENT stores that were not done at once, since forward passes are
 // alike. A store's wait is taken as the time to its last ask that found it
 // not done (a lower bound: the gate's own lateness is not in it), so one store
 // shorter than the others puts the next ones back on the schedule above.
-constexpr int64_t GATE_POLL_NS = 20000, GATE_FAST_NS = 500000, GATE_SLOW_NS = 1000000;
+constexpr int64_t GATE_POLL_NS = 40000, GATE_FAST_NS = 500000, GATE_SLOW_NS = 1000000;
 constexpr size_t GATE_RECENT = 16;
 
 int64_t next_gate_ask(int64_t since, int64_t now, int64_t shortest) {
