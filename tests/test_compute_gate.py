@@ -56,7 +56,7 @@ def store(name: str = "") -> SimpleNamespace:
 def test_a_store_waiting_through_a_long_compute_is_asked_a_few_hundred_times_and_opens_once_done(rig):
     # A forward pass of half a second: asked every 40 us for the first half
     # millisecond, then every quarter of the wait (at most every 1 ms), about
-    # 530 asks; asking every 20 us throughout made thousands.
+    # 520 asks; asking every 20 us throughout made thousands.
     job, event = store(), ComputeEvent()
     rig.gate.hold(job, event)
     time.sleep(0.5)

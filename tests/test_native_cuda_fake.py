@@ -224,7 +224,7 @@ def test_a_store_waits_at_the_gate_until_its_compute_is_done(rig, fake):
 def test_a_store_waiting_through_a_long_compute_is_not_asked_every_20_microseconds(rig, fake):
     # In serving a store waits for a whole forward pass. The gate asks often
     # only in a store's first half millisecond, then every quarter of its wait
-    # (at most every 1 ms): about 530 asks in these 0.5 s, where asking every
+    # (at most every 1 ms): about 520 asks in these 0.5 s, where asking every
     # 20 us made 25,000 (fewer on a slow machine, but thousands).
     fake.fake_set_compute_done(0)
     before = fake.fake_compute_queries()

@@ -4,7 +4,9 @@
 // in one transfer; per staging chunk a gather (store) or scatter (load) kernel
 // and one cudaMemcpyAsync per run of consecutive slots, ordered by the
 // buffers' events; a store's fence read back; an event at its end, which the
-// stream's thread waits for. A store starts only once its worker's compute
+// stream's thread waits for (here it is also the event that hands the job's
+// last staging buffer over, where the Python lane records one more). A store
+// starts only once its worker's compute
 // event has completed (the gate's thread polls it on the host, so that a
 // worker killed mid-compute stalls no stream). Its parts: cuda_streams.cpp (the
 // streams' threads), cuda_gate.cpp (the gate), cuda_staging.cpp (a job's copies).
@@ -223,12 +225,11 @@ void CudaTransport::enqueue(Job& job, CopyStream& stream, bool to_host) {
   bool alone = stream.idle(), spin = alone && nbytes <= config.spin_bytes;
   int64_t queued_ns = now_ns();
   if (stream.spare.empty()) {
-    void* created = nullptr;
-    check(api_.event_create(&created, EVENT_DISABLE_TIMING), "cudaEventCreate");
-    stream.spare.push_back(created);
+    check(api_.event_create(&job.copy_event, EVENT_DISABLE_TIMING), "cudaEventCreate");
+  } else {
+    job.copy_event = stream.spare.back();
+    stream.spare.pop_back();
   }
-  job.copy_event = stream.spare.back();
-  stream.spare.pop_back();
   // The fence the worker's compute wrote, read back after the copy.
   int64_t fence_index = job.event ? job.span_start + (int64_t)n : -1;
   copy_via_staging(job, stream, to_host, fence_index, job.copy_event);

@@ -53,7 +53,7 @@ struct CopyStream {
   Spans spans;
   int next_buffer = 0;
   uint8_t owner[2] = {NOBODY, NOBODY};
-  bool marked[2] = {false, false};  // owner's event recorded right after its last use of the buffer
+  bool marked[2] = {false, false};  // an event recorded right after the owner's last use of the buffer
   void* last_use[2] = {nullptr, nullptr};  // that event (where marked): the buffer's, or a job's end
   bool last_use_ended[2] = {false, false};  // it is the end of a job that ended: spare once replaced
   // Makes `event` buffer b's last use, giving back the one it replaces where its job has ended.
@@ -70,7 +70,7 @@ struct CopyStream {
   std::condition_variable wake;
   std::deque<Tracked> pending;
   bool stopping = false;
-  std::vector<void*> spare;  // the lane's thread's: ended jobs' events, for reuse
+  std::vector<void*> spare;  // the lane's, as `waiting`: ended jobs' events, for reuse
   std::thread thread;
 
   explicit CopyStream(const CudaStreamConfig& c) : config(c), spans(c.ring_entries) {}
