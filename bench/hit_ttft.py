@@ -12,7 +12,10 @@ The chat workload of bench/serving_ttft.py (its full model shape), served by:
            (smaller than the working set: returning turns load their history from the daemon).
 
 Both get the same cached tokens when every history is in the daemon; what differs is where they
-come from. `--rounds N` alternates the two N times (a fresh daemon each kvdepot round). Prints
+come from. The two engine processes are up at once and take turns request by request
+(bench/engine_turns.py: one serves a request while the other waits, who goes first alternating),
+so that both see the host alike; `--apart` runs them one after the other instead. `--rounds N`
+repeats it N times (a fresh daemon each round). Prints
 TTFT p50 by turn, the p50 of turns 2 on, the per-request ratio kvdepot / plain (median and mean
 over turns 2 on), cached tokens, and checks the outputs are the same token ids. `--trace` runs the
 engines with bench/step_trace.py and prints, per request with a hit, the engine steps from its
@@ -35,6 +38,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
+import engine_turns  # noqa: E402
 import serving_ttft as st  # noqa: E402
 from serving_report import pct, turn_of  # noqa: E402
 
@@ -97,6 +101,36 @@ def trace_report(events: list, label: str) -> dict:
     return {"rows": rows}
 
 
+def serve_round(args, configs: list[str], envs: dict, daemon, model: str, spec_path: Path,
+                scratch: Path) -> dict[str, dict]:
+    """One round: each configuration's engine process, apart or taking turns; their results."""
+
+    def engine(config: str, pass_fds: tuple = (), env: dict | None = None) -> dict:
+        plain = config == "plain"
+        return st.start_engine(config, model, None if plain else daemon.socket, spec_path, scratch, args, "chat",
+                               vllm_blocks=args.plain_blocks if plain else args.vllm_blocks,
+                               env_extra={**envs[config], **(env or {})}, pass_fds=pass_fds)  # fmt: skip
+
+    if args.apart:
+        return {config: st.finish_engine(engine(config)) for config in configs}
+    sides = {config: engine_turns.BenchSide() for config in configs}
+    started = {}
+    try:
+        for config in configs:
+            started[config] = engine(config, sides[config].pass_fds, sides[config].env)
+            sides[config].started()
+        turns = engine_turns.take_turns({config: (started[config]["proc"], sides[config]) for config in configs})
+        print(f"round: {turns} requests each, the engines taking turns", file=sys.stderr, flush=True)
+        return {config: st.finish_engine(started[config]) for config in configs}
+    finally:
+        for config, side in sides.items():
+            side.close()
+            proc = started.get(config, {}).get("proc")
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=8)
@@ -108,6 +142,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default="plain,kvdepot")
     ap.add_argument("--trace", action="store_true", help="per-step trace of the engines (bench/step_trace.py)")
+    ap.add_argument("--apart", action="store_true",
+                    help="run the engines one after the other, not both at once taking turns request by request")
     ap.add_argument("--json", default="hit_ttft.json")
     args = ap.parse_args()
     args.concurrency = 1
@@ -125,27 +161,28 @@ def main() -> int:
     traces: dict[str, list] = {c: [] for c in configs}
     started = time.monotonic()
     for r in range(args.rounds):
+        envs, daemon = {}, None
         for config in configs:
             env = {}
             if args.trace:
                 env["KVDEPOT_STEP_TRACE"] = str(scratch / f"trace-{config}-{r}.json")
                 # Per-stage job stamps: the daemon's (its file) and the worker's (step_trace.dump).
                 env["KVDEPOT_TRACE_JOBS"] = os.environ["KVDEPOT_TRACE_JOBS"] = str(scratch / f"jobs-{config}-{r}.jsonl")
-            if config == "plain":
-                runs[config].append(st.serve("plain", model, None, spec_path, scratch, args, "chat",
-                                             vllm_blocks=args.plain_blocks, env_extra=env))  # fmt: skip
-            else:
+            envs[config] = env
+            if config == "kvdepot":
                 folder = scratch / f"daemon-{r}"
                 folder.mkdir()
                 daemon = Daemon(folder, "512MiB", f"{slot >> 10}KiB", "/dev/shm" if os.path.isdir("/dev/shm") else None)
-                os.environ.pop("KVDEPOT_TRACE_JOBS", None)
-                try:
-                    runs[config].append(st.serve("kvdepot", model, daemon.socket, spec_path, scratch, args, "chat",
-                                                 vllm_blocks=args.vllm_blocks, env_extra=env))  # fmt: skip
-                finally:
-                    daemon.stop()
-            if args.trace:
-                traces[config].append(json.loads(Path(env["KVDEPOT_STEP_TRACE"]).read_text()))
+            os.environ.pop("KVDEPOT_TRACE_JOBS", None)
+        try:
+            for config, run in serve_round(args, configs, envs, daemon, model, spec_path, scratch).items():
+                runs[config].append(run)
+        finally:
+            if daemon is not None:
+                daemon.stop()
+        if args.trace:
+            for config in configs:
+                traces[config].append(json.loads(Path(envs[config]["KVDEPOT_STEP_TRACE"]).read_text()))
 
     # Outputs: the same token ids, request by request, in every run.
     base = {q["name"]: q["output"] for q in runs[configs[0]][0]["workloads"]["chat"]["requests"]}

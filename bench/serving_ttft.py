@@ -107,6 +107,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
+import engine_turns  # noqa: E402
 import step_trace  # noqa: E402  (off unless KVDEPOT_STEP_TRACE is set)
 from serving_report import (  # noqa: E402
     CONFIGS,
@@ -183,11 +184,16 @@ def vllm_counters() -> dict[str, float]:
 
 
 class Runner:
-    """Feeds one engine requests, up to `concurrency` in flight, and times their first tokens."""
+    """Feeds one engine requests, up to `concurrency` in flight, and times their first tokens.
+    turns: where another engine takes turns with this one (bench/engine_turns.py), each request
+    waits for its turn (one request in flight)."""
 
-    def __init__(self, engine, concurrency: int):
+    def __init__(self, engine, concurrency: int, turns: engine_turns.EngineSide | None = None):
+        if turns is not None and concurrency != 1:
+            raise ValueError("engines take turns request by request: one request in flight")
         self.engine = engine
         self.concurrency = concurrency
+        self.turns = turns
 
     def run(self, requests):
         """`requests`: an iterator of (name, prompt, max_tokens, done_callback) that may yield None
@@ -214,6 +220,8 @@ class Runner:
                 waiting = None
                 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
                 rec = {"name": name, "prompt_tokens": len(prompt), "done": done}
+                if self.turns:
+                    self.turns.before(name)
                 rec["t_submit"] = time.perf_counter()
                 step_trace.mark("add", name)
                 req_id = self.engine.add_request(name, TokensPrompt(prompt_token_ids=prompt), params)
@@ -245,6 +253,8 @@ class Runner:
                         del in_flight[key]
                     rec.pop("done")(rec["output"])
                     records.append(rec)
+                    if self.turns:
+                        self.turns.after(rec["name"])
 
 
 def chat_requests(spec: dict, history: list):
@@ -354,7 +364,7 @@ def run_engine(args) -> int:
     if args.config != "plain":
         time.sleep(REPORT_INTERVAL_S + 0.5)  # the warm-up's lookups reported before the first workload's count
     step_trace.wrap_engine(engine)
-    runner = Runner(engine, args.concurrency)
+    runner = Runner(engine, args.concurrency, engine_turns.EngineSide.from_env())
     result = {"config": args.config, "startup_s": startup_s, "torch_threads": torch.get_num_threads(),
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "workloads": {}}  # fmt: skip
     history = [[] for _ in spec["chat"]]
@@ -403,6 +413,14 @@ def log(msg: str) -> None:
 def serve(config: str, model: str, socket: str | None, spec_path: Path, scratch: Path, args,
           workloads: str | None = None, vllm_blocks: int = 0, env_extra: dict | None = None) -> dict:
     """Runs one engine process (`run_engine`) and returns its results."""
+    return finish_engine(start_engine(config, model, socket, spec_path, scratch, args, workloads, vllm_blocks,
+                                      env_extra))  # fmt: skip
+
+
+def start_engine(config: str, model: str, socket: str | None, spec_path: Path, scratch: Path, args,
+                 workloads: str | None = None, vllm_blocks: int = 0, env_extra: dict | None = None,
+                 pass_fds: tuple = ()) -> dict:
+    """Starts one engine process (`run_engine`); `finish_engine` waits for it."""
     from vllm_generate import vllm_env
 
     out = scratch / f"{config}.json"
@@ -417,15 +435,23 @@ def serve(config: str, model: str, socket: str | None, spec_path: Path, scratch:
     env = vllm_env(scratch / f"vllm-{config}")
     env.update(env_extra or {})
     env["OMP_NUM_THREADS"] = str(args.threads)
-    t = time.monotonic()
     log_path = scratch / f"{config}.log"
-    with open(log_path, "w") as engine_log:
-        proc = subprocess.run(cmd, env=env, stdout=engine_log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
+    engine_log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=engine_log, stderr=subprocess.STDOUT, pass_fds=pass_fds)
+    return {"config": config, "proc": proc, "out": out, "log_path": log_path, "log": engine_log,
+            "started": time.monotonic()}  # fmt: skip
+
+
+def finish_engine(engine: dict) -> dict:
+    """Waits for an engine process `start_engine` started and returns its results."""
+    config, log_path = engine["config"], engine["log_path"]
+    returncode = engine["proc"].wait()
+    engine["log"].close()
+    if returncode != 0:
         raise SystemExit(f"engine process ({config}) failed:\n{log_path.read_text()[-5000:]}")
-    run = json.loads(out.read_text())
+    run = json.loads(engine["out"].read_text())
     chat = run["workloads"]["chat"]["requests"]
-    log(f"{config}: {time.monotonic() - t:.0f} s (start-up {run['startup_s']:.0f} s), "
+    log(f"{config}: {time.monotonic() - engine['started']:.0f} s (start-up {run['startup_s']:.0f} s), "
         f"{run['torch_threads']} torch threads; chat TTFT p50 "
         f"{pct([r['ttft_s'] * 1e3 for r in chat], 0.5):.0f} ms")  # fmt: skip
     return run
