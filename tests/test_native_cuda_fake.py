@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
+import threading
 import time
 
 import pytest
@@ -51,8 +52,9 @@ def fake(tmp_path_factory):
 class Rig:
     """A lane with one fake GPU, one worker of it, and what its memory holds."""
 
-    def __init__(self, fake, tmp_path, page: int = PAGE, rows: int = ROWS):
+    def __init__(self, fake, tmp_path, page: int = PAGE, rows: int = ROWS, gpu: int = 0):
         self.fake = fake
+        self.gpu = gpu
         self.rows = rows
         self.pool = HostPool(size=256 * SLOT, slot_bytes=SLOT, directory=str(tmp_path), name="p", pin="off")
         self.lane = Lane(binding.load(build.build(quiet=True)), self.pool, arc=False, tracing=False,
@@ -65,7 +67,7 @@ class Rig:
         table = [self._ints([t.data_ptr() for t in self.cache]), self._ints([page] * LAYERS),
                  self._ints([k * page for k in range(LAYERS)]), self._ints([page] * LAYERS)]
         self.fence = self._ints([0])
-        device = LaneDevice(0, True, 16384, 0, self.pool.registration_bytes // SLOT, self._stream(GATHER),
+        device = LaneDevice(gpu, True, 16384, 0, self.pool.registration_bytes // SLOT, self._stream(GATHER),
                             self._stream(SCATTER), self._api())
         self.lane.cuda_device(device)
         self.lane.add_worker(SESSION, WORKER, NS, 0, BLOCKS, LAYERS * page, None, 2)
@@ -95,6 +97,8 @@ class Rig:
         self.staging[function] = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in buffers]
         # Each direction its own streams and buffer events, as on a GPU.
         copies, kernels, events = (0x11, 0x12, 0x21) if function == GATHER else (0x13, 0x14, 0x25)
+        for stream in (copies, kernels):
+            self.fake.fake_stream_device(ctypes.c_void_p(stream), self.gpu)
         return LaneStream(copies, kernels, tuple(b.data_ptr() for b in buffers), self.rows, (events, events + 1),
                           (events + 2, events + 3), host.data_ptr(), gpu.data_ptr(), RING,
                           self._ints(list(range(self.rows))).data_ptr(),
@@ -440,6 +444,35 @@ def test_staging_buffers_pass_between_streams_without_holding_up_the_next_chunk(
     for (scatter, transfers), (_, next_transfers) in zip(loads, loads[1:]):
         assert all(fake.fake_before(t, scatter) for t in transfers)  # a chunk's rows arrive before they scatter
         assert not any(fake.fake_before(scatter, t) for t in next_transfers), "transfers waited for the scatter before"
+
+
+def test_jobs_on_a_second_gpu_queued_from_several_threads_each_run_on_that_gpu(fake, tmp_path):
+    """CUDA's current device is per thread. Jobs reach the lane from the lane's
+    own thread (the job socket) and from the daemon's Python threads (gRPC
+    submits), and the GPU's streams take work only from a thread whose current
+    device is theirs: each thread must be set to the job's GPU, not only the
+    first one that queued a job there."""
+    fake.fake_set_compute_done(1)
+    fake.fake_set_release_on_ask(0)
+    rig = Rig(fake, tmp_path, gpu=1)
+    try:
+        results = {}
+
+        def submit(job: int) -> None:
+            rig.store(job, keys(2, 100 * job), [2 * job, 2 * job + 1])
+            results.update(rig.wait([job]))
+
+        submit(1)  # this thread
+        for job in (2, 3):
+            thread = threading.Thread(target=submit, args=(job,))
+            thread.start()
+            thread.join(10)
+        assert results == {1: (True, ""), 2: (True, ""), 3: (True, "")}
+        rig.load(4, keys(2, 300), [40, 41])
+        assert rig.wait([4]) == {4: (True, "")}
+        assert [rig.block(i) for i in (40, 41)] == [rig.block(i) for i in (6, 7)]
+    finally:
+        rig.close()
 
 
 @pytest.mark.parametrize("big", [12, 8])  # its last scatter in one buffer, then in the other

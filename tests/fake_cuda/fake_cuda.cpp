@@ -64,19 +64,39 @@ static void log_op(Op op, void* stream) {
   op_clocks.push_back(clock);
 }
 
-int fake_set_device(int) { return 0; }
+// The current device is per thread, as CUDA's; a stream given a device
+// (fake_stream_device) refuses work queued from a thread whose current device
+// is another, as a real stream does (cudaErrorInvalidResourceHandle).
+static thread_local int current_device = 0;
+static std::map<uint64_t, int> stream_device;
+static bool wrong_device(void* stream) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  auto it = stream_device.find((uint64_t)stream);
+  return it != stream_device.end() && it->second != current_device;
+}
+void fake_stream_device(void* stream, int device) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  stream_device[(uint64_t)stream] = device;
+}
+int fake_set_device(int device) {
+  current_device = device;
+  return 0;
+}
 int fake_memcpy_async(void* dst, const void* src, size_t n, int, void* stream) {
+  if (wrong_device(stream)) return 400;
   std::memcpy(dst, src, n);
   copies++;
   log_op(Op{'c', 0, 0, 0, (uint64_t)dst, (uint64_t)src, n, 0}, stream);
   return 0;
 }
 int fake_event_record(void* event, void* stream) {
+  if (wrong_device(stream)) return 400;
   std::lock_guard<std::mutex> lock(log_mutex);
   event_clock[(uint64_t)event] = stream_clock[(uint64_t)stream];
   return 0;
 }
 int fake_stream_wait_event(void* stream, void* event, unsigned) {
+  if (wrong_device(stream)) return 400;
   std::lock_guard<std::mutex> lock(log_mutex);
   Clock& clock = stream_clock[(uint64_t)stream];
   const Clock& seen = event_clock[(uint64_t)event];
@@ -147,6 +167,7 @@ int fake_launch_kernel(void* function, unsigned grid, unsigned grid_y, unsigned,
                        void* stream, void** params, void**) {
   auto u64 = [&](int i) { return *reinterpret_cast<uint64_t*>(params[i]); };
   auto u32 = [&](int i) { return (uint64_t)*reinterpret_cast<uint32_t*>(params[i]); };
+  if (wrong_device(stream)) return 400;
   uintptr_t f = (uintptr_t)function;
   uint64_t staging = f == HASH_BLOCKS ? u64(0) : f == HASH_ROWS ? 0 : u64(6);
   log_op(Op{'k', 0, 0, f, 0, 0, 0, staging}, stream);

@@ -117,9 +117,11 @@ void CudaTransport::check(int code, const char* what) const {
 }
 
 void CudaTransport::set_device(int index) {
-  if (current_device_ == index) return;
+  // The current device is per thread: cached for the lane's thread only, not
+  // for a Python thread that queues a job (a gRPC submit) between its own calls.
+  if (on_lane_thread && current_device_ == index) return;
   check(api_.set_device(index), "cudaSetDevice");
-  current_device_ = index;
+  if (on_lane_thread) current_device_ = index;
 }
 
 void CudaTransport::prepare(Worker& worker, Job& job, const JobRequest& request) {

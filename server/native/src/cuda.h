@@ -52,7 +52,7 @@ class CudaTransport : public Transport {
   uint64_t slot_bytes_;
   Completions& completions_;
   std::unordered_map<int, std::unique_ptr<Device>> devices_;
-  int current_device_ = -1;  // the lane's thread's
+  int current_device_ = -1;  // the lane's thread's current device, as set_device left it
   // Stores held until their compute event completed, oldest first (cuda_streams.py ComputeGate).
   uint64_t held_at_gate_ = 0;
   std::mutex gate_mutex_;

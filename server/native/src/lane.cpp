@@ -59,9 +59,12 @@ Lane::~Lane() {
   for (int fd : {event_fd, stop_fd, python_fd, epoll_fd}) close(fd);
 }
 
+thread_local bool on_lane_thread = false;
+
 void Lane::start() {
   thread_ = std::thread([this] {
     name_thread("kvdepot-lane");
+    on_lane_thread = true;
     run();
   });
 }

@@ -75,6 +75,11 @@ std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 // kvdepot/thread_names.py does for Python's threads.
 void name_thread(const std::string& name);
 
+// True on a lane's own thread. Per-thread state that only the lane's code
+// changes there (CUDA's current device) may be cached for it; the daemon's
+// Python threads, which also queue jobs, change such state themselves.
+extern thread_local bool on_lane_thread;
+
 struct Key {
   uint8_t b[KEY_BYTES];
 };
