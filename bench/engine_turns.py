@@ -11,7 +11,6 @@ last token is out. The benchmark (`take_turns`) lets them go one at a time, in t
 from __future__ import annotations
 
 import os
-import subprocess
 
 ENV = "KVDEPOT_BENCH_TURN_FDS"
 
@@ -78,7 +77,7 @@ class BenchSide:
         self._said.close()
 
 
-def take_turns(engines: dict[str, tuple[subprocess.Popen, BenchSide]]) -> int:
+def take_turns(engines: dict[str, BenchSide]) -> int:
     """Lets each engine serve one request in turn until every engine has served all of its own;
     who goes first alternates request by request. Both must serve the same requests in the same
     order. Returns the number of turns each took."""
@@ -87,7 +86,7 @@ def take_turns(engines: dict[str, tuple[subprocess.Popen, BenchSide]]) -> int:
     while True:
         ready = {}
         for label in order:
-            name = engines[label][1].expect("ready")
+            name = engines[label].expect("ready")
             if name is not None:
                 ready[label] = name
         if not ready:
@@ -95,7 +94,7 @@ def take_turns(engines: dict[str, tuple[subprocess.Popen, BenchSide]]) -> int:
         if len(ready) != len(order) or len(set(ready.values())) != 1:
             raise RuntimeError(f"the engines are not serving the same request: {ready}")
         for label in order:
-            side = engines[label][1]
+            side = engines[label]
             side.go()
             if side.expect("done") != ready[label]:
                 raise RuntimeError(f"{label} did not finish {ready[label]} in its turn")

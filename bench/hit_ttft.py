@@ -119,7 +119,7 @@ def serve_round(args, configs: list[str], envs: dict, daemon, model: str, spec_p
         for config in configs:
             started[config] = engine(config, sides[config].pass_fds, sides[config].env)
             sides[config].started()
-        turns = engine_turns.take_turns({config: (started[config]["proc"], sides[config]) for config in configs})
+        turns = engine_turns.take_turns(sides)
         print(f"round: {turns} requests each, the engines taking turns", file=sys.stderr, flush=True)
         return {config: st.finish_engine(started[config]) for config in configs}
     finally:

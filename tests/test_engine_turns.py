@@ -39,7 +39,7 @@ def finish(engines) -> list[int]:
 def test_two_engines_serve_each_request_in_turn_never_at_once_and_alternate_who_goes_first(tmp_path):
     engines, log = start(tmp_path, {"plain": (5, 99), "kvdepot": (5, 99)})
     try:
-        assert engine_turns.take_turns(engines) == 5
+        assert engine_turns.take_turns({label: side for label, (_, side) in engines.items()}) == 5
     finally:
         assert finish(engines) == [0, 0]
     lines = [line.split() for line in log.read_text().splitlines()]
@@ -56,7 +56,7 @@ def test_an_engine_that_dies_mid_run_ends_the_turns_with_an_error(tmp_path):
     engines, _ = start(tmp_path, {"plain": (5, 99), "kvdepot": (5, 2)})
     try:
         with pytest.raises(RuntimeError, match="not serving the same request"):
-            engine_turns.take_turns(engines)
+            engine_turns.take_turns({label: side for label, (_, side) in engines.items()})
     finally:
         engines["plain"][0].kill()
         assert finish(engines)[1] == 3

@@ -81,13 +81,14 @@ void CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_host,
   auto buffer_event = [&](int b, uint8_t owner) {
     return reinterpret_cast<void*>(owner == KERNEL_STREAM ? c.filled[b] : c.drained[b]);
   };
+  // Records `event` on the owner's stream of buffer b as the mark of its last use.
+  auto mark = [&](int b, void* event) {
+    stream.mark_last_use(b, event);
+    check(api_.event_record(event, stream.of(stream.owner[b])), "cudaEventRecord");
+    stream.marked[b] = true;
+  };
   auto wait_for_last_use = [&](int b, uint8_t on) {
-    uint8_t last = stream.owner[b];
-    if (!stream.marked[b]) {
-      stream.mark_last_use(b, buffer_event(b, last));
-      check(api_.event_record(stream.last_use[b], stream.of(last)), "cudaEventRecord");
-      stream.marked[b] = true;
-    }
+    if (!stream.marked[b]) mark(b, buffer_event(b, stream.owner[b]));
     check(api_.stream_wait_event(stream.of(on), stream.last_use[b], 0), "cudaStreamWaitEvent");
   };
   auto take_buffer = [&](int b, uint8_t on) {
@@ -98,11 +99,7 @@ void CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_host,
   };
   // The job's last hand-over records its end event: the one event says both
   // that the buffer is free and that the job ended.
-  auto hand_over = [&](int b, bool last_chunk) {
-    stream.mark_last_use(b, last_chunk ? end : buffer_event(b, stream.owner[b]));
-    check(api_.event_record(stream.last_use[b], stream.of(stream.owner[b])), "cudaEventRecord");
-    stream.marked[b] = true;
-  };
+  auto hand_over = [&](int b, bool last_chunk) { mark(b, last_chunk ? end : buffer_event(b, stream.owner[b])); };
   bool one_stream = n * pitch <= ONE_STREAM_BYTES && n <= per_chunk;
   uint8_t kernel_side = one_stream ? COPY_STREAM : KERNEL_STREAM;
   if (one_stream && !to_host) {
