@@ -392,18 +392,23 @@ def test_a_block_larger_than_the_staging_buffers_is_refused(fake, tmp_path):
 def test_staging_buffers_pass_between_streams_without_holding_up_the_next_chunk(rig, fake):
     """A job bigger than a staging buffer goes through both buffers in turn,
     its kernels on one stream and its transfers on the other. On a GPU each
-    use of a buffer must come after the other stream's last use of it (else a
-    gather overwrites rows still being copied out), and nothing more: a chunk's
-    gather must not wait for the transfers of the chunk before it, which use
-    the other buffer, or the copy engine idles while every gather runs. The
-    same for loads: a chunk's transfers must not wait for the scatter before.
-    What comes before what is read from the streams' order and the event waits
-    the lane queued (the fake's vector clocks)."""
+    write of a buffer must come after the other stream's last use of it, and
+    each read after its last write (else a gather overwrites rows still being
+    copied out), and nothing more: a chunk's gather must not wait for the
+    transfers of the chunk before it, which use the other buffer, or the copy
+    engine idles while every gather runs. A store's hash reads its rows beside
+    the transfer, which reads them too: the transfer must not wait for it, but
+    the job's end must (the stream's thread reads the hashes then), and so must
+    the next write of the buffer, a small store's gather on the copy stream
+    included. The same for loads: a chunk's transfers must not wait for the
+    scatter before. What comes before what is read from the streams' order and
+    the event waits the lane queued (the fake's vector clocks)."""
     fake.fake_clear_ops()
     stored = [keys(12, 1100), keys(12, 1200)]  # three chunks of four blocks each
     rig.store(1, stored[0], list(range(0, 24, 2)))
     rig.store(2, stored[1], list(range(1, 24, 2)))
-    assert rig.wait([1, 2]) == {1: (True, ""), 2: (True, "")}
+    rig.store(5, keys(2, 1300), [24, 25])  # one chunk, on the copy stream alone
+    assert rig.wait([1, 2, 5]) == {1: (True, ""), 2: (True, ""), 5: (True, "")}
     rig.load(3, stored[0], list(range(24, 36)))
     rig.load(4, stored[1], list(range(36, 48)))
     assert rig.wait([3, 4]) == {3: (True, ""), 4: (True, "")}
@@ -414,14 +419,20 @@ def test_staging_buffers_pass_between_streams_without_holding_up_the_next_chunk(
             return start <= op.buffer < end
         return any(start <= a < end for a in (op.dst, op.src))
 
+    def writes(op, start: int, end: int) -> bool:
+        if op.kind == b"k":
+            return op.function == GATHER
+        return start <= op.dst < end
+
     for function, direction in ((GATHER, "store"), (SCATTER, "load")):
         for start, end in rig.staging[function]:
             users = [i for i, op in enumerate(ops) if touches(op, start, end)]
             assert len(users) >= 6, f"the {direction}s used a buffer only {len(users)} times"
             for a, i in enumerate(users):
                 for j in users[a + 1 :]:
-                    assert ops[i].stream == ops[j].stream or fake.fake_before(i, j), (
-                        f"{direction}: op {j} uses a staging buffer without waiting for op {i}")
+                    if writes(ops[i], start, end) or writes(ops[j], start, end):
+                        assert ops[i].stream == ops[j].stream or fake.fake_before(i, j), (
+                            f"{direction}: op {j} uses a staging buffer without waiting for op {i}")
 
     def chunks(kernel: int, staging):
         """(the chunk's kernel, its transfers) for each chunk, in order: a store's
@@ -437,10 +448,18 @@ def test_staging_buffers_pass_between_streams_without_holding_up_the_next_chunk(
     stores = chunks(GATHER, rig.staging[GATHER])
     loads = chunks(SCATTER, rig.staging[SCATTER])
     # (A load alone ends with a smaller chunk: six or seven.)
-    assert len(stores) == 6 and len(loads) >= 6 and all(t for _, t in stores + loads)
-    for (gather, transfers), (next_gather, _) in zip(stores, stores[1:]):
+    assert len(stores) == 7 and len(loads) >= 6 and all(t for _, t in stores + loads)
+    for (gather, transfers), (next_gather, _) in zip(stores[:6], stores[1:6]):
         assert all(fake.fake_before(gather, t) for t in transfers)  # a chunk's rows are gathered before they go
         assert not any(fake.fake_before(t, next_gather) for t in transfers), "a gather waited for the chunk before"
+    hashes = [i for i, op in enumerate(ops) if op.kind == b"k" and op.function == HASH_BLOCKS]
+    fences = [i for i, op in enumerate(ops) if op.kind == b"c" and op.src == rig.fence.data_ptr()]
+    assert len(hashes) == 7 and len(fences) == 3
+    for gather, transfers in stores[:6]:
+        hashed = min(h for h in hashes if h > gather)
+        assert not any(fake.fake_before(hashed, t) for t in transfers), "a transfer waited for its chunk's hash"
+    for h in hashes:
+        assert fake.fake_before(h, min(f for f in fences if f > h)), "a store ended before its rows were hashed"
     for (scatter, transfers), (_, next_transfers) in zip(loads, loads[1:]):
         assert all(fake.fake_before(t, scatter) for t in transfers)  # a chunk's rows arrive before they scatter
         assert not any(fake.fake_before(scatter, t) for t in next_transfers), "transfers waited for the scatter before"

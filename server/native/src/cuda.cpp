@@ -15,7 +15,6 @@
 namespace kvd {
 
 namespace {
-constexpr unsigned EVENT_DISABLE_TIMING = 0x02;
 constexpr size_t MAX_EVENTS_PER_WORKER = 1024;
 }  // namespace
 
@@ -45,6 +44,7 @@ CudaTransport::~CudaTransport() {
       s->wake.notify_all();
       s->thread.join();
       for (void* event : s->spare) api_.event_destroy(event);
+      if (s->hashed) api_.event_destroy(s->hashed);
       for (int b = 0; b < 2; b++)
         if (s->last_use_ended[b]) api_.event_destroy(s->last_use[b]);
     }

@@ -147,10 +147,22 @@ void CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_host,
       take_buffer(b, kernel_side);
       upload(stream.of(kernel_side));
       launch(first, count, buffer, stream.of(kernel_side));
-      if (hashing(stream, true)) hash(first, count, b, stream.of(kernel_side));
+      if (one_stream && hashing(stream, true)) hash(first, count, b, transfers);
       if (!one_stream) hand_over(b, false);
+      // On two streams the hash reads the rows beside the transfer, which
+      // only reads them too: the bus does not wait for it. The buffer's next
+      // writer is this stream's next gather, or a job on the copy stream
+      // alone, which comes after this job's end; the end waits for the job's
+      // last hash (below), as the stream's thread reads the hashes then.
+      bool hash_beside = !one_stream && hashing(stream, true);
+      if (hash_beside) hash(first, count, b, stream.kernels());
+      if (hash_beside && last_chunk) {
+        if (!stream.hashed) check(api_.event_create(&stream.hashed, EVENT_DISABLE_TIMING), "cudaEventCreate");
+        check(api_.event_record(stream.hashed, stream.kernels()), "cudaEventRecord");
+      }
       take_buffer(b, COPY_STREAM);
       transfer_runs();
+      if (hash_beside && last_chunk) check(api_.stream_wait_event(transfers, stream.hashed, 0), "cudaStreamWaitEvent");
       if (last_chunk && fence_index >= 0)
         // After the copy, and before the event the stream's thread reads it at.
         check(api_.memcpy_async(reinterpret_cast<void*>(c.ring_host + 8 * (uint64_t)fence_index),

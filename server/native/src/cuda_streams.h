@@ -10,6 +10,7 @@ namespace kvd {
 
 constexpr int MEMCPY_DEFAULT = 4;  // the direction from the addresses (UVA)
 constexpr int NOT_READY = 600;     // cudaErrorNotReady
+constexpr unsigned EVENT_DISABLE_TIMING = 0x02;
 // Who touched a staging buffer last.
 enum Owner : uint8_t { NOBODY = 0, COPY_STREAM = 1, KERNEL_STREAM = 2 };
 // Stage stamps (server/native/binding.py STAGES).
@@ -71,6 +72,7 @@ struct CopyStream {
   std::deque<Tracked> pending;
   bool stopping = false;
   std::vector<void*> spare;  // the lane's, as `waiting`: ended jobs' events, for reuse
+  void* hashed = nullptr;    // recorded after a store's last hash on the kernel stream (made at first use)
   std::thread thread;
 
   explicit CopyStream(const CudaStreamConfig& c) : config(c), spans(c.ring_entries) {}
