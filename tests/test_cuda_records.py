@@ -42,12 +42,12 @@ def test_the_gpus_hash_of_each_row_is_the_cpus(length):
         assert int(dest[r]) & (2**64 - 1) == want, f"row {r}"
 
 
-def slots_of(pool, keys: list[bytes]) -> dict[bytes, int]:
+def slots_of(pool, keys: list[bytes], slot_bytes: int = SLOT) -> dict[bytes, int]:
     data = pool.read_bytes()
-    num_slots = (len(data) - 4096) // (SLOT + RECORD_BYTES)
+    num_slots = (len(data) - 4096) // (slot_bytes + RECORD_BYTES)
     found = {}
     for slot in range(num_slots):
-        at = num_slots * SLOT + slot * RECORD_BYTES
+        at = num_slots * slot_bytes + slot * RECORD_BYTES
         key = data[at + 40 : at + 72]
         if key in keys:
             flags = int.from_bytes(data[at + 12 : at + 16], "little")
@@ -81,4 +81,39 @@ def test_blocks_the_gpu_sealed_come_back_after_a_restart_and_a_changed_byte_is_c
     assert client.wait([load], 30)[load].ok
     for i in range(4):
         for src, dst in zip(block_of(tensors, "per_layer", i), block_of(tensors, "per_layer", 60 + i)):
+            assert torch.equal(src.cpu().view(torch.int16), dst.cpu().view(torch.int16))
+
+
+@pytest.mark.parametrize("staging", ["128MiB", "8MiB"])
+def test_a_big_store_alone_is_sealed_with_its_bytes_hash(start_daemon, client_factory, staging):
+    """A store of 1 MiB blocks takes both streams: its hash runs beside its
+    transfers, and alone it starts with a small chunk (24 MiB: 3 blocks, then
+    21; with 8 MiB buffers, 1, 8, 8, 7 in turn). Each record carries the hash
+    of its slot's bytes: a restarted daemon adopts every block, discarding
+    none, and loads them back bit-exact."""
+    mib = 1 << 20
+    daemon = start_daemon(pin="on", pool_dir="/dev/shm", pool_size="64MiB", slot_size="1MiB", lane="native",
+                          staging_bytes=str(int(staging[:-3]) * mib))
+    client = client_factory(daemon, backoff_max=0.5)
+    generator = torch.Generator().manual_seed(62)
+    # Per layer [2, blocks, 16 tokens, 32 heads, 128]: pages of 128 KiB, 1 MiB a block.
+    tensors = [torch.randn(2, 64, 16, 32, 128, generator=generator).to(torch.bfloat16).cuda() for _ in range(4)]
+    ns = namespace("per_layer", model="big-blocks")
+    worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=1)
+    keys = prompt_keys(24, prompt=620)
+    job = client.submit_store(worker, 1, keys, list(range(24)))
+    assert client.wait([job], 30)[job].ok
+    wait_until(lambda: dram(client.stats()).written_shards >= 24, what="24 records sealed")
+    assert daemon.stop() == 0
+    [pool] = Path(daemon.options["pool_dir"]).glob("*.pool")
+    slots = slots_of(pool, keys, mib)
+    assert len(slots) == 24 and all(flags & 2 for _, flags in slots.values()), "records sealed with the GPU's hash"
+    daemon.start()
+    assert client.wait_connected(15)
+    tier = dram(client.stats())
+    assert tier.recovered_shards == 24 and not dict(tier.discarded)
+    load = client.submit_load(worker, 2, keys, list(range(40, 64)))
+    assert client.wait([load], 30)[load].ok
+    for i in range(24):
+        for src, dst in zip(block_of(tensors, "per_layer", i), block_of(tensors, "per_layer", 40 + i)):
             assert torch.equal(src.cpu().view(torch.int16), dst.cpu().view(torch.int16))

@@ -95,7 +95,9 @@ class IdRing(Spans):
 # the bus is the scatter of a small chunk. A scatter runs about 14 times as fast
 # as PCIe, so an eighth keeps the kernel ahead. (A store's small first chunk
 # would let the copy engine start sooner, but only after a second kernel launch
-# on the CPU, which takes longer than the gather it would hide.)
+# on the CPU, which here takes longer than the gather it would hide; the native
+# lane, whose launch is cheaper and whose stores are also hashed on the GPU,
+# starts a store alone of 16 MiB or more with one: cuda_staging.cpp.)
 TAIL_CHUNK_SHARE = 8
 
 
