@@ -1,4 +1,4 @@
-"""The native lane's C functions (src/capi.cpp), declared for ctypes, and the
+"""The native lane's C functions (src/capi.cpp, src/capi_index.cpp), declared for ctypes, and the
 records it hands Python (src/jobs.h, Events).
 
 ctypes rather than a CPython extension: the library then needs no Python
