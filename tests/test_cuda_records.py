@@ -88,9 +88,10 @@ def test_blocks_the_gpu_sealed_come_back_after_a_restart_and_a_changed_byte_is_c
 def test_a_big_store_alone_is_sealed_with_its_bytes_hash(start_daemon, client_factory, staging):
     """A store of 1 MiB blocks takes both streams: its hash runs beside its
     transfers, and alone it starts with a small chunk (24 MiB: 3 blocks, then
-    21; with 8 MiB buffers, 1, 8, 8, 7 in turn). Each record carries the hash
-    of its slot's bytes: a restarted daemon adopts every block, discarding
-    none, and loads them back bit-exact."""
+    21; with 8 MiB buffers no small one, three chunks of 8 through the two
+    buffers in turn). Each record carries the hash of its slot's bytes: a
+    restarted daemon adopts every block, discarding none, and loads them back
+    bit-exact."""
     mib = 1 << 20
     daemon = start_daemon(pin="on", pool_dir="/dev/shm", pool_size="64MiB", slot_size="1MiB", lane="native",
                           staging_bytes=str(int(staging[:-3]) * mib))

@@ -407,8 +407,10 @@ def test_staging_buffers_pass_between_streams_without_holding_up_the_next_chunk(
     stored = [keys(12, 1100), keys(12, 1200)]  # three chunks of four blocks each
     rig.store(1, stored[0], list(range(0, 24, 2)))
     rig.store(2, stored[1], list(range(1, 24, 2)))
-    rig.store(5, keys(2, 1300), [24, 25])  # one chunk, on the copy stream alone
-    assert rig.wait([1, 2, 5]) == {1: (True, ""), 2: (True, ""), 5: (True, "")}
+    # One chunk each, on the copy stream alone: the second takes the buffer of store 2's last chunk.
+    rig.store(5, keys(2, 1300), [24, 25])
+    rig.store(6, keys(2, 1400), [26, 27])
+    assert rig.wait([1, 2, 5, 6]) == {1: (True, ""), 2: (True, ""), 5: (True, ""), 6: (True, "")}
     rig.load(3, stored[0], list(range(24, 36)))
     rig.load(4, stored[1], list(range(36, 48)))
     assert rig.wait([3, 4]) == {3: (True, ""), 4: (True, "")}
@@ -448,13 +450,13 @@ def test_staging_buffers_pass_between_streams_without_holding_up_the_next_chunk(
     stores = chunks(GATHER, rig.staging[GATHER])
     loads = chunks(SCATTER, rig.staging[SCATTER])
     # (A load alone ends with a smaller chunk: six or seven.)
-    assert len(stores) == 7 and len(loads) >= 6 and all(t for _, t in stores + loads)
+    assert len(stores) == 8 and len(loads) >= 6 and all(t for _, t in stores + loads)
     for (gather, transfers), (next_gather, _) in zip(stores[:6], stores[1:6]):
         assert all(fake.fake_before(gather, t) for t in transfers)  # a chunk's rows are gathered before they go
         assert not any(fake.fake_before(t, next_gather) for t in transfers), "a gather waited for the chunk before"
     hashes = [i for i, op in enumerate(ops) if op.kind == b"k" and op.function == HASH_BLOCKS]
     fences = [i for i, op in enumerate(ops) if op.kind == b"c" and op.src == rig.fence.data_ptr()]
-    assert len(hashes) == 7 and len(fences) == 3
+    assert len(hashes) == 8 and len(fences) == 4
     for gather, transfers in stores[:6]:
         hashed = min(h for h in hashes if h > gather)
         assert not any(fake.fake_before(hashed, t) for t in transfers), "a transfer waited for its chunk's hash"

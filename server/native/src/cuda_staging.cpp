@@ -9,9 +9,9 @@ namespace kvd {
 namespace {
 // A job alone gets a small chunk (this share of a full one) where the bus
 // would wait for a whole chunk's kernel: a load's last (its scatter follows
-// the bus), and a store's first from SMALL_FIRST_BYTES (its gather and hash
-// come before the bus; below that the gather hidden is shorter than the
-// second launch).
+// the bus), and a store's first where its first full chunk would be
+// SMALL_FIRST_BYTES or more (its gather comes before the bus; below that the
+// gather hidden is shorter than the second launch).
 constexpr uint64_t SMALL_CHUNK_SHARE = 8, SMALL_FIRST_BYTES = 16 << 20;
 // A job of at most this many bytes, one chunk, runs on the copy stream alone:
 // its gather (or scatter) and its transfers need no event between them, about
@@ -20,17 +20,18 @@ constexpr uint64_t SMALL_CHUNK_SHARE = 8, SMALL_FIRST_BYTES = 16 << 20;
 // turns, and the bus would idle while each gather runs.
 constexpr uint64_t ONE_STREAM_BYTES = 1 << 20;
 
+enum class Small { NONE, FIRST, LAST };
+
 // (first, count) of a job's staging chunks of up to `rows` blocks, with a
-// small first or last one (cuda_streams.py staging_chunks, the Python lane's,
+// small one first or last (cuda_streams.py staging_chunks, the Python lane's,
 // has no small first one).
-std::vector<std::pair<uint64_t, uint64_t>> staging_chunks(uint64_t blocks, uint64_t rows, bool small_first,
-                                                          bool small_last) {
-  uint64_t small =
-      (small_first || small_last) && blocks > 1 ? std::max<uint64_t>(1, std::min(blocks, rows) / SMALL_CHUNK_SHARE) : 0;
+std::vector<std::pair<uint64_t, uint64_t>> staging_chunks(uint64_t blocks, uint64_t rows, Small where) {
+  uint64_t small = 0;
+  if (where != Small::NONE && blocks > 1) small = std::max<uint64_t>(1, std::min(blocks, rows) / SMALL_CHUNK_SHARE);
   std::vector<uint64_t> sizes;
-  if (small && small_first) sizes.push_back(small);
+  if (where == Small::FIRST && small) sizes.push_back(small);
   for (uint64_t left = blocks - small; left; left -= sizes.back()) sizes.push_back(std::min(rows, left));
-  if (small && small_last) sizes.push_back(small);
+  if (where == Small::LAST && small) sizes.push_back(small);
   std::vector<std::pair<uint64_t, uint64_t>> chunks;
   uint64_t first = 0;
   for (uint64_t size : sizes) {
@@ -120,8 +121,10 @@ void CudaTransport::copy_via_staging(Job& job, CopyStream& stream, bool to_host,
     int other = 1 - stream.next_buffer;
     if (stream.owner[other] == KERNEL_STREAM) wait_for_last_use(other, COPY_STREAM);
   }
-  bool alone = !one_stream && stream.idle();
-  auto chunks = staging_chunks(n, per_chunk, alone && to_host && n * pitch >= SMALL_FIRST_BYTES, alone && !to_host);
+  Small small = Small::NONE;
+  if (!one_stream && stream.idle())
+    small = !to_host ? Small::LAST : std::min(n, per_chunk) * pitch >= SMALL_FIRST_BYTES ? Small::FIRST : Small::NONE;
+  auto chunks = staging_chunks(n, per_chunk, small);
   for (auto& chunk : chunks) {
     uint64_t first = chunk.first, count = chunk.second;
     bool last_chunk = &chunk == &chunks.back();
