@@ -97,7 +97,8 @@ class IdRing(Spans):
 # would let the copy engine start sooner, but only after a second kernel launch
 # on the CPU, which here takes longer than the gather it would hide; the native
 # lane, whose launch is cheaper and whose stores are also hashed on the GPU,
-# starts a store alone of 16 MiB or more with one: cuda_staging.cpp.)
+# starts a store alone whose first chunk would hold 16 MiB or more with one:
+# cuda_staging.cpp.)
 TAIL_CHUNK_SHARE = 8
 
 
