@@ -55,6 +55,21 @@ def slots_of(pool, keys: list[bytes], slot_bytes: int = SLOT) -> dict[bytes, int
     return found
 
 
+def store_sealed_and_stop(daemon, client, worker, keys: list[bytes], slot_bytes: int = SLOT):
+    """Stores `keys` from blocks 0.. of `worker`, waits for their records, stops
+    the daemon and checks each record was sealed with the GPU's hash: (the
+    pool file, each key's (slot, flags))."""
+    job = client.submit_store(worker, 1, keys, list(range(len(keys))))
+    assert client.wait([job], 30)[job].ok
+    wait_until(lambda: dram(client.stats()).written_shards >= len(keys), what=f"{len(keys)} records sealed")
+    assert daemon.stop() == 0
+    [pool] = Path(daemon.options["pool_dir"]).glob("*.pool")
+    slots = slots_of(pool, keys, slot_bytes)
+    assert len(slots) == len(keys) and all(flags & 2 for _, flags in slots.values()), (
+        "records sealed with the GPU's hash")
+    return pool, slots
+
+
 def test_blocks_the_gpu_sealed_come_back_after_a_restart_and_a_changed_byte_is_caught(start_daemon, client_factory):
     daemon = start_daemon(pin="on", pool_dir="/dev/shm", pool_size="64MiB", slot_size="16KiB", lane="native")
     client = client_factory(daemon, backoff_max=0.5)
@@ -63,13 +78,7 @@ def test_blocks_the_gpu_sealed_come_back_after_a_restart_and_a_changed_byte_is_c
     worker = client.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim)
     engine = client.register_engine(namespace("per_layer"))
     keys = prompt_keys(12, prompt=610)
-    job = client.submit_store(worker, 1, keys, list(range(12)))
-    assert client.wait([job], 30)[job].ok
-    wait_until(lambda: dram(client.stats()).written_shards >= 12, what="12 records sealed")
-    assert daemon.stop() == 0
-    [pool] = Path(daemon.options["pool_dir"]).glob("*.pool")
-    slots = slots_of(pool, keys)
-    assert len(slots) == 12 and all(flags & 2 for _, flags in slots.values()), "records sealed with the GPU's hash"
+    pool, slots = store_sealed_and_stop(daemon, client, worker, keys)
     flip(pool, slots[keys[4]][0] * SLOT + 500)  # a byte of block 4's KV
     daemon.start()
     assert client.wait_connected(15)
@@ -102,13 +111,7 @@ def test_a_big_store_alone_is_sealed_with_its_bytes_hash(start_daemon, client_fa
     ns = namespace("per_layer", model="big-blocks")
     worker = client.register_worker(ns, rank=0, tensors=tensors, block_dim=1)
     keys = prompt_keys(24, prompt=620)
-    job = client.submit_store(worker, 1, keys, list(range(24)))
-    assert client.wait([job], 30)[job].ok
-    wait_until(lambda: dram(client.stats()).written_shards >= 24, what="24 records sealed")
-    assert daemon.stop() == 0
-    [pool] = Path(daemon.options["pool_dir"]).glob("*.pool")
-    slots = slots_of(pool, keys, mib)
-    assert len(slots) == 24 and all(flags & 2 for _, flags in slots.values()), "records sealed with the GPU's hash"
+    store_sealed_and_stop(daemon, client, worker, keys, mib)
     daemon.start()
     assert client.wait_connected(15)
     tier = dram(client.stats())
