@@ -216,6 +216,67 @@ def test_jobs_beyond_the_rings_room_wait_their_turn_and_all_land(rig):
         assert [rig.block(40 + i) for i in range(20)] == [rig.block(((j - 10) * 7 + i) % 40) for i in range(20)]
 
 
+def test_jobs_end_once_each_whether_the_loop_or_a_copy_thread_finishes_them(rig):
+    """A copy thread that finds the lane's lock free finishes the jobs it saw
+    end (and starts those that waited for room in the ring); one that finds the
+    lock held, by the loop's round or by a Python call, leaves them to the loop.
+    With jobs in flight beyond the ring's room and a Python thread taking the
+    lock over and over, every job ends once, the index stays consistent (the
+    rig's lane checks it after each round) and the blocks load back as stored."""
+    stop = threading.Event()
+    problems = []
+
+    def hold_the_lock() -> None:
+        while not stop.is_set():
+            if problem := rig.lane.verify():
+                problems.append(problem)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    try:
+        stored = {}
+        for j in range(24):  # 24 jobs of 5 blocks: 6 ring entries each, 64 in the ring
+            ks = keys(5, 10_000 + 100 * j)
+            rig.store(j, ks, [(3 * j + i) % 32 for i in range(5)])
+            stored[j] = ks
+        ended = rig.ended_in_order(len(stored), timeout=10)
+        for j, ks in stored.items():
+            rig.load(100 + j, ks, list(range(32 + 5 * (j % 6), 37 + 5 * (j % 6))))
+        ended += rig.ended_in_order(len(stored), timeout=10)
+    finally:
+        stop.set()
+        holder.join(10)
+    assert problems == []
+    assert sorted(ended) == sorted((j, True) for j in [*stored, *(100 + j for j in stored)])
+    assert rig.ended_in_order(1, timeout=0.2) == []  # none told twice
+    for j in range(18, 24):  # the last load into each group of target blocks
+        targets = range(32 + 5 * (j % 6), 37 + 5 * (j % 6))
+        assert [rig.block(t) for t in targets] == [rig.block((3 * j + i) % 32) for i in range(5)]
+
+
+def test_a_store_let_through_the_gate_starts_while_copy_threads_finish_other_jobs(rig, fake):
+    """The gate hands a store whose compute is done to the lane and wakes it;
+    a copy thread finishing its own jobs at that moment takes the same wake-up,
+    and must then start the store itself: nothing else may come to wake the
+    lane again."""
+    stored = keys(2, 5000)
+    rig.store(1, stored, [0, 1])
+    assert rig.wait([1]) == {1: (True, "")}
+    job = 10_000
+    for i in range(1500):
+        fake.fake_set_compute_done(0)
+        rig.store(100 + i, keys(1, 70_000 + i), [2 + i % 20])
+        time.sleep(0.001)
+        loads = []
+        for n in range(24):  # loads ending on the copy thread around the gate's hand-over
+            if n == 8:
+                fake.fake_set_compute_done(1)
+            rig.load(job, stored, [60, 61])
+            loads.append(job)
+            job += 1
+        assert rig.wait([100 + i, *loads], timeout=3)[100 + i] == (True, "")
+
+
 def test_a_store_waits_at_the_gate_until_its_compute_is_done(rig, fake):
     fake.fake_set_compute_done(0)
     rig.store(1, keys(3, 500), [1, 2, 3])

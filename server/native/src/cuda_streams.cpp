@@ -166,7 +166,9 @@ void CopyStream::run() {
     std::vector<Ended> ended;
     for (auto& item : items) ended.push_back(this->ended(item.first, item.second));
     done += ended.size();
-    completions->push(std::move(ended));
+    completions->deliver(std::move(ended));
+    // Finishing them may have queued jobs of another GPU from this thread.
+    api->set_device(device);
     lock.lock();
   }
 }

@@ -1,7 +1,8 @@
 // The lane put together: its thread, which waits on its epoll set (the job
 // connections, one eventfd that the transports' and the sealer's threads
 // write, one that stops it) and serves what is ready under the lane's lock;
-// and what the index tells the rest.
+// a CUDA stream's completion thread that finds the lane thread asleep and
+// that lock free finishes its own jobs; and what the index tells the rest.
 #include "lane_impl.h"
 
 #include <sys/epoll.h>
@@ -39,6 +40,7 @@ Lane::Lane(const LaneConfig& c) : config(c) {
                         reinterpret_cast<uint8_t*>(c.records_base)));
   index.reset(new Index(*slots, *this, c.arc != 0, c.num_slots, c.seed));
   completions.reset(new Completions(event_fd));
+  completions->finish_here = [this] { return finish_here(); };
   jobs.reset(new Jobs(*index, *slots, events, *completions, *this));
   jobs->tracing = c.tracing != 0;
   conns.reset(new Conns(epoll_fd, *jobs, events, c.max_unread));
@@ -70,6 +72,13 @@ void Lane::start() {
 }
 
 void Lane::stop() {
+  {
+    // From here the copy threads hand what ends to the loop, which is stopping:
+    // a stopped lane (kvd_close) may be left to the process's exit with copies
+    // running, and its parts are destroyed after it.
+    std::lock_guard<std::mutex> lock(mutex);
+    stopped_ = true;
+  }
   if (!thread_.joinable()) return;
   uint64_t one = 1;
   ssize_t n = write(stop_fd, &one, sizeof one);
@@ -80,7 +89,9 @@ void Lane::stop() {
 void Lane::run() {
   epoll_event ready[256];
   for (;;) {
+    asleep_.store(true, std::memory_order_relaxed);
     int n = epoll_wait(epoll_fd, ready, 256, -1);
+    asleep_.store(false, std::memory_order_relaxed);
     if (n < 0) continue;  // EINTR
     for (int i = 0; i < n; i++)
       if (ready[i].data.u64 == STOP) return;
@@ -92,8 +103,25 @@ void Lane::run() {
 void Lane::serve(const epoll_event* ready, int n) {
   for (int i = 0; i < n; i++)
     if (ready[i].data.u64 != WAKE) conns->on_epoll((uint32_t)ready[i].data.u64, ready[i].events);
-  for (Transport* transport : jobs->all_transports()) transport->poll();
+  finish_ended();
+}
+
+bool Lane::finish_here() {
+  // Never waits for the lock: its holder (the loop, or Python's call) may be
+  // waiting on this copy thread, and the loop takes what is left anyway.
+  if (!asleep_.load(std::memory_order_relaxed)) return false;
+  std::unique_lock<std::mutex> lock(mutex, std::try_to_lock);
+  if (!lock.owns_lock() || stopped_) return false;
+  finish_ended();
+  return true;
+}
+
+void Lane::finish_ended() {
+  // The wake-up is taken before anything it stands for is looked at: the
+  // gate's stores and the sealer's records are handed over before their
+  // poke, and a part that hands work over after this wakes the loop again.
   std::vector<Ended> ended = completions->take();
+  for (Transport* transport : jobs->all_transports()) transport->poll();
   sealer->write_sealed();
   if (!ended.empty()) jobs->finish(ended);
   conns->flush();

@@ -80,8 +80,18 @@ class Lane : public IndexHooks, public Replies {
   void run();
   // One round: whatever is ready in the epoll set, the copies that ended.
   void serve(const epoll_event* ready, int n);
+  // What the copy threads, the gate and the sealer handed over: stores that
+  // passed the gate launched, records written, the clients of the copies that
+  // ended told and the index settled (the lane's lock held).
+  void finish_ended();
+  // A copy thread's round (Completions::finish_here).
+  bool finish_here();
   void tell_python();
   std::thread thread_;
+  bool stopped_ = false;  // under the lock: no copy thread finishes jobs any more
+  // The loop's thread waits in epoll_wait: only then does a copy thread that
+  // finishes its jobs save a wake-up; a busy loop takes them in its next round.
+  std::atomic<bool> asleep_{false};
   std::string taken_;
   bool python_woken_ = false;
 };
