@@ -217,9 +217,10 @@ def test_jobs_beyond_the_rings_room_wait_their_turn_and_all_land(rig):
 
 
 def test_jobs_end_once_each_whether_the_loop_or_a_copy_thread_finishes_them(rig):
-    """A copy thread that finds the lane's lock free finishes the jobs it saw
-    end (and starts those that waited for room in the ring); one that finds the
-    lock held, by the loop's round or by a Python call, leaves them to the loop.
+    """A stream's completion thread that finds the lane thread asleep and the
+    lane's lock free finishes the jobs it saw end (and starts those that waited
+    for room in the ring); one that finds the lock held, by the loop's round or
+    by a Python call, leaves them to the loop.
     With jobs in flight beyond the ring's room and a Python thread taking the
     lock over and over, every job ends once, the index stays consistent (the
     rig's lane checks it after each round) and the blocks load back as stored."""
