@@ -166,9 +166,8 @@ void CopyStream::run() {
     std::vector<Ended> ended;
     for (auto& item : items) ended.push_back(this->ended(item.first, item.second));
     done += ended.size();
-    completions->deliver(std::move(ended));
-    // Finishing them may have queued jobs of another GPU from this thread.
-    api->set_device(device);
+    // Finishing them here may have queued jobs of another GPU from this thread.
+    if (completions->deliver(std::move(ended))) api->set_device(device);
     lock.lock();
   }
 }

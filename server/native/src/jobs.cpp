@@ -103,17 +103,18 @@ void Completions::push(Ended&& ended) {
   wake();
 }
 
-void Completions::deliver(std::vector<Ended>&& ended) {
+bool Completions::deliver(std::vector<Ended>&& ended) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (Ended& e : ended) ended_.push_back(std::move(e));
-    if (woken_) return;  // the loop is awake already and takes these with the rest
+    if (woken_) return false;  // the loop is awake already and takes these with the rest
   }
-  if (finish_here && finish_here()) return;
-  // The lane's lock was held: by the loop in a round that may have taken its
-  // completions already, so it is woken for these.
+  if (finish_here && finish_here()) return true;
+  // Not finished here (the loop awake, or the lock held, perhaps by a round
+  // that has taken its completions already): the loop is woken for these.
   std::lock_guard<std::mutex> lock(mutex_);
   if (!ended_.empty()) wake();
+  return false;
 }
 
 void Completions::poke() {

@@ -92,8 +92,9 @@ class Completions {
   // sleeps and the lane's lock is free, what has ended is finished on this
   // thread, which saves the loop's wake-up (tens of microseconds a job
   // alone); else it is handed to the loop as push does. The shared-memory
-  // transport's threads push: their time is the copies'.
-  void deliver(std::vector<Ended>&& ended);
+  // transport's threads push: their time is the copies'. Says whether this
+  // thread finished them.
+  bool deliver(std::vector<Ended>&& ended);
   // Wakes the loop for another part's work (the sealer's records).
   void poke();
   // Set by the lane before any copy thread starts: finishes what was pushed
