@@ -41,8 +41,9 @@ class EngineHandle:
     # the copy does not list are worth asking for (Promoter.ask_ahead).
     remote: bool = False
     # Keys that were ready and are gone (evicted, cleared, daemon lost) since
-    # the last take_removed(); kept only when asked for (track_removed), so
-    # that nobody's list grows without a reader.
+    # the last take_removed(), whether or not the copy saw them ready; kept
+    # only when asked for (track_removed), so that nobody's list grows
+    # without a reader.
     removed: list = field(default_factory=list)
     track_removed: bool = False
 
@@ -61,6 +62,12 @@ class EngineHandle:
 
     def _apply(self, message: pb.BlocksChanged) -> None:
         ready, storing, lower, asked = self.ready, self.storing, self.lower, self.asked
+        for key in message.were_ready:
+            # Ready and gone again between two messages: gone all the same
+            # for whoever announced them stored, whether or not the copy saw them.
+            ready.discard(key)
+            if self.track_removed:
+                self.removed.append(key)
         for key in message.storing:
             storing.add(key)
             lower.discard(key)

@@ -28,18 +28,20 @@ class Notification(_message.Message):
     def __init__(self, started: _Optional[_Union[SessionStarted, _Mapping]] = ..., job_done: _Optional[_Union[JobDone, _Mapping]] = ..., blocks_changed: _Optional[_Union[BlocksChanged, _Mapping]] = ...) -> None: ...
 
 class BlocksChanged(_message.Message):
-    __slots__ = ("engine_id", "ready", "storing", "dropped", "lower")
+    __slots__ = ("engine_id", "ready", "storing", "dropped", "lower", "were_ready")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     STORING_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     LOWER_FIELD_NUMBER: _ClassVar[int]
+    WERE_READY_FIELD_NUMBER: _ClassVar[int]
     engine_id: int
     ready: _containers.RepeatedScalarFieldContainer[bytes]
     storing: _containers.RepeatedScalarFieldContainer[bytes]
     dropped: _containers.RepeatedScalarFieldContainer[bytes]
     lower: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, engine_id: _Optional[int] = ..., ready: _Optional[_Iterable[bytes]] = ..., storing: _Optional[_Iterable[bytes]] = ..., dropped: _Optional[_Iterable[bytes]] = ..., lower: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    were_ready: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, engine_id: _Optional[int] = ..., ready: _Optional[_Iterable[bytes]] = ..., storing: _Optional[_Iterable[bytes]] = ..., dropped: _Optional[_Iterable[bytes]] = ..., lower: _Optional[_Iterable[bytes]] = ..., were_ready: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SessionStarted(_message.Message):
     __slots__ = ("session_id", "daemon_instance", "pool", "daemon_version", "job_socket", "tenant")

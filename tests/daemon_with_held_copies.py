@@ -3,7 +3,12 @@ jobs in flight (to drain, to pin blocks, to kill a client mid-job) for as
 long as it needs: copies in the daemon otherwise take microseconds. A job's
 copy waits while the file `hold-all` or `hold-JOBID` exists in the folder
 $KVDEPOT_TEST_COPY_GATE (conftest.py's start_held_daemon makes and removes
-them). No setting of the real daemon reaches this."""
+them). No setting of the real daemon reaches this.
+
+With the native lane, `hold-events` in the same folder keeps the daemon's
+Python side from taking what the lane did: the lane goes on running and
+answering jobs, and its changes reach the engines' copies together once the
+file is gone, as when the event loop is slow to get to them."""
 
 import os
 import sys
@@ -11,6 +16,7 @@ import time
 
 from kvdepot.server.daemon import main
 from kvdepot.server.native import lane as native_lane
+from kvdepot.server.native.depot import NativeDepot
 from kvdepot.server.transports import shared_memory
 from kvdepot.server.transports.shared_memory import SharedMemoryTransport
 
@@ -47,4 +53,15 @@ def _held_lane(self, lib, *args, **kwargs):
 
 
 native_lane.Lane.__init__ = _held_lane
+
+_after_call = NativeDepot._after_call
+
+
+def _held_events(self):
+    while os.path.exists(os.path.join(GATE, "hold-events")):
+        time.sleep(0.01)
+    _after_call(self)
+
+
+NativeDepot._after_call = _held_events
 sys.exit(main.main())

@@ -7,6 +7,8 @@ import torch
 from conftest import wait_until
 from kvcache import attach_worker, block_of, prompt_keys
 
+from kvdepot.server.native import build
+
 POOL_SLOTS = 8
 
 
@@ -143,3 +145,26 @@ def test_engines_of_the_namespace_keep_a_copy_of_its_blocks(worker_setup, small_
     assert client.clear(engine.namespace_name).cleared_blocks == 8
     wait_until(lambda: not watching.ready, what="the clear")
     assert len(watcher.take_removed(watching)) == 2 + 8
+
+
+def test_a_block_stored_and_evicted_between_two_notifications_is_still_reported_removed(
+    start_held_daemon, client_factory
+):
+    # The native lane runs and answers jobs on its own threads; the daemon's
+    # Python side sends the engines what changed when it gets to it, and a
+    # block that became ready and was evicted in between reaches the copies
+    # as dropped only. An engine announced it as stored from its JobDone
+    # (connector/kv_events.py) and must still hear that it is gone.
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler here")
+    daemon = start_held_daemon(env={"KVDEPOT_LANE": "native"}, pool_size=f"{POOL_SLOTS * 16}KiB")
+    client = client_factory(daemon)
+    worker, engine, _ = attach_worker(client, seed=3)
+    engine.track_removed = True
+    keys = prompt_keys(POOL_SLOTS + 1, prompt=7)
+    daemon.hold("events")
+    store_one_by_one(client, worker, keys, 0, Jobs())  # the last one evicts keys[0]
+    assert engine.ready == set(), "the copy heard of the stores while the daemon's Python side was held"
+    daemon.release("events")
+    wait_until(lambda: engine.ready == set(keys[1:]), what="the copy to hear of the stores")
+    assert client.take_removed(engine) == [keys[0]]

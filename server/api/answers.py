@@ -48,7 +48,7 @@ def notification(notice: Notice) -> pb.Notification:
     if isinstance(notice, BlocksChanged):
         return pb.Notification(blocks_changed=pb.BlocksChanged(
             engine_id=notice.engine_id, ready=notice.ready, storing=notice.storing, dropped=notice.dropped,
-            lower=notice.lower,
+            lower=notice.lower, were_ready=notice.were_ready,
         ))
     return pb.Notification(job_done=job_done(notice))
 

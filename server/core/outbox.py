@@ -50,6 +50,7 @@ class BlocksChanged:
     storing: tuple[bytes, ...] = ()
     dropped: tuple[bytes, ...] = ()
     lower: tuple[bytes, ...] = ()
+    were_ready: tuple[bytes, ...] = ()
 
 
 Notice = JobDone | BlocksChanged
@@ -137,10 +138,11 @@ class Outbox:
         else:
             self._put(done)
 
-    def blocks_changed(self, engine_id: int, ready=(), storing=(), dropped=(), lower=()) -> None:
+    def blocks_changed(self, engine_id: int, ready=(), storing=(), dropped=(), lower=(), were_ready=()) -> None:
         if self.overflowed is not None:
             return
-        self._put(BlocksChanged(engine_id, tuple(ready), tuple(storing), tuple(dropped), tuple(lower)))
+        self._put(BlocksChanged(engine_id, tuple(ready), tuple(storing), tuple(dropped), tuple(lower),
+                                tuple(were_ready)))
 
     def snapshot(self, engine_id: int, ready: list[bytes], storing: list[bytes], lower: list[bytes] = ()) -> None:
         """Every ready, storing and lower-tier key of a namespace, for an engine that has just registered."""
@@ -162,14 +164,21 @@ class ChangeFeed:
         self._sessions = sessions
         # Namespace id -> {key: latest state}.
         self._changes: dict[int, dict[bytes, BlockState]] = {}
+        # Namespace id -> keys that were ready in this batch and then changed
+        # again: the latest state alone would hide that they were ready.
+        self._left_ready: dict[int, set[bytes]] = {}
 
     def note(self, ns: Namespace, key: bytes, state: BlockState) -> None:
-        self._changes.setdefault(ns.id, {})[key] = state
+        states = self._changes.setdefault(ns.id, {})
+        if states.get(key) is BlockState.READY and state is not BlockState.READY:
+            self._left_ready.setdefault(ns.id, set()).add(key)
+        states[key] = state
 
     def send(self) -> None:
         if not self._changes:
             return
         changes, self._changes = self._changes, {}
+        left_ready, self._left_ready = self._left_ready, {}
         # One pass over the engines; a namespace's lists are made once, and
         # only for a namespace some engine keeps a copy of.
         messages: dict[int, dict[str, list[bytes]]] = {}
@@ -183,6 +192,8 @@ class ChangeFeed:
                     lists = messages[ns.id] = {name: [] for name in _STATE_NAMES}
                     for key, state in states.items():
                         lists[state.value].append(key)
+                    left = left_ready.get(ns.id)
+                    lists["were_ready"] = [k for k in left if states[k] is not BlockState.READY] if left else []
                 session.outbox.blocks_changed(engine_id, **lists)
 
 
@@ -193,7 +204,7 @@ def _keys_of(notification: Notice) -> int:
     """What a notice counts for against the bound: its keys, a JobDone one."""
     if isinstance(notification, BlocksChanged):
         n = notification
-        return max(1, len(n.ready) + len(n.storing) + len(n.dropped) + len(n.lower))
+        return max(1, len(n.ready) + len(n.storing) + len(n.dropped) + len(n.lower) + len(n.were_ready))
     return 1
 
 
