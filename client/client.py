@@ -300,7 +300,8 @@ class KVDepotClient:
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, JobResult]:
         """Waits for the jobs to finish and hands over their results."""
-        return self._jobs.wait(job_ids, timeout)
+        connection = self._session.connection
+        return self._jobs.wait(job_ids, timeout, connection.jobs.lead if connection is not None else None)
 
     def cancel(self, job_id: int, reason: str) -> None:
         """Ends a job in flight here, failed, without waiting for the daemon:

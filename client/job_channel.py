@@ -21,7 +21,7 @@ import grpc
 
 from kvdepot import jobtrace
 from kvdepot.client.job_socket import JobSocket, JobSocketRefused, hand_over
-from kvdepot.client.jobs import JobBook
+from kvdepot.client.jobs import JobBook, Lead
 from kvdepot.client.rpc import typed_error
 from kvdepot.errors import FailedPrecondition, KVDepotError, Unavailable, status_code
 from kvdepot.proto import kvdepot_pb2 as pb
@@ -61,6 +61,10 @@ class JobChannel(ABC):
 
     def close(self) -> None:
         pass
+
+    # The job socket's way for a waiting thread to read its jobs' ends itself
+    # (JobSocket.lead); None where they come another way.
+    lead: Lead | None = None
 
 
 class GrpcJobChannel(JobChannel):
@@ -119,6 +123,7 @@ class SocketJobChannel(JobChannel):
         # Raises OSError when the daemon cannot be reached or refuses the hello.
         self.socket = JobSocket(path, session_id, self._on_reply, self._lost, timeout, trusted)
         self.quiet = self.socket.quiet
+        self.lead = self.socket.lead
 
     def hand_over(self, fd: int) -> int:
         try:

@@ -1,7 +1,10 @@
 """The client's end of the daemon's job socket (proto: "job socket").
 
-Frames go out from whichever thread submits; one reader thread hands every
-JobReply to the client. The connection closing under it is reported once.
+Frames go out from whichever thread submits. Replies are read by one thread
+at a time: a reader thread of the connection's, or a thread waiting for its
+jobs (`lead`), which then reads them itself instead of waiting for the reader
+thread to hand them over: a thread wake-up less between a job's end and its
+waiter. The connection closing under either is reported once, by the reader thread.
 `hand_over` gives the daemon a worker's staging memory on a connection of its own.
 """
 
@@ -9,9 +12,12 @@ from __future__ import annotations
 
 import array
 import logging
+import os
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 from kvdepot.client.daemon_identity import check_peer, trusted_uids
@@ -19,6 +25,13 @@ from kvdepot.defaults import JOB_FRAME_HEADER, MAX_JOB_FRAME_BYTES
 from kvdepot.proto import kvdepot_pb2 as pb
 
 log = logging.getLogger("kvdepot.client")
+
+# How much one read takes from the socket.
+READ_BYTES = 1 << 16
+# How long a waiting thread that reads the socket sleeps at most before it
+# looks again at its jobs, which other threads can end too (a cancel, the
+# session lost).
+LEAD_POLL_S = 0.01
 
 
 class JobSocketRefused(OSError):
@@ -43,26 +56,43 @@ class JobSocket:
         self._on_lost = on_lost
         self._closed = False
         self._send_lock = threading.Lock()
+        # Bytes read and not yet a whole reply; only the thread that holds _turn touches them.
+        self._buffer = bytearray()
+        self._chunk = bytearray(READ_BYTES)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.settimeout(timeout)
             self._sock.connect(path)
             check_peer(self._sock, path, trusted or trusted_uids())
             self.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=session_id, quiet_submits=True)))
-            self._reader = self._sock.makefile("rb", buffering=1 << 16)
-            answer = self._read_reply()
+            answer = self._hello_answer()
             if answer is None or not answer.HasField("ready"):
                 why = answer.refused.message if answer is not None and answer.HasField("refused") else "no answer"
                 raise JobSocketRefused(f"the daemon refused the job socket's hello: {why}")
             # A daemon that answers every submit (older ones) says so by leaving it false.
             self.quiet = answer.ready.quiet_submits
-            # From here reads block for as long as nothing comes, and a write that
-            # cannot go out within `timeout` (a daemon that stopped reading) fails.
+            # From here reads wait in poll for as long as nothing comes, and a
+            # write that cannot go out within `timeout` (a daemon that stopped
+            # reading) fails.
             self._sock.settimeout(None)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
+            self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         except BaseException:
             self._sock.close()
             raise
+        # Whoever reads the socket holds _turn. A waiting thread that wants to
+        # read claims it (_claimed, under _state) and wakes the reader thread,
+        # which stands aside until the claim ends. _ended: why the connection
+        # ended, once it has.
+        self._turn = threading.Lock()
+        self._state = threading.Condition()
+        self._claimed = False
+        self._ended: str | None = None
+        self._idle_poll = select.poll()
+        self._idle_poll.register(self._sock.fileno(), select.POLLIN)
+        self._idle_poll.register(self._wake, select.POLLIN)
+        self._lead_poll = select.poll()
+        self._lead_poll.register(self._sock.fileno(), select.POLLIN)
         self._thread = threading.Thread(target=self._read, name="kvdepot-jobs", daemon=True)
         self._thread.start()
 
@@ -83,24 +113,116 @@ class JobSocket:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def _read_reply(self) -> pb.JobReply | None:
-        return _read_one(self._reader)
+    def lead(self, done: Callable[[], bool], deadline: float | None) -> None:
+        """Reads replies on this thread until `done()` is true, the connection
+        ends or time.monotonic() passes `deadline`; returns at once when
+        another waiting thread reads already (its replies reach this one's
+        jobs as well). `done` is called without any lock of this socket's."""
+        with self._state:
+            if self._claimed or self._ended is not None or self._closed:
+                return
+            self._claimed = True
+        try:
+            os.eventfd_write(self._wake, 1)
+            if not self._turn.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+                return
+            try:
+                while self._ended is None and not done():
+                    wait = LEAD_POLL_S if deadline is None else min(LEAD_POLL_S, deadline - time.monotonic())
+                    if wait <= 0:
+                        return
+                    self._pump(self._lead_poll, wait)
+            finally:
+                self._turn.release()
+        finally:
+            with self._state:
+                self._claimed = False
+                self._state.notify_all()
 
     def _read(self) -> None:
-        reason = "the daemon closed the job socket"
         try:
-            while (reply := self._read_reply()) is not None:
-                self._on_reply(reply)
-        except (OSError, ValueError) as e:
-            reason = f"the job socket failed: {e}"
+            with self._turn:
+                self._dispatch()  # what came with the hello's answer
+            while True:
+                with self._state:
+                    self._state.wait_for(lambda: not self._claimed)
+                    if self._ended is not None:
+                        break
+                with self._turn:
+                    while not self._claimed and self._ended is None:
+                        self._pump(self._idle_poll, None)
         except Exception:
             log.exception("kvdepot job socket reader failed")
-            reason = "the job socket's reader failed"
+            self._end("the job socket's reader failed")
         finally:
-            self._reader.close()
+            with self._state:
+                if self._ended is None:
+                    self._ended = "the job socket's reader failed"
+                # No claim starts from here (lead), and none reads a closed socket.
+                self._state.wait_for(lambda: not self._claimed)
             self._sock.close()
+            os.close(self._wake)
             if not self._closed:
-                self._on_lost(reason)
+                self._on_lost(self._ended or "the job socket's reader failed")
+
+    def _pump(self, poller, wait: float | None) -> None:
+        """Waits up to `wait` seconds (None: for as long as it takes) for
+        replies or a wake-up, and hands over every whole reply that came. Only
+        the thread that holds _turn calls it."""
+        try:
+            ready = poller.poll(None if wait is None else wait * 1000)
+            for fd, _ in ready:
+                if fd == self._wake:
+                    os.eventfd_read(self._wake)
+            if not any(fd == self._sock.fileno() for fd, _ in ready):
+                return
+            while True:
+                try:
+                    n = self._sock.recv_into(self._chunk, READ_BYTES, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except InterruptedError:
+                    continue
+                if n == 0:
+                    self._dispatch()
+                    self._end("the daemon closed the job socket")
+                    return
+                self._buffer += memoryview(self._chunk)[:n]
+                if n < READ_BYTES:
+                    break
+            self._dispatch()
+        except (OSError, ValueError) as e:
+            self._end(f"the job socket failed: {e}")
+        except Exception:
+            log.exception("kvdepot job socket reader failed")
+            self._end("the job socket's reader failed")
+
+    def _dispatch(self) -> None:
+        """Hands over the whole replies in the buffer. Raises ValueError for a bad frame."""
+        buffer, start = self._buffer, 0
+        try:
+            while (reply := _take_one(buffer, start)) is not None:
+                start, reply = reply
+                self._on_reply(reply)
+        finally:
+            del buffer[:start]
+
+    def _hello_answer(self) -> pb.JobReply | None:
+        """The hello's answer, read within the socket's timeout; None when the connection ended."""
+        while (taken := _take_one(self._buffer, 0)) is None:
+            n = self._sock.recv_into(self._chunk, READ_BYTES)
+            if n == 0:
+                return None
+            self._buffer += memoryview(self._chunk)[:n]
+        end, reply = taken
+        del self._buffer[:end]
+        return reply
+
+    def _end(self, reason: str) -> None:
+        with self._state:
+            if self._ended is None:
+                self._ended = reason
+            self._state.notify_all()
 
 
 def hand_over(path: str, session_id: str, fd: int, timeout: float, trusted: frozenset[int] | None = None) -> int:
@@ -143,6 +265,25 @@ def _read_one(reader) -> pb.JobReply | None:
     reply = pb.JobReply()
     reply.ParseFromString(data)
     return reply
+
+
+def _take_one(buffer: bytearray, start: int) -> tuple[int, pb.JobReply] | None:
+    """(where the next reply ends, the reply) of the reply at `start`; None
+    while it is not whole. Raises ValueError for a bad frame."""
+    end = start + JOB_FRAME_HEADER.size
+    if len(buffer) < end:
+        return None
+    (length,) = JOB_FRAME_HEADER.unpack_from(buffer, start)
+    if length > MAX_JOB_FRAME_BYTES:
+        raise ValueError(f"the daemon sent a frame of {length} bytes")
+    if len(buffer) < end + length:
+        return None
+    reply = pb.JobReply()
+    try:
+        reply.ParseFromString(buffer[end : end + length])
+    except Exception as e:  # protobuf's DecodeError
+        raise ValueError(f"the daemon sent a frame that is not a JobReply: {e}") from None
+    return end + length, reply
 
 
 def _timeval(seconds: float) -> bytes:

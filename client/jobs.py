@@ -9,9 +9,14 @@ is under one lock, the condition's, and nothing is called while holding it.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+# Reads the ends of jobs on the calling thread until the first callable says
+# they are all in, or time.monotonic() passes the deadline (JobSocket.lead).
+Lead = Callable[[Callable[[], bool], float | None], None]
 
 
 @dataclass
@@ -119,21 +124,33 @@ class JobBook:
                 self._store_counts[job_id] = (already_stored, not_stored)
             # else its result was handed over already: nobody would read the counts
 
-    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> dict[int, JobResult]:
-        """Waits for the jobs to finish and hands over their results."""
+    def wait(
+        self, job_ids: Iterable[int], timeout: float | None = None, lead: Lead | None = None
+    ) -> dict[int, JobResult]:
+        """Waits for the jobs to finish and hands over their results. `lead`
+        (the job socket's) reads their ends on this thread while it waits."""
         job_ids = list(job_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = self._results
         with self._changed:
-            unknown = [j for j in job_ids if j not in self._pending and j not in self._results]
+            unknown = [j for j in job_ids if j not in self._pending and j not in results]
             if unknown:
                 raise KeyError(f"no job {unknown[0]} was submitted, or its result was taken already")
             for j in job_ids:
                 self._awaited[j] = self._awaited.get(j, 0) + 1
-            try:
-                if not self._changed.wait_for(lambda: all(j in self._results for j in job_ids), timeout):
-                    left = [j for j in job_ids if j not in self._results]
+            done = all(j in results for j in job_ids)
+        try:
+            if lead is not None and not done:
+                # Read without the lock: a membership test of a dict is atomic.
+                lead(lambda: all(j in results for j in job_ids), deadline)
+            with self._changed:
+                left_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._changed.wait_for(lambda: all(j in results for j in job_ids), left_s):
+                    left = [j for j in job_ids if j not in results]
                     raise TimeoutError(f"{len(left)} job(s) still in flight after {timeout} s: {left[:8]}")
-                return {j: self._results.pop(j) for j in job_ids}
-            finally:
+                return {j: results.pop(j) for j in job_ids}
+        finally:
+            with self._changed:
                 for j in job_ids:
                     self._awaited[j] -= 1
                     if not self._awaited[j]:
