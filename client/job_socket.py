@@ -26,8 +26,10 @@ from kvdepot.proto import kvdepot_pb2 as pb
 
 log = logging.getLogger("kvdepot.client")
 
-# How much one read takes from the socket.
+# How much one read takes from the socket, and how many reads one look at it
+# makes before the reader looks at its claim or its jobs again.
 READ_BYTES = 1 << 16
+READS_PER_PUMP = 8
 # How long a waiting thread that reads the socket sleeps at most before it
 # looks again at its jobs, which other threads can end too (a cancel, the
 # session lost).
@@ -176,21 +178,20 @@ class JobSocket:
                     os.eventfd_read(self._wake)
             if not any(fd == self._sock.fileno() for fd, _ in ready):
                 return
-            while True:
+            for _ in range(READS_PER_PUMP):
                 try:
                     n = self._sock.recv_into(self._chunk, READ_BYTES, socket.MSG_DONTWAIT)
                 except BlockingIOError:
-                    break
+                    return
                 except InterruptedError:
                     continue
                 if n == 0:
-                    self._dispatch()
                     self._end("the daemon closed the job socket")
                     return
                 self._buffer += memoryview(self._chunk)[:n]
+                self._dispatch()  # the buffer holds at most a frame and a read
                 if n < READ_BYTES:
-                    break
-            self._dispatch()
+                    return
         except (OSError, ValueError) as e:
             self._end(f"the job socket failed: {e}")
         except Exception:
