@@ -67,7 +67,7 @@ class JobSocket:
             self._sock.connect(path)
             check_peer(self._sock, path, trusted or trusted_uids())
             self.send(pb.JobFrame(hello=pb.JobSocketHello(session_id=session_id, quiet_submits=True)))
-            answer = self._hello_answer()
+            answer = _read_reply(self._sock, self._buffer, self._chunk)
             if answer is None or not answer.HasField("ready"):
                 why = answer.refused.message if answer is not None and answer.HasField("refused") else "no answer"
                 raise JobSocketRefused(f"the daemon refused the job socket's hello: {why}")
@@ -90,11 +90,12 @@ class JobSocket:
         self._state = threading.Condition()
         self._claimed = False
         self._ended: str | None = None
+        self._fd = self._sock.fileno()
         self._idle_poll = select.poll()
-        self._idle_poll.register(self._sock.fileno(), select.POLLIN)
+        self._idle_poll.register(self._fd, select.POLLIN)
         self._idle_poll.register(self._wake, select.POLLIN)
         self._lead_poll = select.poll()
-        self._lead_poll.register(self._sock.fileno(), select.POLLIN)
+        self._lead_poll.register(self._fd, select.POLLIN)
         self._thread = threading.Thread(target=self._read, name="kvdepot-jobs", daemon=True)
         self._thread.start()
 
@@ -165,7 +166,7 @@ class JobSocket:
             self._sock.close()
             os.close(self._wake)
             if not self._closed:
-                self._on_lost(self._ended or "the job socket's reader failed")
+                self._on_lost(self._ended)
 
     def _pump(self, poller, wait: float | None) -> None:
         """Waits up to `wait` seconds (None: for as long as it takes) for
@@ -176,7 +177,7 @@ class JobSocket:
             for fd, _ in ready:
                 if fd == self._wake:
                     os.eventfd_read(self._wake)
-            if not any(fd == self._sock.fileno() for fd, _ in ready):
+            if not any(fd == self._fd for fd, _ in ready):
                 return
             for _ in range(READS_PER_PUMP):
                 try:
@@ -208,17 +209,6 @@ class JobSocket:
         finally:
             del buffer[:start]
 
-    def _hello_answer(self) -> pb.JobReply | None:
-        """The hello's answer, read within the socket's timeout; None when the connection ended."""
-        while (taken := _take_one(self._buffer, 0)) is None:
-            n = self._sock.recv_into(self._chunk, READ_BYTES)
-            if n == 0:
-                return None
-            self._buffer += memoryview(self._chunk)[:n]
-        end, reply = taken
-        del self._buffer[:end]
-        return reply
-
     def _end(self, reason: str) -> None:
         with self._state:
             if self._ended is None:
@@ -237,34 +227,31 @@ def hand_over(path: str, session_id: str, fd: int, timeout: float, trusted: froz
         check_peer(sock, path, trusted or trusted_uids())
         data = pb.JobFrame(staging=pb.StagingOffer(session_id=session_id)).SerializeToString()
         sock.sendall(JOB_FRAME_HEADER.pack(len(data)) + data)
-        with sock.makefile("rb") as reader:
-            try:
-                answer = _read_one(reader)
-                if answer is not None and answer.HasField("staging_ready"):
-                    # The byte the daemon reads itself, with the descriptor attached.
-                    sock.sendmsg([b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-                    answer = _read_one(reader)
-            except ValueError as e:
-                raise JobSocketRefused(str(e)) from None
+        buffer, chunk = bytearray(), bytearray(READ_BYTES)
+        try:
+            answer = _read_reply(sock, buffer, chunk)
+            if answer is not None and answer.HasField("staging_ready"):
+                # The byte the daemon reads itself, with the descriptor attached.
+                sock.sendmsg([b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+                answer = _read_reply(sock, buffer, chunk)
+        except ValueError as e:
+            raise JobSocketRefused(str(e)) from None
     if answer is None or not answer.HasField("staging_taken"):
         why = answer.refused.message if answer is not None and answer.HasField("refused") else "no answer"
         raise JobSocketRefused(f"the daemon did not take the worker's staging memory: {why}")
     return answer.staging_taken.staging_id
 
 
-def _read_one(reader) -> pb.JobReply | None:
-    """The next reply; None when the connection ended. Raises ValueError for a bad frame."""
-    header = reader.read(JOB_FRAME_HEADER.size)
-    if len(header) < JOB_FRAME_HEADER.size:
-        return None
-    (length,) = JOB_FRAME_HEADER.unpack(header)
-    if length > MAX_JOB_FRAME_BYTES:
-        raise ValueError(f"the daemon sent a frame of {length} bytes")
-    data = reader.read(length)
-    if len(data) < length:
-        return None
-    reply = pb.JobReply()
-    reply.ParseFromString(data)
+def _read_reply(sock: socket.socket, buffer: bytearray, chunk: bytearray) -> pb.JobReply | None:
+    """The next reply, read in the socket's blocking way (within its timeout);
+    None when the connection ended. Raises ValueError for a bad frame."""
+    while (taken := _take_one(buffer, 0)) is None:
+        n = sock.recv_into(chunk, len(chunk))
+        if n == 0:
+            return None
+        buffer += memoryview(chunk)[:n]
+    end, reply = taken
+    del buffer[:end]
     return reply
 
 

@@ -170,7 +170,7 @@ class ChangeFeed:
 
     def note(self, ns: Namespace, key: bytes, state: BlockState) -> None:
         states = self._changes.setdefault(ns.id, {})
-        if states.get(key) is BlockState.READY and state is not BlockState.READY:
+        if state is not BlockState.READY and states.get(key) is BlockState.READY:
             self._left_ready.setdefault(ns.id, set()).add(key)
         states[key] = state
 
