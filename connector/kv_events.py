@@ -7,12 +7,18 @@ For cache-aware routers (`--kv-events-config`). Rules:
   for its GPU cache, so that a router can match the two.
 - A block is retracted (`BlockRemoved`) only if this engine announced it: a
   block another engine stored was never announced by this one.
+- The daemon's word that a block is gone can come before the workers' word
+  that they stored it (two channels): a removal of a key that one of this
+  engine's stores is writing waits for that store's end, and the block is
+  retracted right after it is announced unless the engine's copy holds it
+  ready again by then.
 - With events off (the default) they cost nothing: `take` answers at once,
   store planning records no runs, and the daemon keeps no removals for us.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from kvdepot.connector import vllm_compat
@@ -45,6 +51,11 @@ class KVEvents:
         self._events: list = []
         # Key -> vLLM block hash of the blocks this engine announced as stored.
         self._stored_hashes: dict[bytes, object] = {}
+        # Keys of this engine's store jobs that have not ended (bounded by its jobs),
+        # and those of them the daemon already said are gone.
+        self._writing: Counter = Counter()
+        self._gone_early: set[bytes] = set()
+        self._retract: list = []
 
     def watch(self, client, engine) -> None:
         """`engine`: the registration whose dropped keys the daemon reports (made with track_removed)."""
@@ -66,8 +77,29 @@ class KVEvents:
             lora_id=lora.lora_int_id if lora else None,
         )
 
-    def stored(self, runs: list[StoredRun]) -> None:
-        """Announces the runs of a store job that every worker completed."""
+    def started(self, runs: list[StoredRun]) -> None:
+        """A store job with these runs was made."""
+        for run in runs:
+            self._writing.update(run.keys)
+
+    def ended(self, runs: list[StoredRun], ok: bool) -> None:
+        """A store job ended: its runs are announced if every worker completed it."""
+        if ok:
+            self._announce(runs)
+        writing, gone_early = self._writing, self._gone_early
+        for run in runs:
+            for key in run.keys:
+                left = writing[key] - 1
+                if left > 0:
+                    writing[key] = left
+                    continue
+                del writing[key]
+                if key in gone_early:
+                    gone_early.discard(key)
+                    if ok and key not in self._engine.ready and key in self._stored_hashes:
+                        self._retract.append(self._stored_hashes.pop(key))
+
+    def _announce(self, runs: list[StoredRun]) -> None:
         block_stored, medium = self._types.block_stored, self._types.medium_cpu
         for run in runs:
             self._events.append(
@@ -88,8 +120,13 @@ class KVEvents:
         if not self.enabled:
             return []
         events, self._events = self._events, []
-        stored = self._stored_hashes
-        removed = [stored.pop(k) for k in self._client.take_removed(self._engine) if k in stored]
+        stored, writing = self._stored_hashes, self._writing
+        removed, self._retract = self._retract, []
+        for key in self._client.take_removed(self._engine):
+            if key in stored:
+                removed.append(stored.pop(key))
+            elif key in writing:
+                self._gone_early.add(key)
         if removed:
             events.append(self._types.block_removed(block_hashes=removed, medium=self._types.medium_cpu))
         return events

@@ -145,6 +145,8 @@ class SchedulerSide:
         transfers, members, runs = planned
         job = TransferJob(self._job_id(), True, transfers)
         state = JobState(job, [st.request.request_id for st in members], self.num_workers, runs=runs)
+        if runs:
+            self.events.started(runs)
         if self.block_ids.has_windows:
             self.store.fence(state)
         self._add_job(state, members)
@@ -218,8 +220,8 @@ class SchedulerSide:
             self.store.unfence(state)
         if state.loading_keys:
             self.lookup.loaded(state.loading_keys)
-        if state.runs and not state.failed:
-            self.events.stored(state.runs)
+        if state.runs:
+            self.events.ended(state.runs, ok=not state.failed)
         for req_id in state.req_ids:
             st = self._reqs.get(req_id)
             if st is None:

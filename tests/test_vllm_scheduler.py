@@ -472,6 +472,47 @@ def test_store_events_and_removal_events(engines, daemon):
     assert removed and sorted(removed[0].block_hashes) == sorted(expected)
 
 
+def test_a_block_dropped_before_the_workers_report_its_store_is_still_retracted(start_held_daemon, make_engines):
+    # The daemon's BlocksChanged (to the scheduler's copy) and its JobDone (to
+    # the workers, then to the scheduler a step later) travel apart: the
+    # scheduler can hear that a block is gone before it hears that its store
+    # ended, and must not announce the block as stored for good.
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    daemon = start_held_daemon(**DAEMON_OPTIONS)
+    engine = make_engines(daemon)(kv_events=True)
+    publisher = engine.scheduler.kv_event_publisher = RecordingPublisher()
+    request = engine.add("a", prompt(51, 70), max_tokens=1)
+    expected = [maybe_convert_block_hash(h) for h in request.block_hashes[:4]]
+    copy = engine.side.engines[0]
+    daemon.hold()  # the store stays in flight: no step hears of its end
+    for _ in range(3):
+        engine.step()
+    assert engine.side.counters["stores"] == 1
+    daemon.release()
+    wait_until(lambda: len(copy.ready) == 4, what="the copy to hear that the blocks are ready")
+    with KVDepotClient(daemon.socket, name="operator") as operator:
+        operator.connect(10).clear("")
+    wait_until(lambda: not copy.ready, what="the copy to hear that the blocks are gone")
+    # vLLM takes the events of a step (update_from_output) whose workers had
+    # not seen the JobDone yet.
+    early = engine.scheduler.connector.take_events()
+    engine.run()
+
+    events = [*early, *publisher.events]
+    stored = [h for e in events if isinstance(e, BlockStored) and e.medium == "CPU" for h in e.block_hashes]
+    removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU" for h in e.block_hashes]
+    assert stored == expected
+    assert sorted(removed) == sorted(expected), "blocks the daemon dropped are still announced as stored"
+    last = {}
+    for e in events:
+        for h in getattr(e, "block_hashes", ()):
+            if e.medium == "CPU":
+                last[h] = type(e).__name__
+    assert set(last.values()) == {"BlockRemoved"}, "a retraction came before its announcement"
+
+
 def test_requests_that_wait_for_kv_space_count_one_lookup_each(engines, daemon):
     prompts = [prompt(300 + i, 5 * BLOCK + 3) for i in range(6)]  # 5 whole blocks each
     writer = engines()
