@@ -3,6 +3,7 @@
 #pragma once
 
 #include "slots.h"
+#include "../third_party/unordered_dense/unordered_dense.h"
 
 namespace kvd {
 
@@ -108,8 +109,10 @@ class Index {
   KeyHash hash_;
   std::vector<Block> blocks_;
   std::vector<uint32_t> free_entries_;
-  std::unordered_map<IndexKey, uint32_t, KeyHash> map_;
-  std::unordered_set<uint32_t> pinned_;
+  // Open addressing: a lookup touches a bucket and the entry beside it, not a
+  // chain of separately allocated nodes (a store looks up every block).
+  ankerl::unordered_dense::map<IndexKey, uint32_t, KeyHash> map_;
+  ankerl::unordered_dense::set<uint32_t> pinned_;
   std::vector<Scope> scopes_;
   std::unordered_map<std::string, uint32_t> scope_ids_;
   std::vector<uint32_t> held_order_;  // scopes in the order they first held slots

@@ -93,6 +93,7 @@ struct IndexKey {
 // Keys are the clients' own bytes: hashed with a seed they cannot know, so
 // that no client can make the index's buckets collide.
 struct KeyHash {
+  using is_avalanching = void;  // XXH3: the map needs no mixing of its own
   uint64_t seed = 0;
   size_t operator()(const IndexKey& k) const;
 };
