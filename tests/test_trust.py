@@ -341,18 +341,54 @@ def test_a_long_client_name_is_refused_before_the_daemon_keeps_it(start_daemon):
     assert "client_name has 1048576 characters, more than --max-name-length" in info.value.details()
 
 
-def test_sessions_are_bounded_per_user_and_before_hello(start_daemon):
-    daemon = start_daemon(max_sessions_per_uid=3, max_unproven_sessions=2)
+def test_sessions_are_bounded_per_user(start_daemon):
+    daemon = start_daemon(max_sessions_per_uid=3)
     proven = [RawSession(daemon.socket) for _ in range(3)]
     with pytest.raises(RuntimeError, match="--max-sessions-per-uid 3"):
         RawSession(daemon.socket)
-    waiting = [RawSession(daemon.socket, hello=False) for _ in range(2)]
-    with pytest.raises(grpc.RpcError) as info:
-        RawSession(daemon.socket, hello=False)
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "--max-unproven-sessions 2" in info.value.details()
-    for session in proven + waiting:
+    for session in proven:
         session.close()
+
+
+# Holds as many sessions as the daemon keeps unproven and never says hello
+# (no identity is known before it), then reports how its oldest one ended.
+SQUATTER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import grpc
+from raw_client import RawSession
+held = [RawSession(sys.argv[2], hello=False) for _ in range(int(sys.argv[3]))]
+print("held", flush=True)
+try:
+    for _ in held[0].stream:
+        pass
+except grpc.RpcError as e:
+    print(e.code().name, e.details(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_sessions_that_never_say_hello_cannot_lock_another_process_out(start_daemon, client_factory):
+    daemon = start_daemon(max_unproven_sessions=4)
+    squatter = subprocess.Popen(
+        [sys.executable, "-c", SQUATTER, str(HERE), daemon.socket, "4"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=subprocess_env(),
+    )
+    try:
+        assert squatter.stdout.readline() == "held\n"
+        # This process attaches and says hello while the daemon holds its most
+        # sessions waiting: the squatter's oldest makes room.
+        session = RawSession(daemon.socket, name="engine")
+        assert session.ready is not None
+        ended = squatter.stdout.readline()
+        assert ended.startswith("RESOURCE_EXHAUSTED"), ended
+        assert "--max-unproven-sessions 4" in ended
+        stats = client_factory(daemon).stats()
+        assert [c.client_name for c in stats.clients] == ["engine"] and stats.sessions_ended == 1
+        session.close()
+    finally:
+        squatter.kill()
+        squatter.wait()
 
 
 def test_one_tenant_cannot_take_every_namespace(start_daemon):

@@ -157,7 +157,12 @@ class Depot(JobPath):
             raise Unavailable("the daemon is shutting down")
         # Kept and shown: bounded, and escaped wherever it is logged.
         self.limits.check_text("client_name", client_name, printable=False)
-        self.limits.room_for_session(self.sessions.values(), identity)
+        if identity is None:
+            for oldest in self.limits.unproven_over(self.sessions.values()):
+                self.expel(oldest, f"it had not said hello on the job socket when a newer session needed its place "
+                                   f"(--max-unproven-sessions {self.limits.max_unproven_sessions})")
+        else:
+            self.limits.room_for_session(self.sessions.values(), identity)
         session = Session(secrets.token_hex(16), self.new_id(), client_name, identity)
         self.sessions[session.id] = session
         log.info("session %d attached: %s%s", session.number, shown(client_name), _who(session))

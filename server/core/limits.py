@@ -122,16 +122,17 @@ class Limits:
                 f"namespace.tp_size {spec.tp_size} is more than --max-tp-size ({self.max_tp_size})"
             )
 
+    def unproven_over(self, sessions) -> list:
+        """Before a session not proven yet is made: the oldest of those waiting
+        for their hello that must go to make room for it. No identity is known
+        before the hello, so refusing the new one would let one user who keeps
+        the daemon full lock every other out; a real client says hello within
+        milliseconds of its Attach, so only sessions that stall are ended."""
+        unproven = [s for s in sessions if s.identity is None]
+        return unproven[: max(0, len(unproven) - self.max_unproven_sessions + 1)]
+
     def room_for_session(self, sessions, identity) -> None:
-        """Before a session is made (identity None: not proven yet) or proven."""
-        if identity is None:
-            unproven = sum(1 for s in sessions if s.identity is None)
-            if unproven >= self.max_unproven_sessions:
-                raise ResourceExhausted(
-                    f"{unproven} sessions are waiting to say hello, the most the daemon holds "
-                    f"(--max-unproven-sessions {self.max_unproven_sessions}); try again"
-                )
-            return
+        """Before a session is proven, or made with its identity known (TCP)."""
         mine = sum(
             1 for s in sessions
             if s.identity is not None and (s.identity.uid, s.identity.tenant) == (identity.uid, identity.tenant)

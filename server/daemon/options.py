@@ -363,7 +363,8 @@ OPTIONS = [
           "the hello (or Attach) is refused with RESOURCE_EXHAUSTED.", kind=int),
     limit("max_unproven_sessions",
           "Sessions that have attached but not yet said hello, at once (each ends at --job-hello-timeout "
-          "anyway). More: Attach is refused with RESOURCE_EXHAUSTED.", kind=int),
+          "anyway). More: the oldest of them is ended (its Attach stream ends RESOURCE_EXHAUSTED), since "
+          "no identity is known before the hello and one user must not lock the others out.", kind=int),
     limit("max_waiting_registrations_per_uid",
           "Worker registrations one user id (on TCP: one tenant) may have waiting at once for a transport "
           "still coming up (the CUDA transport, for seconds after the daemon starts serving); each holds its "
