@@ -20,6 +20,9 @@ keep it until a line comes on stdin.
                           many still wait once at most K do (or after 20 s), and how the others
                           were answered; when told, cancel them, make K + 1 again (until K of
                           them wait, at most 20 times) and say the same
+  watch SOCKET N:BYTES    open N health Watch streams on one connection, each for a service
+                          name of BYTES characters; say how many were answered (and stay open)
+                          and how the others ended; hold them until told
 """
 
 from __future__ import annotations
@@ -232,6 +235,27 @@ def wait_flood(socket_path: str, count: int, keep: int) -> None:
     channel.close()
 
 
+def watch(socket_path: str, count: int, size: int) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel("unix:" + socket_path)
+    stub = health_pb2_grpc.HealthStub(channel)
+    streams = [stub.Watch(health_pb2.HealthCheckRequest(service=f"{i:08d}".ljust(size, "x")[:size] if size else ""))
+               for i in range(count)]
+    report = {"open": 0, "codes": {}, "refusal": None}
+    for stream in streams:
+        try:
+            next(stream)
+            report["open"] += 1
+        except grpc.RpcError as e:
+            report["codes"][e.code().name] = report["codes"].get(e.code().name, 0) + 1
+            report["refusal"] = e.details()
+    hold(report)
+    for stream in streams:
+        stream.cancel()
+    channel.close()
+
+
 def h2_frame(kind: int, flags: int, payload: bytes) -> bytes:
     return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + (0).to_bytes(4, "big") + payload
 
@@ -336,6 +360,9 @@ def main() -> int:
     elif command == "wait-flood":
         count, keep = arg.split(":")
         wait_flood(socket_path, int(count), int(keep))
+    elif command == "watch":
+        count, size = arg.split(":")
+        watch(socket_path, int(count), int(size))
     elif command == "guess":
         guess(socket_path, int(arg))
     else:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from conftest import subprocess_env, wait_until
@@ -182,3 +183,28 @@ def test_job_connections_never_take_the_files_a_new_client_needs(start_daemon, c
         store_and_check(client, worker, tensors, 1, prompt=430)
     finally:
         idle.stop()
+
+
+def test_health_watch_streams_are_refused_for_unknown_names_and_bounded(start_daemon):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvdepot.server.daemon.health_service import MAX_WATCHES
+
+    daemon = start_daemon()
+    # A name no service has, a megabyte long: refused, not kept while the stream is open.
+    big = Attacker("watch", daemon.socket, "200:1000000")
+    try:
+        report = big.report()
+        assert report["open"] == 0 and report["codes"] == {"NOT_FOUND": 200}, report
+        assert "reports the health of" in report["refusal"]
+    finally:
+        big.stop()
+    many = Attacker("watch", daemon.socket, f"{MAX_WATCHES + 20}:0")
+    try:
+        report = many.report()
+        assert report["open"] == MAX_WATCHES and report["codes"] == {"RESOURCE_EXHAUSTED": 20}, report
+        with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        many.stop()

@@ -32,6 +32,7 @@ from kvdepot.server.core.limits import Limits
 from kvdepot.server.core.tenants import TenantConfigError, Tenants
 from kvdepot.server.daemon import grpc_cap
 from kvdepot.server.daemon.config import DaemonConfig, Metrics, Network
+from kvdepot.server.daemon.health_service import HealthService
 from kvdepot.server.daemon.metrics import MetricsListenError, MetricsServer
 from kvdepot.server.daemon.metrics_http import MetricsLimits
 from kvdepot.server.host import numa, pidlock
@@ -310,7 +311,7 @@ async def open_grpc_server(
     )
     stack.push_async_callback(server.stop, 1.0)
     add_to_server(KVDepotService(depot, tenants, job_path, max_queued_keys), server)
-    servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    servicer = HealthService(("", SERVICE_NAME))
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     # So that grpcurl and similar tools list and call the service without the
     # .proto. It tells only the schema, which is public; every call made with
@@ -341,10 +342,8 @@ async def _cancel(task: asyncio.Task) -> None:
 
 
 async def set_health(servicer, status) -> None:
-    for name in ("", SERVICE_NAME):
-        result = servicer.set(name, status)
-        if asyncio.iscoroutine(result):
-            await result
+    for name in servicer.names:
+        await servicer.set(name, status)
 
 
 async def set_not_serving(servicer) -> None:
