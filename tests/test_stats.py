@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from conftest import subprocess_env
-from kvcache import attach_worker, namespace, prompt_keys
+from kvcache import attach_worker, dram, namespace, prompt_keys
 
 BLOCK_BYTES = 16 * 1024
 
@@ -128,3 +128,15 @@ def test_stats_say_what_the_dram_holds_by_namespace_and_block_size(start_daemon,
     text = cli(daemon, "stats").stdout
     assert "of slots (33% of those slots' bytes empty: fragmentation)" in text
     assert "blocks of 8 KiB: 20 slots" in text and "1 slot a block, 50% full" in text
+
+
+def test_the_dram_tier_counts_shards_not_slots(start_daemon, client_factory):
+    # 4 KiB slots: a per-layer block of 16 KiB takes four.
+    daemon = start_daemon(pool_size="1MiB", slot_size="4KiB")
+    client = client_factory(daemon)
+    worker, _, _ = attach_worker(client, seed=1)
+    job = client.submit_store(worker, 1, prompt_keys(10, prompt=50), list(range(10)))
+    assert client.wait([job], 10)[job].ok
+    stats = client.stats()
+    assert stats.used_slots == 40
+    assert dram(stats).shards == 10 and dram(stats).bytes == 40 * 4096

@@ -137,6 +137,16 @@ def by_block_size(counts: dict, slot_bytes: int) -> list[BlockSizeReport]:
                   key=lambda b: b.used_slots, reverse=True)
 
 
+def _shards(depot) -> int:
+    """Shards the pool holds: each of a namespace's takes the slots of its
+    block size (one a slot where no worker told it yet)."""
+    held = 0
+    for ns in depot.namespaces:
+        used = depot.namespace_counts(ns)[0]
+        held += used // depot.pool.span(ns.block_bytes) if ns.block_bytes else used
+    return held
+
+
 def build(depot, viewer: Identity | None, asking_session_id: str, most: int | None) -> Report:
     pool = depot.pool
     # What jobs hold first, then everything that finished jobs change (counters,
@@ -158,7 +168,7 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
         used_slots=pool.used_slots,
         eviction=depot.evictions.name,
         tiers=depot.index.tiers.stats(
-            TierStats("dram", shards=pool.used_slots, bytes=pool.used_slots * pool.slot_bytes,
+            TierStats("dram", shards=_shards(depot), bytes=pool.used_slots * pool.slot_bytes,
                       capacity_bytes=pool.size)
         ),
         numa_nodes=pool.numa_nodes(),
