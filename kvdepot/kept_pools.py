@@ -44,6 +44,7 @@ PARTS_HEADER = struct.Struct(f"<8sIIQQQd256s512sQQ{(MAX_PARTS - 1) * TOKEN_BYTES
 HEADER_HASH = struct.Struct("<Q")
 POOL_PREFIX = "kvdepot-"
 POOL_SUFFIX = ".pool"
+CATALOG_SUFFIX = ".namespaces.json"
 
 
 def pack_header(fmt: int, key_version: int, slot_bytes: int, num_slots: int, file_size: int,
@@ -170,7 +171,7 @@ class KeptPool:
 
 
 def catalog_of(pool_path: str) -> str:
-    return pool_path[: -len(POOL_SUFFIX)] + ".namespaces.json"
+    return pool_path[: -len(POOL_SUFFIX)] + CATALOG_SUFFIX
 
 
 def kept_pools(directories, uid: int | None = None) -> list[KeptPool]:
@@ -243,9 +244,11 @@ def discard(pool_path: str) -> None:
 
 
 def orphaned_parts(directories) -> list[str]:
-    """This user's later pool files (`x.pool.N.TOKEN`) whose first file (`x.pool`)
-    is gone: no header names them, so nothing adopts them, and they hold RAM.
-    A pool's first file is made before its others and removed after them."""
+    """This user's later pool files (`x.pool.N.TOKEN`) and namespace catalogs
+    (`x.namespaces.json`) whose first file (`x.pool`) is gone: no header names
+    them, so nothing adopts them, and they hold RAM (or clutter the folder). A
+    pool's first file is made before the others, and its later files are
+    removed before it."""
     found = []
     for directory in directories:
         try:
@@ -253,10 +256,16 @@ def orphaned_parts(directories) -> list[str]:
         except OSError:
             continue
         for name in sorted(names):
-            if not (name.startswith(POOL_PREFIX) and is_part_name(name)):
+            if not name.startswith(POOL_PREFIX):
+                continue
+            if is_part_name(name):
+                first = first_file_name(name)
+            elif name.endswith(CATALOG_SUFFIX):
+                first = name[: -len(CATALOG_SUFFIX)] + POOL_SUFFIX
+            else:
                 continue
             path = os.path.join(directory, name)
-            if own_plain_file(path) and not own_plain_file(os.path.join(directory, first_file_name(name))):
+            if own_plain_file(path) and not own_plain_file(os.path.join(directory, first)):
                 # Another user's file at the first file's name (its name is
                 # seen in the folder) keeps nothing of ours in RAM.
                 found.append(path)

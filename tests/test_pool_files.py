@@ -330,12 +330,15 @@ def test_files_of_a_pool_whose_first_file_is_gone_are_removed_at_the_next_start(
                     files=4)
     kept.close()
     os.unlink(folder / "kvdepot-gone-x.pool")
+    # Its namespace catalog, as an older kvdepot's failed start left it.
+    (folder / "kvdepot-gone-x.namespaces.json").write_text("{}")
     # Not a pool's file: another program's name, and a file of this pool's name with no number.
     (folder / "kvdepot-gone-x.pool.notes").write_text("keep")
     (folder / "other.pool.1").write_text("keep")
     daemon = start_daemon(pool_dir=str(folder))
     assert "a file of a pool whose first file is gone" in daemon.log()
     assert not list(folder.glob("kvdepot-gone-x.pool.[0-9]*"))
+    assert not (folder / "kvdepot-gone-x.namespaces.json").exists()
     assert len(list(folder.iterdir())) >= 4  # the daemon's own pool, its catalog, and the two left alone
     assert (folder / "kvdepot-gone-x.pool.notes").exists() and (folder / "other.pool.1").exists()
 

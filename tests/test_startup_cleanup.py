@@ -110,6 +110,8 @@ def assert_nothing_left(config, port, folder, before: Taken, pool_kept: bool):
     assert not mapped, mapped
     pools = list((folder / "run").glob("*.pool"))
     assert len(pools) == (1 if pool_kept else 0), pools
+    catalogs = list((folder / "run").glob("*.namespaces.json"))
+    assert len(catalogs) == (1 if pool_kept else 0), catalogs
     # Threads end a little after they are told to.
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

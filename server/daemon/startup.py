@@ -193,7 +193,7 @@ def discard_kept_pools(directories: list[str], own_prefix: str, lifecycle) -> No
     serves go once kept longer than the bound, and the oldest while all of
     them hold more RAM than the cap: each holds its size in RAM until then.
     This address's own kept pool is pick_pool_file's to adopt or remove.
-    Later files of a pool whose first file is gone go too."""
+    Later files and catalogs of a pool whose first file is gone go too."""
     for path in kept_pools.orphaned_parts(directories):
         try:
             size = os.lstat(path).st_blocks * 512

@@ -17,6 +17,7 @@ says how the range is laid out:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import mmap
 import os
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvdepot.kept_pools import HEADER_BYTES, pack_header, read_header
+from kvdepot.kept_pools import HEADER_BYTES, catalog_of, pack_header, read_header
 from kvdepot.keys import KEY_VERSION
 from kvdepot.pool_parts import MAX_PARTS, Layout, striped
 from kvdepot.server.host import numa, shard_hash, shard_record
@@ -429,3 +430,8 @@ class HostPool:
             # mapping goes with the process.
             pass
         self._files.close(remove=discard)
+        if discard:
+            # The warm tier's catalog of the pool's namespaces, made beside it
+            # (a file of another user's at its name is not ours to remove).
+            with contextlib.suppress(OSError):
+                os.unlink(catalog_of(self.path))
