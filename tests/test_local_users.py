@@ -73,6 +73,18 @@ def test_the_daemon_refuses_a_socket_folder_others_can_write(tmp_path):
     assert "mode 777" in proc.stderr and "chmod go-w" in proc.stderr
 
 
+def test_a_socket_in_a_folder_all_users_share_is_refused_without_advice_to_take_it_over(tmp_path):
+    # As /tmp: every user may write to it, the sticky bit keeps their names
+    # theirs. Making it the daemon user's alone would break every other user.
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    proc = run_daemon(*daemon_args(str(folder / "kvdepot.sock"), tmp_path))
+    assert proc.returncode == 1, proc.stderr
+    assert "mode 1777" in proc.stderr and "Give --listen a path in a folder of your own" in proc.stderr
+    assert "chmod" not in proc.stderr and "chown" not in proc.stderr
+
+
 @pytest.fixture
 def nobodys_daemon(shared_tmp):
     """A kvdepotd of nobody's, in a folder of nobody's: where a victim without

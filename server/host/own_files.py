@@ -90,9 +90,15 @@ def check_own_folder(path: str, what: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise ForeignFile(f"{what} {path} is not a folder")
     if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        elsewhere = "--listen a path in a folder of your own (e.g. under $XDG_RUNTIME_DIR)"
+        # A folder every user may write to (/tmp, /dev/shm) is shared on purpose: never one to take over.
+        if st.st_mode & stat.S_ISVTX and st.st_mode & 0o002:
+            remedy = f"Give {elsewhere}"
+        else:
+            remedy = (f"If it is yours, `chown {os.geteuid()} {path}; chmod go-w {path}`; otherwise remove it or "
+                      f"give {elsewhere}")
         raise ForeignFile(
             f"{what} {path} belongs to {owner_name(st.st_uid)} with mode {st.st_mode & 0o7777:o}: it must be "
             f"this daemon user's (uid {os.geteuid()}) and writable by it alone, or another user could serve "
-            f"clients in its place. If it is yours, `chown {os.geteuid()} {path}; chmod go-w {path}`; "
-            "otherwise remove it or give --listen a path in a folder of your own (e.g. under $XDG_RUNTIME_DIR)"
+            f"clients in its place. {remedy}"
         )
