@@ -39,16 +39,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-_TRACE_DIR = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-# Before kvdepot is imported: jobtrace reads it once.
-os.environ["KVDEPOT_TRACE_JOBS"] = f"{_TRACE_DIR}/daemon.jsonl"
-
 import torch  # noqa: E402
-from cuda_copy import BLOCK, BLOCK_SIZE, make_cache, peak  # noqa: E402
 from kvdepotd import BenchDaemon  # noqa: E402
 
-from kvdepot import jobtrace  # noqa: E402
-from kvdepot.client import KVDepotClient  # noqa: E402
+# cuda_copy and kvdepot are imported in the functions, once main() has set
+# KVDEPOT_TRACE_JOBS: kvdepot/jobtrace.py reads it once, at import.
 
 CLIENT_STAGES = ("submit", "sent")
 DAEMON_STAGES = ("received", "begin", "launch", "first_chunk", "queued", "gpu_done", "finish", "done_sent")
@@ -56,6 +51,11 @@ LAST_STAGES = ("done_read", "waited")
 
 
 def run_jobs(socket: str, sizes: list[int], count: int) -> tuple[str, list[tuple[str, int, int]]]:
+    from cuda_copy import BLOCK_SIZE, make_cache
+
+    from kvdepot import jobtrace
+    from kvdepot.client import KVDepotClient
+
     largest = max(sizes)
     tensors, block_dim = make_cache("per_layer", 2 * largest)
     client = KVDepotClient(socket, name="bench-trace").connect(30)
@@ -95,6 +95,19 @@ def main() -> int:
     parser.add_argument("--pool-size", default="8GiB")
     parser.add_argument("--json", default=None, help="also write the medians to this file")
     args, daemon_args = parser.parse_known_args()
+    # The daemon's trace goes in a folder of this run's, made now (not for
+    # --help) and removed at the end, however the run ends.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="kvdepot-job-trace-", dir=shm) as folder:
+        os.environ["KVDEPOT_TRACE_JOBS"] = f"{folder}/daemon.jsonl"
+        return measure(args, daemon_args)
+
+
+def measure(args: argparse.Namespace, daemon_args: list[str]) -> int:
+    from cuda_copy import BLOCK, peak
+
+    from kvdepot import jobtrace
+
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     ceiling = peak(5)

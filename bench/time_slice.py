@@ -20,6 +20,7 @@ Each figure is the median (and p90) of 40 runs, from the first call to the strea
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import subprocess
@@ -60,6 +61,8 @@ def cudart() -> ctypes.CDLL:
 
 
 def main() -> None:
+    # No options: the parser is there for --help, which works without a GPU.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     from cuda_copy import BLOCK, LAYERS, PAGE, make_cache

@@ -304,6 +304,26 @@ def _pools(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _command(argv)
+        # Flushed here, inside the try: left to the interpreter's exit, a
+        # closed pipe would fail there, as "Exception ignored ... BrokenPipeError".
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader of stdout has gone (`kvdepot stats --watch 1 | head -20`).
+        # That ends the command quietly, as a closed pipe ends other Unix
+        # tools; exit 0, for closing the pipe is how a piped view is stopped,
+        # as Ctrl-C (exit 0) stops it on a terminal. The watch's own cleanup
+        # (the terminal's echo, the session) has run as the error passed.
+        # What is still buffered goes to /dev/null, not to a second error at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+
+
+def _command(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "pools":

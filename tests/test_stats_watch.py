@@ -173,3 +173,45 @@ def test_on_a_terminal_ctrl_c_gives_the_terminal_back_as_it_was(daemon):
     finally:
         os.close(master)
         os.close(terminal)
+
+
+def _piped_env() -> dict:
+    # Buffered stdout, as in a shell: what is left in the buffer is written at
+    # exit, where a closed pipe used to fail too.
+    env = subprocess_env()
+    del env["PYTHONUNBUFFERED"]
+    return env
+
+
+def test_a_reader_that_stops_ends_the_piped_view_quietly(daemon):
+    """`kvdepot stats --watch 1 | head -20`: head exits after its lines, and
+    the watch ends there, exit 0 and no traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvdepot.client.cli", "--socket", daemon.socket, "stats", "--watch", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_piped_env(),
+    )
+    try:
+        for _ in range(20):
+            assert proc.stdout.readline(), "the watch ended before its 20th line"
+        proc.stdout.close()
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = proc.stderr.read().decode(errors="replace")
+    assert (code, stderr) == (0, "")
+
+
+def test_a_reader_that_is_gone_ends_stats_quietly(daemon):
+    """`kvdepot stats | true`: the pipe is closed before stats writes."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvdepot.client.cli", "--socket", daemon.socket, "stats"],
+            stdout=write_end, stderr=subprocess.PIPE, env=_piped_env(), timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr.decode(errors="replace")) == (0, "")

@@ -92,8 +92,9 @@ GROUPS = {
 OPTIONS = [
     Option(
         "listen", "network", COMPUTED,
-        "Where to serve: a unix socket path (default: $XDG_RUNTIME_DIR/kvdepot/kvdepot.sock, "
-        "/run/kvdepot/kvdepot.sock for root, else /tmp/kvdepot-$UID/kvdepot.sock), unix:PATH, or HOST:PORT "
+        "Where to serve: a unix socket path (default: $XDG_RUNTIME_DIR/kvdepot/kvdepot.sock where that "
+        "folder exists, root included; else /run/kvdepot/kvdepot.sock for root, /tmp/kvdepot-$UID/kvdepot.sock "
+        "for others), unix:PATH, or HOST:PORT "
         "for TCP, which needs --auth-token-file (or tenants' token_file, or client certificates). Beside a "
         "unix socket the daemon also serves its job socket, PATH.jobs, with the same permissions (0660). "
         "The socket's folder must be the daemon user's and writable by it alone (docs/security.md).",
