@@ -140,6 +140,10 @@ def test_configuration_from_toml_and_environment(tmp_path):
     config_file.write_text('pool_sise = "2GiB"\n')
     with pytest.raises(ValueError, match="unknown option\\(s\\) pool_sise"):
         load_config(["--config", str(config_file)], environ={})
+    # A value of the wrong kind is named with where it came from and what it must be.
+    with pytest.raises(ValueError) as info:
+        load_config([], environ={"KVDEPOT_DRAIN_TIMEOUT": "abc"})
+    assert str(info.value) == "KVDEPOT_DRAIN_TIMEOUT: 'abc' is not a valid drain_timeout: it must be a number"
 
 
 def test_help_explains_every_option():

@@ -204,8 +204,9 @@ def _resolve(opt: Option, args, environ, from_file: dict, config_file: str | Non
         value = opt.kind(value)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{source}: {value!r} is not a valid {opt.key}: {e}") from e
+    except (TypeError, ValueError):
+        wanted = {int: "a whole number", float: "a number"}.get(opt.kind, f"a {opt.kind.__name__}")
+        raise ConfigError(f"{source}: {value!r} is not a valid {opt.key}: it must be {wanted}") from None
     if opt.choices and value not in opt.choices:
         raise ConfigError(f"{source}: {opt.key} must be one of {', '.join(opt.choices)}")
     return value
