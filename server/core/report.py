@@ -137,14 +137,11 @@ def by_block_size(counts: dict, slot_bytes: int) -> list[BlockSizeReport]:
                   key=lambda b: b.used_slots, reverse=True)
 
 
-def _shards(depot) -> int:
-    """Shards the pool holds: each of a namespace's takes the slots of its
-    block size (one a slot where no worker told it yet)."""
-    held = 0
-    for ns in depot.namespaces:
-        used = depot.namespace_counts(ns)[0]
-        held += used // depot.pool.span(ns.block_bytes) if ns.block_bytes else used
-    return held
+def _shards(pool, counts: dict) -> int:
+    """Shards the pool holds, from every namespace's counts: each of a
+    namespace's takes the slots of its block size (one a slot where no worker
+    told it yet)."""
+    return sum(c[0] // pool.span(ns.block_bytes) if ns.block_bytes else c[0] for ns, c in counts.items())
 
 
 def build(depot, viewer: Identity | None, asking_session_id: str, most: int | None) -> Report:
@@ -157,7 +154,8 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
     visible = visible_to(viewer)
     # The caller's namespaces alone: with the pool's used slots, anyone's KV
     # bytes would tell another tenant's block size (its model's shape).
-    counts = {ns: depot.namespace_counts(ns) for ns in depot.namespaces if visible(ns.scope)}
+    every = {ns: depot.namespace_counts(ns) for ns in depot.namespaces}
+    counts = {ns: c for ns, c in every.items() if visible(ns.scope)}
     held = sum(kv_bytes(ns, c[0], pool.slot_bytes) for ns, c in counts.items())
     used_bytes = sum(c[0] for c in counts.values()) * pool.slot_bytes
     base = dict(
@@ -168,7 +166,7 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
         used_slots=pool.used_slots,
         eviction=depot.evictions.name,
         tiers=depot.index.tiers.stats(
-            TierStats("dram", shards=_shards(depot), bytes=pool.used_slots * pool.slot_bytes,
+            TierStats("dram", shards=_shards(pool, every), bytes=pool.used_slots * pool.slot_bytes,
                       capacity_bytes=pool.size)
         ),
         numa_nodes=pool.numa_nodes(),
