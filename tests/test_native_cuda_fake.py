@@ -385,6 +385,25 @@ def test_stores_leave_the_gate_in_the_order_they_came(rig, fake):
     assert rig.lane.verify() == ""
 
 
+def test_stores_at_the_gate_of_a_client_that_went_away_fail_and_free_their_slots(rig, fake):
+    # The worker was killed mid-compute: its stores never pass the gate, no
+    # copy of theirs is queued, and their slots are free again.
+    fake.fake_set_compute_done(0)
+    rig.store(1, keys(2, 1500), [1, 2])
+    rig.store(2, keys(2, 1510), [3, 4])
+    time.sleep(0.01)
+    assert rig.lane.counts()["used_slots"] == 4
+    fake.fake_clear_ops()
+    rig.lane.end_session(SESSION)
+    deadline = time.monotonic() + 5
+    while rig.lane.counts()["used_slots"] and time.monotonic() < deadline:
+        time.sleep(0.002)
+    fake.fake_set_compute_done(1)
+    time.sleep(0.01)
+    assert rig.lane.counts()["used_slots"] == 0 and not rig.ops()
+    assert rig.lane.verify() == ""
+
+
 def test_a_store_whose_worker_never_wrote_its_fence_fails(rig):
     rig.store(1, keys(2, 600), [4, 5], computed=False)
     ok, error = rig.wait([1])[1]

@@ -222,6 +222,7 @@ KVD_API int64_t kvd_conn_add(Lane* lane, uint32_t session, int fd, const char* p
   uint32_t id = lane->conns->add(*s, fd, peer, std::string(reinterpret_cast<const char*>(first), first_bytes),
                                  std::string(reinterpret_cast<const char*>(leftover), leftover_bytes), quiet != 0);
   lane->conns->flush();
+  lane->arm();  // the frames that came with the hello may have held a store at the gate
   return id;
 }
 
@@ -243,6 +244,7 @@ KVD_API int kvd_submit(Lane* lane, uint32_t session, int kind, uint32_t worker, 
     r.event_len = event_bytes;
     r.fence_seq = fence_seq;
     Submitted sub = lane->jobs->submit(*s, r, 0);
+    lane->arm();  // a store held at the gate is asked when due
     answer[0] = sub.already;
     answer[1] = sub.not_stored;
   });

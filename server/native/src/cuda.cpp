@@ -7,7 +7,7 @@
 // stream's thread waits for (here it is also the event that hands the job's
 // last staging buffer over, where the Python lane records one more). A store
 // starts only once its worker's compute
-// event has completed (the gate's thread polls it on the host, so that a
+// event has completed (the lane's thread asks it on the host, so that a
 // worker killed mid-compute stalls no stream). Its parts: cuda_streams.cpp (the
 // streams' threads), cuda_gate.cpp (the gate), cuda_staging.cpp (a job's copies).
 #include "cuda_streams.h"
@@ -21,20 +21,9 @@ constexpr size_t MAX_EVENTS_PER_WORKER = 1024;
 // ---------------------------------------------------------------- the transport
 
 CudaTransport::CudaTransport(const CudaApi& api, uint8_t* pool, uint64_t slot_bytes, Completions& completions)
-    : api_(api), pool_(pool), slot_bytes_(slot_bytes), completions_(completions) {
-  gate_ = std::thread([this] {
-    name_thread("kvdepot-gate");
-    gate_run();
-  });
-}
+    : api_(api), pool_(pool), slot_bytes_(slot_bytes), completions_(completions) {}
 
 CudaTransport::~CudaTransport() {
-  {
-    std::lock_guard<std::mutex> lock(gate_mutex_);
-    stopping_ = true;
-  }
-  gate_wake_.notify_all();
-  gate_.join();
   for (auto& entry : devices_)
     for (CopyStream* s : {entry.second->store.get(), entry.second->load.get()}) {
       {

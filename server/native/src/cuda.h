@@ -25,6 +25,7 @@ class CudaTransport : public Transport {
   void abandon(Job& job) override;
   void forget(Worker& worker) override;
   void poll() override;
+  int64_t due() const override { return gate_due_; }
   void ended(Job& job) override;
   // Waits for every copy queued: the pool is unpinned after this.
   void synchronize();
@@ -45,7 +46,11 @@ class CudaTransport : public Transport {
   void set_device(int index);
   // The slots (and staging rows) one of the worker's blocks takes.
   uint64_t span(const Worker& worker) const;
-  void gate_run();
+  // One round of the gate: asks the stores due (every store where one is
+  // done), and launches those whose compute ended, in the order they came.
+  void gate_round(int64_t now);
+  // The shortest of the recent stores' waits (0: none yet).
+  int64_t shortest_wait() const;
 
   CudaApi api_;
   uint8_t* pool_;
@@ -53,15 +58,17 @@ class CudaTransport : public Transport {
   Completions& completions_;
   std::unordered_map<int, std::unique_ptr<Device>> devices_;
   int current_device_ = -1;  // the lane's thread's current device, as set_device left it
-  // Stores held until their compute event completed, oldest first (cuda_streams.py ComputeGate).
-  uint64_t held_at_gate_ = 0;
-  std::mutex gate_mutex_;
-  std::condition_variable gate_wake_;
-  std::deque<Job*> gate_new_;
-  std::unordered_set<Job*> gate_abandoned_;
-  std::vector<std::pair<Job*, std::string>> gate_done_;  // "" when opened, else why it failed
-  bool stopping_ = false;
-  std::thread gate_;
+  // Stores held until their compute event completed, in the order they came
+  // (cuda_streams.py ComputeGate); the lane's thread asks them when due.
+  struct Waiting {
+    Job* job;
+    int64_t since, next_ask;
+    int64_t not_done_at;  // when an ask last found it not done; -1: never
+  };
+  std::vector<Waiting> gate_;
+  int64_t gate_due_ = INT64_MAX;  // the earliest next_ask at the gate
+  // How long the last stores not done at their first ask waited.
+  std::deque<int64_t> recent_;
 };
 
 }  // namespace kvd

@@ -76,6 +76,9 @@ class Transport {
   virtual void forget(Worker& worker) {}
   // On the lane's thread, each round: work the transport's own threads handed back.
   virtual void poll() {}
+  // When poll() next has work that no other thread will wake the lane for
+  // (now_ns()'s clock; INT64_MAX: none): the lane's timer wakes it then.
+  virtual int64_t due() const { return INT64_MAX; }
   // A job of this transport ended (before its client is told).
   virtual void ended(Job& job) {}
 };

@@ -1,12 +1,14 @@
 // The lane put together: its thread, which waits on its epoll set (the job
 // connections, one eventfd that the transports' and the sealer's threads
-// write, one that stops it) and serves what is ready under the lane's lock;
+// write, a timer for the transports' own work when due, one eventfd that
+// stops it) and serves what is ready under the lane's lock;
 // a CUDA stream's completion thread that finds the lane thread asleep and
 // that lock free finishes its own jobs; and what the index tells the rest.
 #include "lane_impl.h"
 
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -16,8 +18,9 @@
 namespace kvd {
 
 namespace {
-// The epoll set's data of its two eventfds; connections are 1 and up.
+// The epoll set's data of its eventfds and timer; connections are 1 and up.
 constexpr uint64_t WAKE = 0;
+constexpr uint64_t TIMER = UINT64_MAX - 1;
 constexpr uint64_t STOP = UINT64_MAX;
 }  // namespace
 
@@ -26,7 +29,8 @@ Lane::Lane(const LaneConfig& c) : config(c) {
   event_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   python_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (epoll_fd < 0 || event_fd < 0 || stop_fd < 0 || python_fd < 0)
+  timer_fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);  // now_ns()'s clock
+  if (epoll_fd < 0 || event_fd < 0 || stop_fd < 0 || python_fd < 0 || timer_fd < 0)
     throw std::runtime_error("cannot make the lane's epoll set");
   epoll_event ev{};
   ev.events = EPOLLIN;
@@ -34,6 +38,8 @@ Lane::Lane(const LaneConfig& c) : config(c) {
   epoll_ctl(epoll_fd, EPOLL_CTL_ADD, event_fd, &ev);
   ev.data.u64 = STOP;
   epoll_ctl(epoll_fd, EPOLL_CTL_ADD, stop_fd, &ev);
+  ev.data.u64 = TIMER;
+  epoll_ctl(epoll_fd, EPOLL_CTL_ADD, timer_fd, &ev);
   std::vector<Slots::Range> ranges;
   for (uint32_t i = 0; i < c.n_ranges; i++) ranges.push_back({c.ranges[i].node, c.ranges[i].first, c.ranges[i].count});
   slots.reset(new Slots(c.num_slots, ranges, c.chunk_slots, c.extent_slots, c.slot_bytes,
@@ -58,7 +64,7 @@ Lane::~Lane() {
   sealer.reset();
   conns.reset();
   jobs.reset();
-  for (int fd : {event_fd, stop_fd, python_fd, epoll_fd}) close(fd);
+  for (int fd : {event_fd, stop_fd, python_fd, timer_fd, epoll_fd}) close(fd);
 }
 
 thread_local bool on_lane_thread = false;
@@ -101,8 +107,16 @@ void Lane::run() {
 }
 
 void Lane::serve(const epoll_event* ready, int n) {
-  for (int i = 0; i < n; i++)
-    if (ready[i].data.u64 != WAKE) conns->on_epoll((uint32_t)ready[i].data.u64, ready[i].events);
+  for (int i = 0; i < n; i++) {
+    uint64_t data = ready[i].data.u64;
+    if (data == TIMER) {
+      uint64_t expirations;
+      ssize_t got = read(timer_fd, &expirations, sizeof expirations);  // EAGAIN where it was set anew since
+      (void)got;
+    } else if (data != WAKE) {
+      conns->on_epoll((uint32_t)data, ready[i].events);
+    }
+  }
   finish_ended();
 }
 
@@ -118,8 +132,8 @@ bool Lane::finish_here() {
 
 void Lane::finish_ended() {
   // The wake-up is taken before anything it stands for is looked at: the
-  // gate's stores and the sealer's records are handed over before their
-  // poke, and a part that hands work over after this wakes the loop again.
+  // sealer's records are handed over before their poke, and a part that
+  // hands work over after this wakes the loop again.
   std::vector<Ended> ended = completions->take();
   for (Transport* transport : jobs->all_transports()) transport->poll();
   sealer->write_sealed();
@@ -134,6 +148,21 @@ void Lane::finish_ended() {
     }
   }
   tell_python();
+  arm();
+}
+
+void Lane::arm() {
+  int64_t due = INT64_MAX;
+  for (Transport* transport : jobs->all_transports()) due = std::min(due, transport->due());
+  if (due == INT64_MAX) return;  // a timer still set only wakes the loop for nothing
+  // Set already, at or before then: its round asks again.
+  if (timer_at_ <= due && timer_at_ > now_ns()) return;
+  timer_at_ = due;
+  itimerspec at{};
+  at.it_value.tv_sec = due / 1000000000;
+  at.it_value.tv_nsec = due % 1000000000;
+  if (at.it_value.tv_sec == 0 && at.it_value.tv_nsec == 0) at.it_value.tv_nsec = 1;  // zero would unset it
+  timerfd_settime(timer_fd, TFD_TIMER_ABSTIME, &at, nullptr);
 }
 
 void Lane::tell_python() {

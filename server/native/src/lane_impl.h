@@ -45,6 +45,9 @@ class Lane : public IndexHooks, public Replies {
   void stop();
   // Python's side of the events: what the lane said since it last asked.
   const std::string& take_events();
+  // Sets the timer for the transports' next work due (the lane's lock held):
+  // after each round, and after a call that may have started a job.
+  void arm();
 
   std::mutex mutex;
 
@@ -64,6 +67,7 @@ class Lane : public IndexHooks, public Replies {
   int event_fd = -1;   // the transports' and the sealer's threads wake the lane's
   int stop_fd = -1;    // Python stops it
   int python_fd = -1;  // the lane wakes Python's loop: events to read
+  int timer_fd = -1;   // wakes the lane when a transport's own work is due (Transport::due)
   std::unique_ptr<Slots> slots;
   std::unique_ptr<Index> index;
   Events events;
@@ -80,9 +84,9 @@ class Lane : public IndexHooks, public Replies {
   void run();
   // One round: whatever is ready in the epoll set, the copies that ended.
   void serve(const epoll_event* ready, int n);
-  // What the copy threads, the gate and the sealer handed over: stores that
-  // passed the gate launched, records written, the clients of the copies that
-  // ended told and the index settled (the lane's lock held).
+  // What the copy threads and the sealer handed over, and the gate's stores
+  // due: stores that passed the gate launched, records written, the clients
+  // of the copies that ended told and the index settled (the lane's lock held).
   void finish_ended();
   // A copy thread's round (Completions::finish_here).
   bool finish_here();
@@ -94,6 +98,7 @@ class Lane : public IndexHooks, public Replies {
   std::atomic<bool> asleep_{false};
   std::string taken_;
   bool python_woken_ = false;
+  int64_t timer_at_ = 0;  // when the timer was last set to go off (now_ns()'s clock)
 };
 
 }  // namespace kvd
