@@ -100,6 +100,12 @@ def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_held_daem
         (["--listen", "0.0.0.0:0", "--auth-token-file", "TOKEN"], "without TLS: tokens would travel in clear"),
         (["--tls-cert-file", "TOKEN"], "tls_cert_file and tls_key_file go together"),
         (["--admin-uids", "root"], "admin_uids must be uids"),
+        # nan passes every range check and inf overflows the timers: both used to get through.
+        (["--job-hello-timeout", "nan"], "nan is not a valid job_hello_timeout: it must be a finite number"),
+        (["--grpc-idle-timeout", "inf"], "inf is not a valid grpc_idle_timeout: it must be a finite number"),
+        (["--grpc-handshake-timeout", "1e30"], "grpc_handshake_timeout must be more than 0 seconds and at most"),
+        (["--metrics-timeout", "nan"], "is not a valid metrics_timeout: it must be a finite number"),
+        (["--drain-timeout", "nan"], "is not a valid drain_timeout: it must be a finite number"),
     ],
 )
 def test_bad_configuration_is_refused_with_a_clear_message(tmp_path, args, message):

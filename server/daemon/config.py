@@ -4,6 +4,7 @@ defaults, read by the table of server/daemon/options.py into frozen groups
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -199,14 +200,15 @@ def _resolve(opt: Option, args, environ, from_file: dict, config_file: str | Non
     try:
         if opt.size:
             return parse_size(value)
-        if opt.duration:
-            return parse_duration(value)
-        value = opt.kind(value)
+        value = parse_duration(value) if opt.duration else opt.kind(value)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     except (TypeError, ValueError):
         wanted = {int: "a whole number", float: "a number"}.get(opt.kind, f"a {opt.kind.__name__}")
         raise ConfigError(f"{source}: {value!r} is not a valid {opt.key}: it must be {wanted}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        # nan passes every comparison a range check makes; inf overflows the timers it reaches.
+        raise ConfigError(f"{source}: {value!r} is not a valid {opt.key}: it must be a finite number")
     if opt.choices and value not in opt.choices:
         raise ConfigError(f"{source}: {opt.key} must be one of {', '.join(opt.choices)}")
     return value
@@ -251,10 +253,10 @@ def _check(config: DaemonConfig) -> None:
         raise ConfigError("metrics_tls_client_ca_file needs HTTPS: give metrics_tls_cert_file and metrics_tls_key_file")
     if config.metrics.max_connections < 1:
         raise ConfigError(f"metrics_max_connections must be at least 1, not {config.metrics.max_connections}")
-    if config.metrics.timeout <= 0:
-        raise ConfigError("metrics_timeout must be more than 0 seconds")
-    if config.lifecycle.drain_timeout < 0:
-        raise ConfigError("drain_timeout must not be negative")
+    if not 0 < config.metrics.timeout <= MAX_TIMEOUT:
+        raise ConfigError(f"metrics_timeout must be more than 0 seconds and at most {MAX_TIMEOUT:.0f}")
+    if not 0 <= config.lifecycle.drain_timeout <= MAX_TIMEOUT:
+        raise ConfigError(f"drain_timeout must be 0 to {MAX_TIMEOUT:.0f} seconds")
     chunk = copy.chunk_bytes
     if chunk < 64 or chunk > MAX_COPY_CHUNK_BYTES or chunk & (chunk - 1):
         raise ConfigError(f"copy_chunk_bytes must be a power of two from 64 to {MAX_COPY_CHUNK_BYTES}, not {chunk}")
@@ -289,6 +291,9 @@ def _check_remote(tiers: Tiers) -> None:
         raise ConfigError("remote_user needs remote_password_file")
 
 
+# The longest timeout in seconds: gRPC takes its timeouts in milliseconds as a 32-bit number.
+MAX_TIMEOUT = 86400.0
+
 # Limits that mean "automatic" at 0; every other integer limit is at least 1.
 _AUTOMATIC_AT_ZERO = {"max_queued_notification_keys"}
 
@@ -304,8 +309,8 @@ def _check_limits(limits: Limits) -> None:
         elif value < 1:
             raise ConfigError(f"{opt.key} must be at least 1, not {value}")
     for key in ("job_hello_timeout", "grpc_handshake_timeout", "grpc_idle_timeout"):
-        if getattr(limits, key) <= 0:
-            raise ConfigError(f"{key} must be more than 0 seconds")
+        if not 0 < getattr(limits, key) <= MAX_TIMEOUT:
+            raise ConfigError(f"{key} must be more than 0 seconds and at most {MAX_TIMEOUT:.0f}")
     if limits.max_unread_job_replies < 1 << 20:
         raise ConfigError(f"max_unread_job_replies must be at least 1MiB, not {limits.max_unread_job_replies}")
 
