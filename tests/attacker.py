@@ -20,6 +20,8 @@ keep it until a line comes on stdin.
                           many still wait once at most K do (or after 20 s), and how the others
                           were answered; when told, cancel them, make K + 1 again (until K of
                           them wait, at most 20 times) and say the same
+  unproven SOCKET N       attach N times, one after the other, never saying hello, each
+                          stream cancelled once it started
   watch SOCKET N:BYTES    open N health Watch streams on one connection, each for a service
                           name of BYTES characters; say how many were answered (and stay open)
                           and how the others ended; hold them until told
@@ -143,6 +145,18 @@ def flood(socket_path: str, mib: int) -> None:
             print(f"the daemon closed the connection: {e!r}", file=sys.stderr, flush=True)
             break
     hold({"sent_mib": sent / 2**20})
+
+
+def unproven(socket_path: str, count: int) -> None:
+    channel = grpc.insecure_channel("unix:" + socket_path)
+    stub = pb_grpc.KVDepotStub(channel)
+    for _ in range(count):
+        stream = stub.Attach(pb.AttachRequest(client_name="unproven", pid=os.getpid(),
+                                              protocol_version=PROTOCOL_VERSION))
+        next(stream)
+        stream.cancel()
+    channel.close()
+    print(json.dumps({"attached": count}), flush=True)
 
 
 def garbage(socket_path: str, count: int) -> None:
@@ -350,6 +364,8 @@ def main() -> int:
         flood(socket_path, int(arg))
     elif command == "garbage":
         garbage(socket_path, int(arg))
+    elif command == "unproven":
+        unproven(socket_path, int(arg))
     elif command == "grpc-idle":
         count, keep = arg.split(":")
         grpc_idle(socket_path, int(count), int(keep))

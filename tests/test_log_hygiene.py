@@ -28,6 +28,17 @@ def test_a_client_given_newline_cannot_forge_a_log_line(daemon):
 FAKE_ESCAPED = FORGED + "\\r\\x1b[2K"
 
 
+def test_sessions_that_never_say_hello_do_not_write_a_line_each(daemon):
+    # Any local process can attach and hang up at will; an INFO line for each
+    # attach and end was 2 lines (about 80 bytes) an attach, at thousands a second.
+    lines_before = len(daemon.log().splitlines())
+    churn = Attacker("unproven", daemon.socket, 300)
+    assert churn.report(timeout=120)["attached"] == 300
+    churn.proc.wait(10)
+    new_lines = daemon.log().splitlines()[lines_before:]
+    assert len(new_lines) <= 6, "\n".join(new_lines[:20])
+
+
 def test_garbage_frames_from_many_connections_log_a_few_lines_not_one_each(daemon):
     lines_before = len(daemon.log().splitlines())
     garbage = Attacker("garbage", daemon.socket, 1000)

@@ -27,6 +27,7 @@ from kvdepot.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvdepot.logsafe import RateLimitedLog
 from kvdepot.server.core import report, staging
 from kvdepot.server.core.blocks import Block
 from kvdepot.server.core.counters import COUNTER_MAX, BusyClock, Counters, JobTimes
@@ -86,6 +87,9 @@ class Depot(JobPath):
         self._idle = asyncio.Event()
         self._idle.set()
         self._next_id = 1
+        # Sessions that never said hello are any local process's to make at will: their
+        # comings and goings are DEBUG lines, and ending them for room a line now and then.
+        self._unproven_log = RateLimitedLog(log)
 
     def _open_index(self, pool, tiers: TierStack | None):
         return BlockIndex(
@@ -165,7 +169,9 @@ class Depot(JobPath):
             self.limits.room_for_session(self.sessions.values(), identity)
         session = Session(secrets.token_hex(16), self.new_id(), client_name, identity)
         self.sessions[session.id] = session
-        log.info("session %d attached: %s%s", session.number, shown(client_name), _who(session))
+        # A session still to say hello is logged as attached when it does (prove()).
+        log.log(logging.INFO if identity else logging.DEBUG, "session %d attached: %s%s", session.number,
+                shown(client_name), _who(session))
         return session
 
     def prove(self, session_id: str, identity: Identity) -> Session:
@@ -177,7 +183,7 @@ class Depot(JobPath):
         if known is None:
             self.limits.room_for_session(self.sessions.values(), identity)
             session.identity = identity
-            log.info("session %d is %s", session.number, identity.describe())
+            log.info("session %d attached: %s%s", session.number, shown(session.client_name), _who(session))
         return session
 
     def end_session(self, session: Session) -> None:
@@ -197,8 +203,8 @@ class Depot(JobPath):
         self.namespaces.sweep()
         del self.sessions[session.id]
         self.sessions_ended += 1
-        log.info("session %d ended: %s%s, %d job(s) were in flight", session.number, shown(session.client_name),
-                 _who(session), jobs)
+        log.log(logging.INFO if session.identity else logging.DEBUG, "session %d ended: %s%s, %d job(s) were in flight",
+                session.number, shown(session.client_name), _who(session), jobs)
 
     def _end_jobs(self, session: Session) -> int:
         """The session's jobs end (abandoned to their transports) and its workers
@@ -352,8 +358,12 @@ class Depot(JobPath):
         """Ends a session the daemon gives up on, now rather than when its client
         reads its stream (which may be never); the stream then ends with `error`
         and `reason`."""
-        who = session.identity.describe() if session.identity else "not proven"
-        log.warning("ending session %d (%s, %s): %s", session.number, shown(session.client_name), who, reason)
+        if session.identity:
+            log.warning("ending session %d (%s, %s): %s", session.number, shown(session.client_name),
+                        session.identity.describe(), reason)
+        else:
+            self._unproven_log.warning("expel-unproven", "ending session %d (%s, not proven): %s", session.number,
+                                       shown(session.client_name), reason)
         session.outbox.end(reason, error)
         self.end_session(session)
 
