@@ -107,17 +107,30 @@ void Lane::run() {
 }
 
 void Lane::serve(const epoll_event* ready, int n) {
+  bool timer_alone = true;
   for (int i = 0; i < n; i++) {
     uint64_t data = ready[i].data.u64;
     if (data == TIMER) {
       uint64_t expirations;
       ssize_t got = read(timer_fd, &expirations, sizeof expirations);  // EAGAIN where it was set anew since
       (void)got;
-    } else if (data != WAKE) {
-      conns->on_epoll((uint32_t)data, ready[i].events);
+      continue;
     }
+    timer_alone = false;
+    if (data != WAKE) conns->on_epoll((uint32_t)data, ready[i].events);
   }
-  finish_ended();
+  if (!timer_alone) {
+    finish_ended();
+    return;
+  }
+  // The timer alone: a store at the gate is due. What the round does needs
+  // nothing else of a round (a store let through goes to its stream, one
+  // that failed comes back through the completions' eventfd), and a store
+  // waiting out a forward pass is asked a few times: a whole round each time
+  // cost the lane more than the gate's own thread did.
+  for (Transport* transport : jobs->transports)
+    if (transport) transport->poll();
+  arm();
 }
 
 bool Lane::finish_here() {
@@ -153,7 +166,8 @@ void Lane::finish_ended() {
 
 void Lane::arm() {
   int64_t due = INT64_MAX;
-  for (Transport* transport : jobs->all_transports()) due = std::min(due, transport->due());
+  for (Transport* transport : jobs->transports)
+    if (transport) due = std::min(due, transport->due());
   if (due == INT64_MAX) return;  // a timer still set only wakes the loop for nothing
   // Set already, at or before then: its round asks again.
   if (timer_at_ <= due && timer_at_ > now_ns()) return;
