@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 
 import grpc
 from google.protobuf.message import Message
@@ -75,11 +76,22 @@ class OperatorClient:
         if self._session_id or not self.target.startswith("unix:"):
             return self._session_id
         request = pb.AttachRequest(client_name="kvdepot-cli", pid=os.getpid(), protocol_version=PROTOCOL_VERSION)
+        self._attach = attach = self._stub.Attach(request, metadata=self._metadata)
+        # The stream has no deadline (a session lasts while it is open): its first
+        # message gets --timeout, so that a wedged daemon cannot hold the command.
+        gave_up = threading.Event()
+        timer = threading.Timer(self._timeout, lambda: (gave_up.set(), attach.cancel()))
+        timer.daemon = True
+        timer.start()
         try:
-            self._attach = self._stub.Attach(request, metadata=self._metadata)
-            started = next(self._attach).started
+            started = next(attach).started
         except grpc.RpcError as e:
+            if gave_up.is_set():
+                raise Unavailable(f"kvdepotd on {self.target} did not start a session within {self._timeout:g} s "
+                                  "(--timeout)") from None
             raise from_rpc_error(e) from None
+        finally:
+            timer.cancel()
         try:
             self._job_socket = JobSocket(
                 started.job_socket, started.session_id, lambda reply: None, lambda reason: None, self._timeout,

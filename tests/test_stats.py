@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from conftest import subprocess_env
 from kvcache import attach_worker, dram, namespace, prompt_keys
@@ -99,6 +100,48 @@ def test_cli_says_clearly_when_no_daemon_runs(tmp_path):
     )
     assert proc.returncode == 1
     assert "none.sock" in proc.stderr
+
+
+WEDGED = """
+import asyncio, sys
+import grpc
+from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
+
+class Wedged(pb_grpc.KVDepotServicer):
+    async def Attach(self, request, context):
+        await asyncio.Event().wait()  # answers HTTP/2, never starts the session
+        yield
+
+async def main():
+    server = grpc.aio.server()
+    pb_grpc.add_KVDepotServicer_to_server(Wedged(), server)
+    server.add_insecure_port("unix:" + sys.argv[1])
+    await server.start()
+    print("up", flush=True)
+    await server.wait_for_termination()
+
+asyncio.run(main())
+"""
+
+
+def test_cli_gives_up_on_a_wedged_daemon_after_its_timeout(tmp_path):
+    sock = str(tmp_path / "wedged.sock")
+    wedged = subprocess.Popen([sys.executable, "-c", WEDGED, sock], stdout=subprocess.PIPE, text=True,
+                              env=subprocess_env())
+    try:
+        assert wedged.stdout.readline() == "up\n"
+        for args in (["stats"], ["stats", "--json"], ["clear", "--all"]):
+            started = time.monotonic()
+            proc = subprocess.run(
+                [sys.executable, "-m", "kvdepot.client.cli", "--socket", sock, "--timeout", "2", *args],
+                capture_output=True, text=True, env=subprocess_env(), timeout=60,
+            )
+            assert proc.returncode == 1, (args, proc.stderr)
+            assert "did not start a session within 2 s (--timeout)" in proc.stderr, proc.stderr
+            assert time.monotonic() - started < 20  # the interpreter's start, then 2 s
+    finally:
+        wedged.kill()
+        wedged.wait(10)
 
 
 def test_stats_say_what_the_dram_holds_by_namespace_and_block_size(start_daemon, client_factory):
