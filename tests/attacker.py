@@ -20,6 +20,9 @@ keep it until a line comes on stdin.
                           many still wait once at most K do (or after 20 s), and how the others
                           were answered; when told, cancel them, make K + 1 again (until K of
                           them wait, at most 20 times) and say the same
+  streams SOCKET N        on one connection, open N gRPC streams (HEADERS only) to the
+                          reflection service; say what the daemon's SETTINGS allowed and
+                          how many streams it refused
   unproven SOCKET N       attach N times, one after the other, never saying hello, each
                           stream cancelled once it started
   watch SOCKET N:BYTES    open N health Watch streams on one connection, each for a service
@@ -288,6 +291,46 @@ def answer_h2(sock: socket.socket, buf: bytes) -> bytes:
     return buf
 
 
+def streams(socket_path: str, count: int) -> None:
+    def literal(name: bytes, value: bytes) -> bytes:
+        return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+    headers = b"".join(literal(n, v) for n, v in (
+        (b":method", b"POST"), (b":scheme", b"http"),
+        (b":path", b"/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"),
+        (b":authority", b"localhost"), (b"content-type", b"application/grpc"), (b"te", b"trailers")))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(socket_path)
+    sock.sendall(H2_PREFACE)
+    for first in range(0, count, 256):  # HEADERS with END_HEADERS, never a DATA frame
+        sock.sendall(b"".join(len(headers).to_bytes(3, "big") + bytes([1, 4]) + (2 * i + 1).to_bytes(4, "big")
+                              + headers for i in range(first, min(count, first + 256))))
+    settings: dict[int, int] = {}
+    refused, buf = 0, b""
+    sock.settimeout(0.5)
+    deadline, last = time.monotonic() + 30, time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - last < 2:
+        try:
+            data = sock.recv(1 << 16)
+        except TimeoutError:
+            continue
+        if not data:
+            break
+        buf, last = buf + data, time.monotonic()
+        while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+            length, kind, flags = int.from_bytes(buf[:3], "big"), buf[3], buf[4]
+            payload = buf[9:9 + length]
+            if kind == 4 and not flags & 1:
+                for at in range(0, len(payload) - 5, 6):
+                    settings[int.from_bytes(payload[at:at + 2], "big")] = int.from_bytes(payload[at + 2:at + 6], "big")
+            if kind == 3:
+                refused += 1
+            buf = answer_h2(sock, buf[:9 + length]) + buf[9 + length:]
+    # 0x3: SETTINGS_MAX_CONCURRENT_STREAMS (absent: no limit)
+    hold({"max_concurrent_streams": settings.get(3), "refused": refused})
+    sock.close()
+
+
 def grpc_idle(socket_path: str, count: int, keep: int) -> None:
     import selectors
     import threading
@@ -366,6 +409,8 @@ def main() -> int:
         garbage(socket_path, int(arg))
     elif command == "unproven":
         unproven(socket_path, int(arg))
+    elif command == "streams":
+        streams(socket_path, int(arg))
     elif command == "grpc-idle":
         count, keep = arg.split(":")
         grpc_idle(socket_path, int(count), int(keep))

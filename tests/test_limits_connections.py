@@ -185,6 +185,24 @@ def test_job_connections_never_take_the_files_a_new_client_needs(start_daemon, c
         idle.stop()
 
 
+def test_one_grpc_connection_cannot_open_streams_without_bound(start_daemon):
+    from kvdepot.server.daemon.startup import MAX_STREAMS_PER_CONNECTION
+
+    daemon = start_daemon()
+    before = rss_bytes(daemon.proc.pid)
+    # Streams that need no session or token, held open with their headers alone.
+    flood = Attacker("streams", daemon.socket, MAX_STREAMS_PER_CONNECTION + 3000)
+    try:
+        report = flood.report(timeout=120)
+        assert report["max_concurrent_streams"] == MAX_STREAMS_PER_CONNECTION, report
+        assert report["refused"] >= 3000, report
+        assert rss_bytes(daemon.proc.pid) - before < 200 << 20
+        with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:  # others are still served
+            grpc.channel_ready_future(channel).result(timeout=30)
+    finally:
+        flood.stop()
+
+
 def test_health_watch_streams_are_refused_for_unknown_names_and_bounded(start_daemon):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -286,6 +286,11 @@ def _close_job_socket(server: asyncio.AbstractServer, path: str) -> None:
         os.unlink(path)
 
 
+# Streams one gRPC connection may have open at once. A process's sessions share
+# its connection: each holds an Attach stream, and --max-sessions-per-uid is 256.
+MAX_STREAMS_PER_CONNECTION = 1024
+
+
 async def open_grpc_server(
     stack: contextlib.AsyncExitStack, depot, tenants: Tenants, address: Address,
     credentials: grpc.ServerCredentials | None, job_path: str, max_queued_keys: int,
@@ -307,6 +312,11 @@ async def open_grpc_server(
             # closed (an engine's Attach stream keeps its own busy).
             ("grpc.server_handshake_timeout_ms", int(depot.limits.grpc_handshake_timeout * 1000)),
             ("grpc.max_connection_idle_ms", int(depot.limits.grpc_idle_timeout * 1000)),
+            # Every open stream holds memory (about 20 KB with its headers) and no
+            # session or token is needed to open one (reflection, health): a bound
+            # per connection, well above what one process's sessions use, since
+            # grpcio clients share one connection between a process's channels.
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
         ],
     )
     stack.push_async_callback(server.stop, 1.0)
