@@ -186,7 +186,7 @@ def test_job_connections_never_take_the_files_a_new_client_needs(start_daemon, c
 
 
 def test_one_grpc_connection_cannot_open_streams_without_bound(start_daemon):
-    from kvdepot.server.daemon.startup import MAX_STREAMS_PER_CONNECTION
+    from kvdepot.server.daemon.grpc_cap import MAX_STREAMS_PER_CONNECTION
 
     daemon = start_daemon()
     before = rss_bytes(daemon.proc.pid)

@@ -1,4 +1,6 @@
-"""A cap on the gRPC connections one user id holds on the unix socket.
+"""What gRPC connections may hold: the server's options that bound each one
+(handshake, idle time, streams), and a cap on the connections one user id
+holds on the unix socket.
 
 grpcio accepts connections itself: it offers no hook between accept and the
 handshake, and takes no listening socket or accepted descriptor from the
@@ -23,6 +25,35 @@ from kvdepot.logsafe import RateLimitedLog
 log = logging.getLogger("kvdepot.grpc")
 
 _PEERCRED = struct.Struct("3i")
+
+# Streams one gRPC connection may have open at once. A process's sessions share
+# its connection: each holds an Attach stream, and --max-sessions-per-uid is 256.
+MAX_STREAMS_PER_CONNECTION = 1024
+
+
+def server_options(limits) -> list[tuple[str, int | str]]:
+    """The gRPC server's options, with `limits` (core/limits.py Limits)."""
+    return [
+        # Without this a second daemon could bind the same TCP port.
+        ("grpc.so_reuseport", 0),
+        # Notice dead TCP peers; unix sockets report them at once anyway.
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Small messages that engine steps wait on (see the client's channel).
+        ("grpc.optimization_target", "latency"),
+        # A connection costs a descriptor before any call proves anything:
+        # one that never finishes its handshake, or holds no call, is
+        # closed (an engine's Attach stream keeps its own busy).
+        ("grpc.server_handshake_timeout_ms", int(limits.grpc_handshake_timeout * 1000)),
+        ("grpc.max_connection_idle_ms", int(limits.grpc_idle_timeout * 1000)),
+        # Every open stream holds memory (about 20 KB with its headers) and no
+        # session or token is needed to open one (reflection, health): a bound
+        # per connection, well above what one process's sessions use, since
+        # grpcio clients share one connection between a process's channels.
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    ]
 
 
 def _duplicate(fd: int) -> socket.socket | None:

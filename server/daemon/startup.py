@@ -286,39 +286,12 @@ def _close_job_socket(server: asyncio.AbstractServer, path: str) -> None:
         os.unlink(path)
 
 
-# Streams one gRPC connection may have open at once. A process's sessions share
-# its connection: each holds an Attach stream, and --max-sessions-per-uid is 256.
-MAX_STREAMS_PER_CONNECTION = 1024
-
-
 async def open_grpc_server(
     stack: contextlib.AsyncExitStack, depot, tenants: Tenants, address: Address,
     credentials: grpc.ServerCredentials | None, job_path: str, max_queued_keys: int,
 ):
     """The gRPC server, started; returns its health servicer."""
-    server = grpc.aio.server(
-        options=[
-            # Without this a second daemon could bind the same TCP port.
-            ("grpc.so_reuseport", 0),
-            # Notice dead TCP peers; unix sockets report them at once anyway.
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            # Small messages that engine steps wait on (see the client's channel).
-            ("grpc.optimization_target", "latency"),
-            # A connection costs a descriptor before any call proves anything:
-            # one that never finishes its handshake, or holds no call, is
-            # closed (an engine's Attach stream keeps its own busy).
-            ("grpc.server_handshake_timeout_ms", int(depot.limits.grpc_handshake_timeout * 1000)),
-            ("grpc.max_connection_idle_ms", int(depot.limits.grpc_idle_timeout * 1000)),
-            # Every open stream holds memory (about 20 KB with its headers) and no
-            # session or token is needed to open one (reflection, health): a bound
-            # per connection, well above what one process's sessions use, since
-            # grpcio clients share one connection between a process's channels.
-            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
-        ],
-    )
+    server = grpc.aio.server(options=grpc_cap.server_options(depot.limits))
     stack.push_async_callback(server.stop, 1.0)
     add_to_server(KVDepotService(depot, tenants, job_path, max_queued_keys), server)
     servicer = HealthService(("", SERVICE_NAME))
