@@ -74,7 +74,8 @@ class Transport {
   virtual void abandon(Job& job) {}
   // The worker's last copy ended and it is closing: forget it.
   virtual void forget(Worker& worker) {}
-  // On the lane's thread, each round: work the transport's own threads handed back.
+  // On the lane's thread, each round and when due() comes: work the transport's
+  // own threads handed back, or its own work due (the CUDA gate's asks).
   virtual void poll() {}
   // When poll() next has work that no other thread will wake the lane for
   // (now_ns()'s clock; INT64_MAX: none): the lane's timer wakes it then.
