@@ -25,6 +25,11 @@ keep it until a line comes on stdin.
                           how many streams it refused
   unproven SOCKET N       attach N times, one after the other, never saying hello, each
                           stream cancelled once it started
+  partial SOCKET N:MIB    N sessions, each with its job socket connection, each sends a frame
+                          of MIB MiB but its last byte; say how many the daemon refused (and
+                          its first refusal); hold the others until told
+  whole SOCKET N:MIB      N sessions, each sends one whole frame of MIB MiB (a JobFrame that
+                          asks nothing) and reads its answer; hold the connections until told
   watch SOCKET N:BYTES    open N health Watch streams on one connection, each for a service
                           name of BYTES characters; say how many were answered (and stay open)
                           and how the others ended; hold them until told
@@ -209,6 +214,52 @@ def sparse(socket_path: str, count: int) -> None:
             os.close(fd)
     hold({"taken": taken, "refusal": refusal})
     session.close()
+
+
+def partial(socket_path: str, count: int, mib: int) -> None:
+    from raw_client import RawSession
+
+    sessions, refused = [], []
+    for i in range(count):
+        session = RawSession(socket_path, name=f"partial{i}")
+        sessions.append(session)
+        session.jobs.sock.settimeout(30)
+        try:
+            session.jobs.sock.sendall(LENGTH.pack(mib << 20) + b"\0" * ((mib << 20) - 1))
+        except OSError:  # it closed the connection while we sent
+            pass
+        session.jobs.sock.settimeout(None)  # refusal_of asks without waiting
+    time.sleep(0.5)
+    for session in sessions:
+        if (answer := refusal_of(session.jobs.sock)) is not None:
+            refused.append(answer)
+    hold({"held": count - len(refused), "refused": len(refused), "first_refusal": refused[0] if refused else None})
+
+
+def whole(socket_path: str, count: int, mib: int) -> None:
+    from raw_client import RawSession
+
+    # Request id 1 and an unknown field (number 1000, length-delimited) of
+    # MIB MiB: a JobFrame every reader skips over to find it asks nothing.
+    body = (mib << 20) - 16
+    frame = b"\x08\x01" + b"\xc2\x3e" + varint(body) + b"\0" * body
+    sessions, answers = [], []
+    for i in range(count):
+        session = RawSession(socket_path, name=f"whole{i}")
+        sessions.append(session)
+        session.jobs.sock.settimeout(30)
+        session.jobs.sock.sendall(LENGTH.pack(len(frame)) + frame)
+        reply = session.jobs.reply()
+        answers.append(None if reply is None else reply.WhichOneof("kind"))
+    hold({"answers": answers})
+
+
+def varint(n: int) -> bytes:
+    out = b""
+    while n >= 0x80:
+        out += bytes([n & 0x7F | 0x80])
+        n >>= 7
+    return out + bytes([n])
 
 
 def wait_flood(socket_path: str, count: int, keep: int) -> None:
@@ -421,6 +472,9 @@ def main() -> int:
     elif command == "wait-flood":
         count, keep = arg.split(":")
         wait_flood(socket_path, int(count), int(keep))
+    elif command in ("partial", "whole"):
+        count, mib = arg.split(":")
+        (partial if command == "partial" else whole)(socket_path, int(count), int(mib))
     elif command == "watch":
         count, size = arg.split(":")
         watch(socket_path, int(count), int(size))

@@ -106,6 +106,7 @@ def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_held_daem
         (["--grpc-handshake-timeout", "1e30"], "grpc_handshake_timeout must be more than 0 seconds and at most"),
         (["--metrics-timeout", "nan"], "is not a valid metrics_timeout: it must be a finite number"),
         (["--drain-timeout", "nan"], "is not a valid drain_timeout: it must be a finite number"),
+        (["--max-job-frame-bytes-per-uid", "16MiB"], "max_job_frame_bytes_per_uid must be at least 64MiB"),
     ],
 )
 def test_bad_configuration_is_refused_with_a_clear_message(tmp_path, args, message):

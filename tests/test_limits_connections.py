@@ -168,6 +168,50 @@ def test_replies_left_unread_do_not_grow_the_daemon_and_other_clients_run(start_
     store_and_check(client, worker, tensors, 20, prompt=422)
 
 
+def test_frames_not_yet_whole_are_bounded_per_user_and_the_rest_refused_by_name(start_daemon, client_factory):
+    from kvdepot.server.core.limits import Limits
+
+    budget = Limits().max_job_frame_bytes_per_uid
+    daemon = start_daemon()
+    before = rss_bytes(daemon.proc.pid)
+    # Frames that never end, 48 MiB each: 576 MiB held if nothing bounded them.
+    attack = Attacker("partial", daemon.socket, "12:48")
+    try:
+        report = attack.report(timeout=120)
+        held = budget // (48 << 20)
+        assert report["held"] == held and report["refused"] == 12 - held, report
+        code, message = report["first_refusal"].split(" ", 1)
+        assert code == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]), report
+        assert "--max-job-frame-bytes-per-uid" in message and "not yet whole" in message, message
+        grown = rss_bytes(daemon.proc.pid) - before
+        assert grown < budget + (64 << 20), f"the daemon grew by {grown >> 20} MiB"
+    finally:
+        attack.stop()
+    # What they held is the user's again once their connections are gone.
+    client = client_factory(daemon, name="after")
+    worker, engine, tensors = attach_worker(client, seed=46)
+    wait_until(lambda: rss_bytes(daemon.proc.pid) - before < 128 << 20, timeout=30)
+    again = Attacker("partial", daemon.socket, f"{held}:48")
+    try:
+        assert again.report(timeout=120)["refused"] == 0
+    finally:
+        again.stop()
+    store_and_check(client, worker, tensors, 1, prompt=440)
+
+
+def test_a_big_frame_once_handled_gives_its_memory_back(start_daemon):
+    daemon = start_daemon()
+    before = rss_bytes(daemon.proc.pid)
+    # Eight connections each send one whole frame of 40 MiB, which asks nothing, and stay open.
+    attack = Attacker("whole", daemon.socket, "8:40")
+    try:
+        assert attack.report(timeout=120)["answers"] == ["refused"] * 8
+        grown = rss_bytes(daemon.proc.pid) - before
+        assert grown < 100 << 20, f"the daemon still holds {grown >> 20} MiB for frames it has answered"
+    finally:
+        attack.stop()
+
+
 def test_job_connections_never_take_the_files_a_new_client_needs(start_daemon, client_factory):
     # A daemon that may open 256 files (a tight LimitNOFILE) keeps half of them from the job socket.
     launcher = str(Path(__file__).resolve().parent / "daemon_with_few_files.py")

@@ -58,7 +58,8 @@ class Rig:
         self.rows = rows
         self.pool = HostPool(size=256 * SLOT, slot_bytes=SLOT, directory=str(tmp_path), name="p", pin="off")
         self.lane = Lane(binding.load(build.build(quiet=True)), self.pool, arc=False, tracing=False,
-                         max_unread=1 << 20, check=True)
+                         max_unread=1 << 20,
+                         max_frame_bytes_per_uid=256 << 20, check=True)
         self.lane.add_namespace(NS, self.lane.scope("t", None), 1, "ns", bytes(16))
         self.lane.add_session(SESSION, SESSION, "s" * 32, 4096)
         self.keep = []  # host memory the "GPU" uses, alive while the lane is

@@ -214,7 +214,8 @@ def test_the_native_lanes_counts_agree_at_every_call_while_kept_blocks_wait(tmp_
     except OSError as e:
         pytest.skip(f"the native lane is not built: {e}")
     pool = open_pool(tmp_path, name="n")
-    lane = Lane(library, pool, arc=False, tracing=False, max_unread=1024, check=True)
+    lane = Lane(library, pool, arc=False, tracing=False, max_unread=1024, max_frame_bytes_per_uid=64 << 20,
+                check=True)
     try:
         pool.slots = NativeSlots(lane, pool.slots)
         # Kept shards' runs in chunks 5 and 7, not up yet: one slot, and three.

@@ -22,6 +22,7 @@ class JobSocketLimits:
     connections_per_uid: int = 512
     hello_timeout: float = 10.0
     max_unread_replies: int = 16 << 20
+    frame_bytes_per_uid: int = 256 << 20
 
 
 class Gate:
@@ -32,6 +33,9 @@ class Gate:
         self.total = 0
         # By the peer's uid; None for a peer without credentials.
         self.per_uid: dict[int | None, int] = {}
+        # Bytes of frames not yet whole that each uid's connections hold, by
+        # the length the frames announce (the bytes are on their way).
+        self.frame_bytes: dict[int | None, int] = {}
         # One line now and then for what any client can make happen at will.
         self.events = RateLimitedLog(log)
 
@@ -56,6 +60,29 @@ class Gate:
         self.per_uid[uid] -= 1
         if not self.per_uid[uid]:
             del self.per_uid[uid]
+
+
+    def hold_frame(self, uid: int | None, length: int) -> str | None:
+        """None when a connection of `uid` may hold a frame of `length` bytes
+        until it is whole (counted), else why not."""
+        held = self.frame_bytes.get(uid, 0)
+        budget = self.limits.frame_bytes_per_uid
+        if held + length > budget:
+            return (
+                f"user id {uid}'s job socket connections hold {held} bytes of frames not yet whole; a frame of "
+                f"{length} more would pass the limit per user, {budget} (--max-job-frame-bytes-per-uid)"
+            )
+        self.frame_bytes[uid] = held + length
+        return None
+
+    def drop_frame(self, uid: int | None, length: int) -> None:
+        if not length:
+            return
+        left = self.frame_bytes[uid] - length
+        if left:
+            self.frame_bytes[uid] = left
+        else:
+            del self.frame_bytes[uid]
 
 
 def fit_fd_limit(limits: JobSocketLimits) -> JobSocketLimits:

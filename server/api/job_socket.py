@@ -24,7 +24,6 @@ the descriptor itself (`_take_descriptor`).
 
 from __future__ import annotations
 
-import array
 import asyncio
 import logging
 import os
@@ -46,7 +45,7 @@ from kvdepot.errors import (
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.api import answers, parse
 from kvdepot.server.api.job_gate import Gate, JobSocketLimits, fit_fd_limit
-from kvdepot.server.host.peer import peer_of
+from kvdepot.server.host.peer import peer_of, receive_descriptors
 
 log = logging.getLogger("kvdepot.jobs")
 
@@ -100,6 +99,8 @@ class JobConnection(asyncio.Protocol):
         self._handed_over = False
         # The hello asked for quiet submits (proto: JobSocketHello.quiet_submits).
         self._quiet = False
+        # The length of the frame not yet whole that the gate counts for this connection.
+        self._frame_held = 0
 
     @property
     def open(self) -> bool:
@@ -112,9 +113,7 @@ class JobConnection(asyncio.Protocol):
             self._uid, self._peer = peer.uid, f"pid {peer.pid}, uid {peer.uid}"
         refusal = self._gate.admit(self._uid)
         if refusal is not None:
-            self._gate.events.warning("refused", "refused a job socket connection of %s: %s", self._peer, refusal)
-            transport.write(self._refusal(0, ResourceExhausted(refusal)))
-            transport.close()
+            self._turn_away("refused", ResourceExhausted(refusal), "refused a job socket connection of %s: %s")
             return
         self._admitted = True
         transport.set_write_buffer_limits(high=PAUSE_AT_BYTES, low=RESUME_AT_BYTES)
@@ -135,6 +134,8 @@ class JobConnection(asyncio.Protocol):
             self._hello_timer.cancel()
             self._hello_timer = None
         self._stop_offer()
+        self._gate.drop_frame(self._uid, self._frame_held)
+        self._frame_held = 0
         self._transport = None
 
     def data_received(self, data: bytes) -> None:
@@ -172,7 +173,18 @@ class JobConnection(asyncio.Protocol):
                 return
             end = start + JOB_FRAME_HEADER.size + length
             if len(buffer) < end:
+                if self.session is not None and not self._frame_held:
+                    # Its bytes wait in the buffer: counted against its user's budget.
+                    refusal = self._gate.hold_frame(self._uid, length)
+                    if refusal is not None:
+                        self.write_held()
+                        self._turn_away("frame budget", ResourceExhausted(refusal))
+                        return
+                    self._frame_held = length
                 break
+            if self._frame_held:
+                self._gate.drop_frame(self._uid, self._frame_held)
+                self._frame_held = 0
             received = jobtrace.now() if jobtrace.ON else 0
             request = pb.JobFrame()
             try:
@@ -187,6 +199,12 @@ class JobConnection(asyncio.Protocol):
                 buffer.clear()
                 return
         del buffer[:start]
+
+    def _turn_away(self, kind: str, error: KVDepotError, message="closing the job socket connection of %s: %s") -> None:
+        """Says why (a JobRefused of request 0) and closes, with a warning now and then."""
+        self._gate.events.warning(kind, message, self._peer, error)
+        self._transport.write(self._refusal(0, error))
+        self._transport.close()
 
     def send_done(self, done) -> None:
         message = frame(pb.JobReply(job_done=answers.job_done(done)))
@@ -240,12 +258,8 @@ class JobConnection(asyncio.Protocol):
         self._hello_timer = None
         if self.session is None and self.open:
             what = "no staging descriptor" if self._offer is not None else "no hello"
-            self._gate.events.warning(
-                "no hello", "closing the job socket connection of %s: %s within %g s", self._peer, what, timeout
-            )
             error = FailedPrecondition(f"{what} within {timeout:g} s (--job-hello-timeout)")
-            self._transport.write(self._refusal(0, error))
-            self._transport.close()
+            self._turn_away("no hello", error)
 
     @staticmethod
     def _refusal(request_id: int, error: Exception) -> bytes:
@@ -348,7 +362,7 @@ class JobConnection(asyncio.Protocol):
         self._admitted = False
         self._transport.pause_reading()
         try:
-            self._depot.adopt_job_connection(self.session, fd, self._peer, self._handover, leftover, self._quiet,
+            self._depot.adopt_job_connection(self.session, fd, self._peer, uid, self._handover, leftover, self._quiet,
                                              lambda: gate.release(uid))
         finally:
             self._transport.abort()
@@ -375,9 +389,7 @@ class JobConnection(asyncio.Protocol):
             return
         request_id, session_id, identity = self._offer
         try:
-            data, ancillary, flags, _ = self._offer_socket.recvmsg(
-                1, socket.CMSG_SPACE(4 * _MAX_DESCRIPTORS), socket.MSG_CMSG_CLOEXEC
-            )
+            data, descriptors, truncated = receive_descriptors(self._offer_socket)
         except (BlockingIOError, InterruptedError):
             # Not there yet: the hello deadline ends the wait.
             next_delay = min(delay * 2, _LAST_POLL_S)
@@ -388,11 +400,10 @@ class JobConnection(asyncio.Protocol):
             self._drop("broken", f"a staging offer whose connection failed ({e})")
             return
         self._stop_offer()
-        descriptors = _descriptors(ancillary)
         try:
             if not data:
                 raise FailedPrecondition("the connection ended before the staging descriptor came")
-            if len(descriptors) != 1 or flags & socket.MSG_CTRUNC:
+            if len(descriptors) != 1 or truncated:
                 raise InvalidArgument("a staging offer's byte must carry exactly one descriptor")
             staging_id = self._depot.take_staging(session_id, identity, descriptors.pop())
             reply = frame(pb.JobReply(request_id=request_id, staging_taken=pb.StagingTaken(staging_id=staging_id)))
@@ -423,21 +434,10 @@ class JobConnection(asyncio.Protocol):
             )
 
 
-# Read with room for this many descriptors, so that a client that sends more
-# is refused (and every one of them closed) rather than truncated unseen.
-_MAX_DESCRIPTORS = 4
 # The descriptor's byte follows staging_ready by a round trip: polled at this
 # interval at first, doubling up to the last.
 _FIRST_POLL_S = 0.0005
 _LAST_POLL_S = 0.05
-
-
-def _descriptors(ancillary) -> list[int]:
-    fds = array.array("i")
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    return list(fds)
 
 
 async def listen(depot, tenants, path: str, limits: JobSocketLimits | None = None) -> asyncio.AbstractServer:

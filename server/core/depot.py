@@ -289,8 +289,8 @@ class Depot(JobPath):
     # the native lane takes them after their hello (server/native/depot.py).
     takes_job_connections = False
 
-    def adopt_job_connection(self, session: Session, fd: int, peer: str, first: bytes, leftover: bytes, quiet: bool,
-                             release) -> bool:
+    def adopt_job_connection(self, session: Session, fd: int, peer: str, uid: int, first: bytes, leftover: bytes,
+                             quiet: bool, release) -> bool:
         raise NotImplementedError("this depot leaves job socket connections to the API wing")
 
     def take_staging(self, session_id: str, identity: Identity, fd: int) -> int:

@@ -70,6 +70,10 @@ class Limits:
     max_job_connections: int = 1024
     max_job_connections_per_uid: int = 512
     max_unread_job_replies: int = 16 << 20
+    # Bytes of job socket frames not yet whole (announced by their length) that
+    # the connections of one user id may hold at once: a frame may be 64 MiB,
+    # and a user may open hundreds of connections.
+    max_job_frame_bytes_per_uid: int = 256 << 20
     # gRPC connections (server/daemon/startup.py): seconds to finish the
     # handshake, and seconds a connection with no call in flight stays open.
     grpc_handshake_timeout: float = 10.0

@@ -313,6 +313,11 @@ def _check_limits(limits: Limits) -> None:
             raise ConfigError(f"{key} must be more than 0 seconds and at most {MAX_TIMEOUT:.0f}")
     if limits.max_unread_job_replies < 1 << 20:
         raise ConfigError(f"max_unread_job_replies must be at least 1MiB, not {limits.max_unread_job_replies}")
+    if limits.max_job_frame_bytes_per_uid < defaults.MAX_JOB_FRAME_BYTES:
+        raise ConfigError(
+            f"max_job_frame_bytes_per_uid must be at least 64MiB (the longest frame), "
+            f"not {limits.max_job_frame_bytes_per_uid}"
+        )
 
 
 def describe(config: DaemonConfig) -> dict:

@@ -47,6 +47,7 @@ def open_lane(stack: contextlib.ExitStack, config: DaemonConfig, pool: HostPool)
         return None
     lane = Lane(library, pool, arc=config.pool.eviction == "arc", tracing=jobtrace.ON,
                 max_unread=config.limits.max_unread_job_replies,
+                max_frame_bytes_per_uid=config.limits.max_job_frame_bytes_per_uid,
                 check=os.environ.get("KVDEPOT_CHECK_INDEX") == "1")
     stack.callback(lane.close)
     log.info("per-job path: the native lane (%s)", binding.build.library_path().name)

@@ -400,6 +400,11 @@ OPTIONS = [
     limit("max_unread_job_replies",
           "Replies a job socket connection may leave unread before it is closed. Past 256 KiB the daemon "
           "already stops reading that connection's requests until it reads.", size=True),
+    limit("max_job_frame_bytes_per_uid",
+          "Bytes of job socket frames not yet whole that the connections of one user id (from the kernel) "
+          "may hold at once, counted by the length each frame announces; a connection whose frame would "
+          "pass it is answered RESOURCE_EXHAUSTED and closed. At least 64MiB, the longest frame. An "
+          "engine's frames are a few KiB and come whole.", size=True),
 ]
 
 BY_KEY = {opt.key: opt for opt in OPTIONS}

@@ -271,6 +271,7 @@ async def open_job_socket(
         connections_per_uid=limits.max_job_connections_per_uid,
         hello_timeout=limits.job_hello_timeout,
         max_unread_replies=limits.max_unread_job_replies,
+        frame_bytes_per_uid=limits.max_job_frame_bytes_per_uid,
     )
     try:
         server = await job_socket.listen(depot, tenants, path, limits)

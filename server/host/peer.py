@@ -1,4 +1,5 @@
-"""Who is on the other end of a unix socket, from the kernel (SO_PEERCRED).
+"""What the kernel says of the peer of a unix socket: who it is
+(SO_PEERCRED), and the descriptors it passes (SCM_RIGHTS).
 
 A client's word about itself (its pid, its name) is a claim; the credentials
 the kernel recorded when the peer connected are not.
@@ -6,6 +7,7 @@ the kernel recorded when the peer connected are not.
 
 from __future__ import annotations
 
+import array
 import socket
 import struct
 from dataclasses import dataclass
@@ -33,3 +35,20 @@ def peer_of(sock: socket.socket) -> Peer | None:
     # pid is 0 for a peer in a PID namespace this daemon cannot see (another
     # container): its uid and gid still hold, its pid is unknown.
     return Peer(pid, uid, gid)
+
+
+# Read with room for this many descriptors, so that a peer that sends more is
+# refused (and every one of them closed) rather than truncated unseen.
+_MAX_DESCRIPTORS = 4
+
+
+def receive_descriptors(sock: socket.socket) -> tuple[bytes, list[int], bool]:
+    """One byte and the descriptors that came with it (close-on-exec, the
+    caller's to close), and whether the kernel cut some off; BlockingIOError
+    on a non-blocking socket with nothing to read."""
+    data, ancillary, flags, _ = sock.recvmsg(1, socket.CMSG_SPACE(4 * _MAX_DESCRIPTORS), socket.MSG_CMSG_CLOEXEC)
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds), bool(flags & socket.MSG_CTRUNC)

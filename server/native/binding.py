@@ -40,6 +40,7 @@ class LaneConfig(ctypes.Structure):
         ("max_unread", ctypes.c_uint64),
         ("chunk_slots", ctypes.c_int64),
         ("extent_slots", ctypes.c_int64),
+        ("max_frame_bytes_per_uid", ctypes.c_uint64),
     ]
 
 
@@ -132,7 +133,7 @@ _SIGNATURES = {
     "kvd_session_end": ([_P, _U32], None),
     "kvd_session_info": ([_P, _U32, ctypes.POINTER(_U64), ctypes.POINTER(_U64)], _INT),
     "kvd_worker_add": ([_P, _U32, _U32, _U32, _U32, _U64, _U64, _I32, _INT, _U64, _U64], _INT),
-    "kvd_conn_add": ([_P, _U32, _INT, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p,
+    "kvd_conn_add": ([_P, _U32, _INT, ctypes.c_char_p, _U32, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p,
                       ctypes.c_size_t, _INT], _I64),
     "kvd_submit": ([_P, _U32, _INT, _U32, _U64, ctypes.c_char_p, ctypes.POINTER(_U64), _U32, ctypes.POINTER(_U32),
                     _U32, ctypes.c_char_p, ctypes.c_size_t, _U64, ctypes.POINTER(_U32)], _INT),

@@ -164,9 +164,9 @@ class NativeDepot(Depot):
         self._after_call()
         return jobs
 
-    def adopt_job_connection(self, session: Session, fd: int, peer: str, first: bytes, leftover: bytes, quiet: bool,
-                             release) -> bool:
-        conn = self.lane.add_connection(session.number, fd, peer, first, leftover, quiet)
+    def adopt_job_connection(self, session: Session, fd: int, peer: str, uid: int, first: bytes, leftover: bytes,
+                             quiet: bool, release) -> bool:
+        conn = self.lane.add_connection(session.number, fd, peer, uid, first, leftover, quiet)
         if conn < 0:
             os.close(fd)
             release()

@@ -39,7 +39,8 @@ def _counters(values) -> Counters:
 
 
 class Lane:
-    def __init__(self, lib: ctypes.CDLL, pool, *, arc: bool, tracing: bool, max_unread: int, check: bool = False):
+    def __init__(self, lib: ctypes.CDLL, pool, *, arc: bool, tracing: bool, max_unread: int,
+                 max_frame_bytes_per_uid: int, check: bool = False):
         self._lib = lib
         self.check = check
         ranges = [Range(-1 if r.node is None else r.node, r.first, r.count) for r in pool.slots.ranges]
@@ -50,6 +51,7 @@ class Lane:
             n_ranges=len(ranges), ranges=self._ranges,
             seed=int.from_bytes(os.urandom(8), "little"), max_unread=max_unread,
             chunk_slots=pool.slots.chunk_slots, extent_slots=pool.slots.extent_slots,
+            max_frame_bytes_per_uid=max_frame_bytes_per_uid,
         )
         error = ctypes.create_string_buffer(512)
         handle = lib.kvd_open(ctypes.byref(config), error, len(error))
@@ -144,9 +146,10 @@ class Lane:
 
     # ------------------------------------------------------------ jobs
 
-    def add_connection(self, session: int, fd: int, peer: str, first: bytes, leftover: bytes, quiet: bool) -> int:
-        return self._lib.kvd_conn_add(self._h, session, fd, peer.encode(errors="replace"), first, len(first),
-                                      leftover, len(leftover), int(quiet))
+    def add_connection(self, session: int, fd: int, peer: str, uid: int, first: bytes, leftover: bytes,
+                       quiet: bool) -> int:
+        return self._lib.kvd_conn_add(self._h, session, fd, peer.encode(errors="replace"), uid & 0xFFFFFFFF, first,
+                                      len(first), leftover, len(leftover), int(quiet))
 
     def submit(self, session: int, request: JobRequest) -> tuple[int, int]:
         keys = list(request.keys)

@@ -213,13 +213,13 @@ KVD_API int kvd_cuda_worker(Lane* lane, uint32_t session, uint32_t worker, int d
 
 // ---------------------------------------------------------------- connections and jobs
 
-KVD_API int64_t kvd_conn_add(Lane* lane, uint32_t session, int fd, const char* peer, const uint8_t* first,
+KVD_API int64_t kvd_conn_add(Lane* lane, uint32_t session, int fd, const char* peer, uint32_t uid, const uint8_t* first,
                              size_t first_bytes, const uint8_t* leftover, size_t leftover_bytes, int quiet) {
   if (!lane) return -1;
   std::lock_guard<std::mutex> lock(lane->mutex);
   Session* s = lane->jobs->session(session);
   if (!s) return -1;
-  uint32_t id = lane->conns->add(*s, fd, peer, std::string(reinterpret_cast<const char*>(first), first_bytes),
+  uint32_t id = lane->conns->add(*s, fd, peer, uid, std::string(reinterpret_cast<const char*>(first), first_bytes),
                                  std::string(reinterpret_cast<const char*>(leftover), leftover_bytes), quiet != 0);
   lane->conns->flush();
   lane->arm();  // the frames that came with the hello may have held a store at the gate

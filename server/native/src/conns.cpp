@@ -19,17 +19,24 @@ constexpr size_t READ_BYTES = 256 << 10;
 // Reads of one connection per service call, so that one busy client cannot
 // keep the others waiting.
 constexpr int READS_PER_TURN = 8;
+// A connection's room to receive into past which, once what it holds is
+// small, it is given back.
+constexpr size_t SHRINK_ABOVE = 4 * READ_BYTES;
 }  // namespace
 
-Conns::Conns(int epoll_fd, Jobs& jobs, Events& events, uint64_t max_unread)
-    : epoll_fd_(epoll_fd), jobs_(jobs), events_(events), max_unread_(max_unread) {}
+Conns::Conns(int epoll_fd, Jobs& jobs, Events& events, uint64_t max_unread, uint64_t max_frame_bytes_per_uid)
+    : epoll_fd_(epoll_fd),
+      jobs_(jobs),
+      events_(events),
+      max_unread_(max_unread),
+      max_frame_bytes_per_uid_(max_frame_bytes_per_uid) {}
 
 Conns::~Conns() {
   for (auto& entry : conns_)
     if (entry.second->fd >= 0) ::close(entry.second->fd);
 }
 
-uint32_t Conns::add(Session& session, int fd, const std::string& peer, const std::string& first,
+uint32_t Conns::add(Session& session, int fd, const std::string& peer, uint32_t uid, const std::string& first,
                     const std::string& leftover, bool quiet) {
   auto owned = std::make_unique<Conn>();
   Conn& c = *owned;
@@ -37,6 +44,7 @@ uint32_t Conns::add(Session& session, int fd, const std::string& peer, const std
   c.fd = fd;
   c.session = session.handle;
   c.peer = peer;
+  c.uid = uid;
   c.out = first;
   c.in = leftover;
   c.in_end = leftover.size();
@@ -112,7 +120,11 @@ void Conns::handle_frames(Conn& c) {
                                   length, MAX_JOB_FRAME_BYTES, c.peer.c_str()));
       return;
     }
-    if (available < 4 + (size_t)length) break;
+    if (available < 4 + (size_t)length) {
+      if (c.frame_held == 0) hold_frame(c, length);  // else counted when its header came
+      break;
+    }
+    if (c.frame_held != 0) drop_frame(c);
     int64_t received = jobs_.tracing ? now_ns() : 0;
     Frame frame;
     const uint8_t* data = reinterpret_cast<const uint8_t*>(c.in.data()) + c.in_start + 4;
@@ -125,6 +137,36 @@ void Conns::handle_frames(Conn& c) {
     c.in_start += 4 + (size_t)length;
   }
   if (c.in_start == c.in_end) c.in_start = c.in_end = 0;
+  if (c.in.size() > SHRINK_ABOVE && c.in_end - c.in_start < c.in.size() / 4) {
+    // The room a big frame took is given back once it is handled: hundreds
+    // of connections each keeping 64 MiB would add up to many GiB.
+    std::string(c.in, c.in_start, c.in_end - c.in_start).swap(c.in);
+    c.in_end -= c.in_start;
+    c.in_start = 0;
+  }
+}
+
+bool Conns::hold_frame(Conn& c, uint32_t length) {
+  uint64_t& held = frame_bytes_[c.uid];
+  if (held + length <= max_frame_bytes_per_uid_) {
+    held += length;
+    c.frame_held = length;
+    return true;
+  }
+  std::string why = format(
+      "user id %u's job socket connections hold %llu bytes of frames not yet whole; a frame of %u more would pass "
+      "the limit per user, %llu (--max-job-frame-bytes-per-uid)",
+      c.uid, (unsigned long long)held, length, (unsigned long long)max_frame_bytes_per_uid_);
+  if (held == 0) frame_bytes_.erase(c.uid);
+  reply_refused(c.out, 0, RESOURCE_EXHAUSTED, why);
+  drop(c, "frame budget", format("closing the job socket connection of %s: %s", c.peer.c_str(), why.c_str()));
+  return false;
+}
+
+void Conns::drop_frame(Conn& c) {
+  auto found = frame_bytes_.find(c.uid);
+  if (found != frame_bytes_.end() && (found->second -= c.frame_held) == 0) frame_bytes_.erase(found);
+  c.frame_held = 0;
 }
 
 void Conns::answer(Conn& c, Frame& frame, int64_t received) {
@@ -228,6 +270,7 @@ void Conns::drop(Conn& c, const char* why, const std::string& text) {
 }
 
 void Conns::end(Conn& c, Closed kind) {
+  if (c.frame_held != 0) drop_frame(c);
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c.fd, nullptr);
   ::close(c.fd);
   c.fd = -1;

@@ -12,14 +12,15 @@ class Conns : public Replies {
   // Why a connection ended, as Python logs it (rate-limited by kind).
   enum Closed : uint8_t { LOST = 0, DROPPED = 1, UNREAD = 2, CLOSED = 3 };
 
-  Conns(int epoll_fd, Jobs& jobs, Events& events, uint64_t max_unread);
+  Conns(int epoll_fd, Jobs& jobs, Events& events, uint64_t max_unread, uint64_t max_frame_bytes_per_uid);
   ~Conns();
   // Takes a connection that said hello: `fd` is the lane's from now on. `first`
   // goes out before anything else (the answer to hello); `leftover` holds
   // what was read after the hello.
-  // `quiet`: submits taken get no answer (proto: JobSocketHello.quiet_submits).
-  uint32_t add(Session& session, int fd, const std::string& peer, const std::string& first, const std::string& leftover,
-               bool quiet);
+  // `uid`: its peer's, from the kernel. `quiet`: submits taken get no answer
+  // (proto: JobSocketHello.quiet_submits).
+  uint32_t add(Session& session, int fd, const std::string& peer, uint32_t uid, const std::string& first,
+               const std::string& leftover, bool quiet);
   // The session ended (or Python closes it): closes once its output is written.
   void close(uint32_t id);
   void on_epoll(uint32_t id, uint32_t events);
@@ -33,6 +34,9 @@ class Conns : public Replies {
     int fd = -1;
     uint32_t session = 0;
     std::string peer;
+    uint32_t uid = 0;
+    // The length of the frame not yet whole that counts against its uid's budget.
+    uint32_t frame_held = 0;
     // Bytes received: [in_start, in_end) of `in`, whose size is the room to
     // receive into (kept between reads: growing it before each recv would
     // zero-fill READ_BYTES every time).
@@ -54,12 +58,19 @@ class Conns : public Replies {
   // Closes it once the answers before are written, with a warning (rate-limited by `why`).
   void drop(Conn& c, const char* why, const std::string& text);
   void end(Conn& c, Closed kind);
+  // Counts a frame not yet whole against its uid's budget; past it, refuses and closes.
+  bool hold_frame(Conn& c, uint32_t length);
+  void drop_frame(Conn& c);
   size_t unread(const Conn& c) const { return c.out.size() - c.out_start; }
 
   int epoll_fd_;
   Jobs& jobs_;
   Events& events_;
   uint64_t max_unread_;
+  uint64_t max_frame_bytes_per_uid_;
+  // Bytes of frames not yet whole that each uid's connections hold, by the
+  // length the frames announce (server/api/job_gate.py Gate.frame_bytes).
+  std::unordered_map<uint32_t, uint64_t> frame_bytes_;
   uint32_t next_id_ = 1;
   std::unordered_map<uint32_t, std::unique_ptr<Conn>> conns_;
   std::vector<uint32_t> dirty_;  // with output to write

@@ -49,7 +49,7 @@ Lane::Lane(const LaneConfig& c) : config(c) {
   completions->finish_here = [this] { return finish_here(); };
   jobs.reset(new Jobs(*index, *slots, events, *completions, *this));
   jobs->tracing = c.tracing != 0;
-  conns.reset(new Conns(epoll_fd, *jobs, events, c.max_unread));
+  conns.reset(new Conns(epoll_fd, *jobs, events, c.max_unread, c.max_frame_bytes_per_uid));
   uint8_t* pool = reinterpret_cast<uint8_t*>(c.pool_base);
   sealer.reset(new Sealer(*slots, pool, c.slot_bytes, *completions));
   shm.reset(new ShmTransport(pool, c.slot_bytes, *completions));

@@ -35,6 +35,8 @@ struct LaneConfig {
   // How the pool is cut into extents of runs (host/free_runs.py).
   int64_t chunk_slots;
   int64_t extent_slots;
+  // Bytes of job socket frames not yet whole that one uid's connections may hold.
+  uint64_t max_frame_bytes_per_uid;
 };
 
 class Lane : public IndexHooks, public Replies {
