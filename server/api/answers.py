@@ -1,10 +1,15 @@
 """The wire's answers built from the core's values: GetStats from a report,
-notices as Notification messages, lookups, clears and job results."""
+notices as Notification messages, lookups, clears and job results; and the
+job socket's framing of a reply."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, fields
 
+import grpc
+
+from kvdepot.defaults import JOB_FRAME_HEADER
+from kvdepot.errors import KVDepotError
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.core.counters import Counters
 from kvdepot.server.core.index import LookupResult
@@ -120,3 +125,17 @@ def stats(report: Report, identified: bool) -> pb.GetStatsResponse:
             workers=client.workers,
         )
     return response
+
+
+def job_frame(message) -> bytes:
+    """A message as the job socket sends it: its length, then its bytes."""
+    data = message.SerializeToString()
+    return JOB_FRAME_HEADER.pack(len(data)) + data
+
+
+def job_refused(request_id: int, error: Exception) -> bytes:
+    """A request's refusal on the job socket. An error that is not a
+    KVDepotError is a bug in the daemon: INTERNAL."""
+    status = error.code if isinstance(error, KVDepotError) else grpc.StatusCode.INTERNAL
+    refused = pb.JobRefused(code=status.value[0], message=str(error))
+    return job_frame(pb.JobReply(request_id=request_id, refused=refused))

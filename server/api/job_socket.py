@@ -17,9 +17,7 @@ What any client can make happen again and again is logged once in a while.
 
 A connection of its own, whose first frame is a staging offer instead of a
 hello, hands the daemon a worker's staging memory as a file descriptor
-(SCM_RIGHTS), which asyncio's streams cannot carry: the daemon stops the
-connection's stream, says `staging_ready`, and reads the one byte that carries
-the descriptor itself (`_take_descriptor`).
+(api/staging_offer.py).
 """
 
 from __future__ import annotations
@@ -27,10 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import stat
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from kvdepot import jobtrace
@@ -44,8 +40,10 @@ from kvdepot.errors import (
 )
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.server.api import answers, parse
+from kvdepot.server.api.answers import job_frame, job_refused
 from kvdepot.server.api.job_gate import Gate, JobSocketLimits, fit_fd_limit
-from kvdepot.server.host.peer import peer_of, receive_descriptors
+from kvdepot.server.api.staging_offer import StagingOffer
+from kvdepot.server.host.peer import peer_of
 
 log = logging.getLogger("kvdepot.jobs")
 
@@ -57,11 +55,6 @@ RESUME_AT_BYTES = 64 << 10
 
 def job_socket_path(grpc_socket_path: str) -> str:
     return grpc_socket_path + ".jobs"
-
-
-def frame(message) -> bytes:
-    data = message.SerializeToString()
-    return JOB_FRAME_HEADER.pack(len(data)) + data
 
 
 class JobConnection(asyncio.Protocol):
@@ -86,11 +79,8 @@ class JobConnection(asyncio.Protocol):
         self._hello_timer: asyncio.TimerHandle | None = None
         # The client is not reading its replies: requests wait in the buffer.
         self._paused = False
-        # A staging offer waiting for its descriptor: (request id, session id,
-        # identity), and the socket the descriptor is read from.
-        self._offer: tuple | None = None
-        self._offer_socket: socket.socket | None = None
-        self._offer_timer: asyncio.TimerHandle | None = None
+        # The staging offer this connection made instead of a hello.
+        self._offer: StagingOffer | None = None
         # Replies held to go out in one write (hold_writes), else None.
         self._held_writes: list[bytes] | None = None
         # The answer to hello, once the depot takes the connection (the native
@@ -133,7 +123,8 @@ class JobConnection(asyncio.Protocol):
         if self._hello_timer is not None:
             self._hello_timer.cancel()
             self._hello_timer = None
-        self._stop_offer()
+        if self._offer is not None:
+            self._offer.stop()
         self._gate.drop_frame(self._uid, self._frame_held)
         self._frame_held = 0
         self._transport = None
@@ -203,11 +194,11 @@ class JobConnection(asyncio.Protocol):
     def _turn_away(self, kind: str, error: KVDepotError, message="closing the job socket connection of %s: %s") -> None:
         """Says why (a JobRefused of request 0) and closes, with a warning now and then."""
         self._gate.events.warning(kind, message, self._peer, error)
-        self._transport.write(self._refusal(0, error))
+        self._transport.write(job_refused(0, error))
         self._transport.close()
 
     def send_done(self, done) -> None:
-        message = frame(pb.JobReply(job_done=answers.job_done(done)))
+        message = job_frame(pb.JobReply(job_done=answers.job_done(done)))
         if self._held_dones is not None:
             self._held_dones.append(message)
         else:
@@ -261,14 +252,6 @@ class JobConnection(asyncio.Protocol):
             error = FailedPrecondition(f"{what} within {timeout:g} s (--job-hello-timeout)")
             self._turn_away("no hello", error)
 
-    @staticmethod
-    def _refusal(request_id: int, error: Exception) -> bytes:
-        # An error that is not a KVDepotError is a bug in the daemon: INTERNAL.
-        status = error.code if isinstance(error, KVDepotError) else grpc.StatusCode.INTERNAL
-        code = status.value[0]
-        refused = pb.JobRefused(code=code, message=str(error))
-        return frame(pb.JobReply(request_id=request_id, refused=refused))
-
     def _handle(self, request: pb.JobFrame, received: int = 0) -> None:
         kind = request.WhichOneof("kind")
         if self.session is None:
@@ -307,12 +290,12 @@ class JobConnection(asyncio.Protocol):
             else:
                 raise InvalidArgument("an empty JobFrame: set one of its requests")
         except KVDepotError as e:
-            return self._refusal(request.request_id, e)
+            return job_refused(request.request_id, e)
         except Exception as e:
             # A bug of the daemon's, but one a client may trigger at will.
             self._gate.events.warning(f"failed {kind}", "job socket %s failed", kind, exc_info=True)
-            return self._refusal(request.request_id, RuntimeError(f"{kind} failed: see the daemon's log ({e})"))
-        return frame(reply)
+            return job_refused(request.request_id, RuntimeError(f"{kind} failed: see the daemon's log ({e})"))
+        return job_frame(reply)
 
     def _bind(self, request: pb.JobFrame, kind: str) -> None:
         """The hello: the connection joins its session, and the session takes
@@ -325,14 +308,17 @@ class JobConnection(asyncio.Protocol):
                 raise PermissionDenied("the daemon cannot tell who this connection's peer is (no SO_PEERCRED)")
             identity = self._tenants.for_peer(peer)
             if kind == "staging":
-                self._depot.session(request.staging.session_id)  # known, and proven
-                self._await_descriptor(request.request_id, request.staging.session_id, identity)
+                session_id = request.staging.session_id
+                self._depot.session(session_id)  # known, and proven
+                self._offer = StagingOffer(self._transport, request.request_id,
+                                           lambda fd: self._depot.take_staging(session_id, identity, fd),
+                                           self._gate.events, lambda what: self._drop("broken", what))
                 return
             session = self._depot.prove(request.hello.session_id, identity)
             if session.outbox.has_job_channel():
                 raise FailedPrecondition(f"session {session.number} has a job socket connection already")
         except KVDepotError as e:
-            self._transport.write(self._refusal(request.request_id, e))
+            self._transport.write(job_refused(request.request_id, e))
             self._transport.close()
             return
         self.session = session
@@ -342,7 +328,7 @@ class JobConnection(asyncio.Protocol):
         self._quiet = request.hello.quiet_submits
         ready = pb.JobSocketReady(tenant=session.identity.tenant, admin=session.identity.admin,
                                   quiet_submits=self._quiet)
-        answer = frame(pb.JobReply(request_id=request.request_id, ready=ready))
+        answer = job_frame(pb.JobReply(request_id=request.request_id, ready=ready))
         if self._depot.takes_job_connections:
             self._handover = answer  # once the hello is taken off the buffer
             return
@@ -367,77 +353,11 @@ class JobConnection(asyncio.Protocol):
         finally:
             self._transport.abort()
 
-    # ------------------------------------------------------------ staging
-
-    def _await_descriptor(self, request_id: int, session_id: str, identity) -> None:
-        # Nothing more is read through the stream: the next byte carries the
-        # descriptor, and the client sends it only once it reads staging_ready.
-        self._transport.pause_reading()
-        self._offer = (request_id, session_id, identity)
-        # The byte is read from a duplicate of the socket, polled from timers:
-        # watching the duplicate with the loop (add_reader) would leave an
-        # epoll registration behind for a descriptor that is then closed.
-        sock = self._transport.get_extra_info("socket")
-        self._offer_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(sock.fileno()))
-        self._offer_socket.setblocking(False)
-        self._transport.write(frame(pb.JobReply(request_id=request_id, staging_ready=pb.StagingReady())))
-        self._take_descriptor(_FIRST_POLL_S)
-
-    def _take_descriptor(self, delay: float) -> None:
-        self._offer_timer = None
-        if self._offer_socket is None:
-            return
-        request_id, session_id, identity = self._offer
-        try:
-            data, descriptors, truncated = receive_descriptors(self._offer_socket)
-        except (BlockingIOError, InterruptedError):
-            # Not there yet: the hello deadline ends the wait.
-            next_delay = min(delay * 2, _LAST_POLL_S)
-            self._offer_timer = asyncio.get_running_loop().call_later(delay, self._take_descriptor, next_delay)
-            return
-        except OSError as e:
-            self._stop_offer()
-            self._drop("broken", f"a staging offer whose connection failed ({e})")
-            return
-        self._stop_offer()
-        try:
-            if not data:
-                raise FailedPrecondition("the connection ended before the staging descriptor came")
-            if len(descriptors) != 1 or truncated:
-                raise InvalidArgument("a staging offer's byte must carry exactly one descriptor")
-            staging_id = self._depot.take_staging(session_id, identity, descriptors.pop())
-            reply = frame(pb.JobReply(request_id=request_id, staging_taken=pb.StagingTaken(staging_id=staging_id)))
-        except KVDepotError as e:
-            reply = self._refusal(request_id, e)
-        except Exception as e:
-            self._gate.events.warning("failed staging", "taking a staging memory failed", exc_info=True)
-            reply = self._refusal(request_id, RuntimeError(f"taking the staging memory failed: {e}"))
-        finally:
-            for fd in descriptors:
-                os.close(fd)
-        if self.open:
-            self._transport.write(reply)
-            self._transport.close()
-
-    def _stop_offer(self) -> None:
-        if self._offer_timer is not None:
-            self._offer_timer.cancel()
-            self._offer_timer = None
-        if self._offer_socket is not None:
-            self._offer_socket.close()
-            self._offer_socket = None
-
     def _check_session(self, session_id: str) -> None:
         if session_id != self.session.id:
             raise InvalidArgument(
                 f"this job socket connection belongs to session {self.session.number}, not to the one named"
             )
-
-
-# The descriptor's byte follows staging_ready by a round trip: polled at this
-# interval at first, doubling up to the last.
-_FIRST_POLL_S = 0.0005
-_LAST_POLL_S = 0.05
 
 
 async def listen(depot, tenants, path: str, limits: JobSocketLimits | None = None) -> asyncio.AbstractServer:
