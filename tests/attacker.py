@@ -6,7 +6,9 @@ keep it until a line comes on stdin.
   stuck-engine SOCKET N   attach, register N engines, read nothing from the stream
                           until told; then read it to its end and say how it ended
   idle SOCKET N           open N job socket connections and say nothing
-  flood SOCKET MIB        attach, say hello, send MIB MiB of requests, read no reply
+  flood SOCKET MIB[:N]    attach N sessions (1), each says hello on a connection of its own;
+                          when N > 1, say so and wait to be told; then send MIB MiB of
+                          requests on each, read no reply
   garbage SOCKET N        N connections, each sends one frame that is no JobFrame
   forge SOCKET TEXT       attach with TEXT as client name and namespace model
   sparse SOCKET N         attach, say hello, hand over N sparse sealed memfds of 64 GiB
@@ -132,27 +134,38 @@ def idle(socket_path: str, count: int) -> None:
     hold({"opened": count, "refused": len(refused), "first_refusal": refused[0] if refused else None})
 
 
-def flood(socket_path: str, mib: int) -> None:
-    _, _, stream, started = attach(socket_path, "flood", hello=False)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(socket_path + ".jobs")
-    sock.sendall(framed(pb.JobFrame(hello=pb.JobSocketHello(session_id=started.session_id))))
+def flood(socket_path: str, mib: int, count: int = 1) -> None:
+    held, socks = [], []
+    for _ in range(count):
+        held.append(attach(socket_path, "flood", hello=False))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(socket_path + ".jobs")
+        sock.sendall(framed(pb.JobFrame(hello=pb.JobSocketHello(session_id=held[-1][3].session_id))))
+        sock.setblocking(False)
+        socks.append(sock)
+    if count > 1:
+        hold({"attached": count})
     # Each request is refused (it names no job): a small frame in, a larger reply out.
     chunk = b"".join(framed(pb.JobFrame(request_id=i + 1)) for i in range(65536))
-    sock.setblocking(False)
     # Until it is sent, or the daemon has taken nothing for 2 s (it stopped reading, as it should).
-    sent, progress = 0, time.monotonic()
-    while sent < mib << 20 and time.monotonic() - progress < 2:
-        try:
-            offset = sent % len(chunk)
-            sent += sock.send(chunk[offset:])
-            progress = time.monotonic()
-        except BlockingIOError:
-            time.sleep(0.01)
-        except OSError as e:  # the daemon closed it
-            print(f"the daemon closed the connection: {e!r}", file=sys.stderr, flush=True)
+    sent, progress = [0] * count, time.monotonic()
+    while time.monotonic() - progress < 2:
+        for i, sock in enumerate(socks):
+            if sock is None or sent[i] >= mib << 20:
+                continue
+            try:
+                offset = sent[i] % len(chunk)
+                sent[i] += sock.send(chunk[offset:])
+                progress = time.monotonic()
+            except BlockingIOError:
+                pass
+            except OSError as e:  # the daemon closed it
+                print(f"the daemon closed the connection: {e!r}", file=sys.stderr, flush=True)
+                socks[i] = None
+        if all(s is None or n >= mib << 20 for s, n in zip(socks, sent)):
             break
-    hold({"sent_mib": sent / 2**20})
+        time.sleep(0.01)
+    hold({"sent_mib": sum(sent) / 2**20})
 
 
 def unproven(socket_path: str, count: int) -> None:
@@ -455,7 +468,8 @@ def main() -> int:
     elif command == "idle":
         idle(socket_path, int(arg))
     elif command == "flood":
-        flood(socket_path, int(arg))
+        mib, _, count = arg.partition(":")
+        flood(socket_path, int(mib), int(count or 1))
     elif command == "garbage":
         garbage(socket_path, int(arg))
     elif command == "unproven":

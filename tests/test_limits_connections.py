@@ -34,6 +34,10 @@ class Attacker:
         assert line, f"the attacker failed: {self.proc.stderr.read()}"
         return json.loads(line)
 
+    def go_on(self) -> None:
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
@@ -210,6 +214,24 @@ def test_a_big_frame_once_handled_gives_its_memory_back(start_daemon):
         assert grown < 100 << 20, f"the daemon still holds {grown >> 20} MiB for frames it has answered"
     finally:
         attack.stop()
+
+
+def test_many_connections_that_never_read_their_replies_hold_little_each(start_daemon):
+    daemon = start_daemon()
+    sessions = 40
+    flood = Attacker("flood", daemon.socket, f"16:{sessions}")
+    try:
+        assert flood.report()["attached"] == sessions
+        before = rss_bytes(daemon.proc.pid)
+        flood.go_on()
+        flood.report()
+        # A connection's requests wait once its answers pass 256 KiB: a read's
+        # worth of small requests (256 KiB) is not all answered first, which
+        # held 1.6-1.9 MiB a connection; now its read room and answers, under 0.8.
+        grown = (rss_bytes(daemon.proc.pid) - before) / sessions
+        assert grown < 1.2 * 2**20, f"the daemon grew by {grown / 2**20:.2f} MiB a connection of unread replies"
+    finally:
+        flood.stop()
 
 
 def test_job_connections_never_take_the_files_a_new_client_needs(start_daemon, client_factory):

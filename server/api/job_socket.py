@@ -83,6 +83,7 @@ class JobConnection(asyncio.Protocol):
         self._offer: StagingOffer | None = None
         # Replies held to go out in one write (hold_writes), else None.
         self._held_writes: list[bytes] | None = None
+        self._held_bytes = 0
         # The answer to hello, once the depot takes the connection (the native
         # lane): handed over with what was read after the hello.
         self._handover: bytes | None = None
@@ -146,22 +147,29 @@ class JobConnection(asyncio.Protocol):
 
     def _serve(self) -> None:
         """Handles the whole frames in the buffer, until writing is paused."""
-        buffer = self._buffer
-        self.hold_writes()  # the answers to every frame read go out in one write
-        try:
-            self._handle_frames(buffer)
-        finally:
-            self.write_held()
+        more = True
+        while more and self.open and not self._paused:
+            self.hold_writes()  # the answers to the frames read go out in one write
+            try:
+                more = self._handle_frames(self._buffer)
+            finally:
+                self.write_held()
 
-    def _handle_frames(self, buffer: bytearray) -> None:
+    def _handle_frames(self, buffer: bytearray) -> bool:
+        """Handles frames until the answers held reach PAUSE_AT_BYTES (then
+        True: a read's worth of small frames would otherwise make ten times
+        their size in answers, held before the client reads any)."""
         start = 0
         while self.open and not self._paused and self._offer is None and len(buffer) - start >= JOB_FRAME_HEADER.size:
+            if self._held_bytes > PAUSE_AT_BYTES:
+                del buffer[:start]
+                return True
             (length,) = JOB_FRAME_HEADER.unpack_from(buffer, start)
             limit = MAX_JOB_FRAME_BYTES if self.session is not None else MAX_HELLO_FRAME_BYTES
             if length > limit:
                 before_hello = "" if self.session is not None else " before hello"
                 self._drop("too large", f"a frame of {length} bytes (the limit is {limit}{before_hello})")
-                return
+                return False
             end = start + JOB_FRAME_HEADER.size + length
             if len(buffer) < end:
                 if self.session is not None and not self._frame_held:
@@ -170,7 +178,7 @@ class JobConnection(asyncio.Protocol):
                     if refusal is not None:
                         self.write_held()
                         self._turn_away("frame budget", ResourceExhausted(refusal))
-                        return
+                        return False
                     self._frame_held = length
                 break
             if self._frame_held:
@@ -182,14 +190,15 @@ class JobConnection(asyncio.Protocol):
                 request.ParseFromString(bytes(buffer[start + JOB_FRAME_HEADER.size : end]))
             except DecodeError:
                 self._drop("undecodable", "a frame that is not a JobFrame")
-                return
+                return False
             start = end
             self._handle(request, received)
             if self._handover is not None:
                 self._hand_over(bytes(buffer[start:]))
                 buffer.clear()
-                return
+                return False
         del buffer[:start]
+        return False
 
     def _turn_away(self, kind: str, error: KVDepotError, message="closing the job socket connection of %s: %s") -> None:
         """Says why (a JobRefused of request 0) and closes, with a warning now and then."""
@@ -212,6 +221,7 @@ class JobConnection(asyncio.Protocol):
         """Holds the replies written from now on, until write_held."""
         if self._held_writes is None:
             self._held_writes = []
+            self._held_bytes = 0
 
     def write_held(self) -> None:
         """Writes the held replies, in order, with one system call."""
@@ -222,6 +232,7 @@ class JobConnection(asyncio.Protocol):
     def _write(self, message: bytes) -> None:
         if self._held_writes is not None:
             self._held_writes.append(message)
+            self._held_bytes += len(message)
         else:
             self._write_now(message)
 

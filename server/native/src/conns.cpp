@@ -111,6 +111,12 @@ void Conns::read(Conn& c) {
 
 void Conns::handle_frames(Conn& c) {
   while (c.fd >= 0 && !c.paused && !c.closing) {
+    if (unread(c) > PAUSE_AT) {
+      // Its answers wait to be read first: a read's worth of small frames
+      // would otherwise make ten times their size in answers.
+      c.paused = true;
+      break;
+    }
     size_t available = c.in_end - c.in_start;
     if (available < 4) break;
     uint32_t length;
@@ -217,7 +223,8 @@ void Conns::write(Conn& c) {
       c.out_start += (size_t)n;
     }
     if (c.out_start == c.out.size()) {
-      c.out.clear();
+      if (c.out.capacity() > SHRINK_ABOVE) std::string().swap(c.out);
+      else c.out.clear();
       c.out_start = 0;
     } else if (c.out_start > (1 << 20)) {
       c.out.erase(0, c.out_start);
@@ -252,7 +259,9 @@ void Conns::write(Conn& c) {
 }
 
 void Conns::update_interest(Conn& c) {
-  uint32_t want = (!c.paused && !c.closing ? (uint32_t)EPOLLIN : 0u) | (unread(c) ? (uint32_t)EPOLLOUT : 0u);
+  // A paused connection wants EPOLLOUT even with nothing unread: write()
+  // then resumes it (it stays paused when write() has looped enough).
+  uint32_t want = (!c.paused && !c.closing ? (uint32_t)EPOLLIN : 0u) | (unread(c) || c.paused ? (uint32_t)EPOLLOUT : 0u);
   if (want == c.interest) return;
   epoll_event ev{};
   ev.events = want;
