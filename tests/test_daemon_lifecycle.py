@@ -107,6 +107,8 @@ def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_held_daem
         (["--metrics-timeout", "nan"], "is not a valid metrics_timeout: it must be a finite number"),
         (["--drain-timeout", "nan"], "is not a valid drain_timeout: it must be a finite number"),
         (["--max-job-frame-bytes-per-uid", "16MiB"], "max_job_frame_bytes_per_uid must be at least 64MiB"),
+        (["--max-job-frame-bytes-per-uid", "20000000TiB"], "max_job_frame_bytes_per_uid must be at least 64MiB"),
+        (["--max-unread-job-replies", "2048TiB"], "max_unread_job_replies must be at least 1MiB and at most 1TiB"),
     ],
 )
 def test_bad_configuration_is_refused_with_a_clear_message(tmp_path, args, message):

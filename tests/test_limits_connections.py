@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -18,6 +20,7 @@ import pytest
 import torch
 from conftest import subprocess_env, wait_until
 from kvcache import attach_worker, block_of, prompt_keys
+from raw_client import RawSession
 
 from kvdepot.proto import kvdepot_pb2 as pb
 
@@ -178,24 +181,34 @@ def test_frames_not_yet_whole_are_bounded_per_user_and_the_rest_refused_by_name(
     budget = Limits().max_job_frame_bytes_per_uid
     daemon = start_daemon()
     before = rss_bytes(daemon.proc.pid)
-    # Frames that never end, 48 MiB each: 576 MiB held if nothing bounded them.
-    attack = Attacker("partial", daemon.socket, "12:48")
+    # Frames that never end, 64 MiB each: 768 MiB held if nothing bounded them.
+    attack = Attacker("partial", daemon.socket, "12:64")
     try:
         report = attack.report(timeout=120)
-        held = budget // (48 << 20)
+        held = budget // (64 << 20)
         assert report["held"] == held and report["refused"] == 12 - held, report
         code, message = report["first_refusal"].split(" ", 1)
         assert code == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]), report
         assert "--max-job-frame-bytes-per-uid" in message and "not yet whole" in message, message
         grown = rss_bytes(daemon.proc.pid) - before
         assert grown < budget + (64 << 20), f"the daemon grew by {grown >> 20} MiB"
+        # With the user's budget full, its small frames still come in pieces (a
+        # client sends a frame in two writes; a read ends in the middle of one).
+        session = RawSession(daemon.socket, name="small frames")
+        data = pb.JobFrame(request_id=7).SerializeToString() + b"\xc2\x3e\x80\x01" + b"\0" * 128  # field 1000
+        session.jobs.sock.sendall(struct.pack("<I", len(data)) + data[:50])
+        time.sleep(0.3)
+        session.jobs.sock.sendall(data[50:])
+        reply = session.jobs.reply()
+        assert reply is not None and reply.request_id == 7, reply  # answered, not refused for the budget
+        session.close()
     finally:
         attack.stop()
     # What they held is the user's again once their connections are gone.
     client = client_factory(daemon, name="after")
     worker, engine, tensors = attach_worker(client, seed=46)
     wait_until(lambda: rss_bytes(daemon.proc.pid) - before < 128 << 20, timeout=30)
-    again = Attacker("partial", daemon.socket, f"{held}:48")
+    again = Attacker("partial", daemon.socket, f"{held}:64")
     try:
         assert again.report(timeout=120)["refused"] == 0
     finally:

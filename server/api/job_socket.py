@@ -51,6 +51,10 @@ log = logging.getLogger("kvdepot.jobs")
 # and below which it reads them again: a few thousand replies in flight.
 PAUSE_AT_BYTES = 256 << 10
 RESUME_AT_BYTES = 64 << 10
+# Frames up to a read's size (asyncio's, and the native lane's) are bounded by
+# the connection count; longer ones count against their user's budget
+# (--max-job-frame-bytes-per-uid) until they are whole.
+UNCOUNTED_FRAME_BYTES = 256 << 10
 
 
 def job_socket_path(grpc_socket_path: str) -> str:
@@ -172,7 +176,7 @@ class JobConnection(asyncio.Protocol):
                 return False
             end = start + JOB_FRAME_HEADER.size + length
             if len(buffer) < end:
-                if self.session is not None and not self._frame_held:
+                if self.session is not None and length > UNCOUNTED_FRAME_BYTES and not self._frame_held:
                     # Its bytes wait in the buffer: counted against its user's budget.
                     refusal = self._gate.hold_frame(self._uid, length)
                     if refusal is not None:
@@ -260,6 +264,8 @@ class JobConnection(asyncio.Protocol):
         self._hello_timer = None
         if self.session is None and self.open:
             what = "no staging descriptor" if self._offer is not None else "no hello"
+            if self._offer is not None:
+                self._offer.stop()  # no descriptor is taken once it has been refused
             error = FailedPrecondition(f"{what} within {timeout:g} s (--job-hello-timeout)")
             self._turn_away("no hello", error)
 

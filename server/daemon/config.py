@@ -311,11 +311,13 @@ def _check_limits(limits: Limits) -> None:
     for key in ("job_hello_timeout", "grpc_handshake_timeout", "grpc_idle_timeout"):
         if not 0 < getattr(limits, key) <= MAX_TIMEOUT:
             raise ConfigError(f"{key} must be more than 0 seconds and at most {MAX_TIMEOUT:.0f}")
-    if limits.max_unread_job_replies < 1 << 20:
-        raise ConfigError(f"max_unread_job_replies must be at least 1MiB, not {limits.max_unread_job_replies}")
-    if limits.max_job_frame_bytes_per_uid < defaults.MAX_JOB_FRAME_BYTES:
+    if not 1 << 20 <= limits.max_unread_job_replies <= 1 << 40:
         raise ConfigError(
-            f"max_job_frame_bytes_per_uid must be at least 64MiB (the longest frame), "
+            f"max_unread_job_replies must be at least 1MiB and at most 1TiB, not {limits.max_unread_job_replies}"
+        )
+    if not defaults.MAX_JOB_FRAME_BYTES <= limits.max_job_frame_bytes_per_uid <= 1 << 40:
+        raise ConfigError(
+            f"max_job_frame_bytes_per_uid must be at least 64MiB (the longest frame) and at most 1TiB, "
             f"not {limits.max_job_frame_bytes_per_uid}"
         )
 

@@ -403,8 +403,8 @@ OPTIONS = [
     limit("max_job_frame_bytes_per_uid",
           "Bytes of job socket frames not yet whole that the connections of one user id (from the kernel) "
           "may hold at once, counted by the length each frame announces; a connection whose frame would "
-          "pass it is answered RESOURCE_EXHAUSTED and closed. At least 64MiB, the longest frame. An "
-          "engine's frames are a few KiB and come whole.", size=True),
+          "pass it is answered RESOURCE_EXHAUSTED and closed. Frames of up to 256 KiB (a read) are not "
+          "counted: an engine's are a few KiB. 64MiB (the longest frame) to 1TiB.", size=True),
 ]
 
 BY_KEY = {opt.key: opt for opt in OPTIONS}

@@ -127,7 +127,9 @@ void Conns::handle_frames(Conn& c) {
       return;
     }
     if (available < 4 + (size_t)length) {
-      if (c.frame_held == 0) hold_frame(c, length);  // else counted when its header came
+      // A frame that fits the room of a read is bounded by the connection
+      // count already; a longer one counts from when its header came.
+      if (length > READ_BYTES && c.frame_held == 0) hold_frame(c, length);
       break;
     }
     if (c.frame_held != 0) drop_frame(c);
