@@ -61,7 +61,6 @@ class Gate:
         if not self.per_uid[uid]:
             del self.per_uid[uid]
 
-
     def hold_frame(self, uid: int | None, length: int) -> str | None:
         """None when a connection of `uid` may hold a frame of `length` bytes
         until it is whole (counted), else why not."""
