@@ -154,12 +154,12 @@ void Conns::handle_frames(Conn& c) {
   }
 }
 
-bool Conns::hold_frame(Conn& c, uint32_t length) {
+void Conns::hold_frame(Conn& c, uint32_t length) {
   uint64_t& held = frame_bytes_[c.uid];
   if (held + length <= max_frame_bytes_per_uid_) {
     held += length;
     c.frame_held = length;
-    return true;
+    return;
   }
   std::string why = format(
       "user id %u's job socket connections hold %llu bytes of frames not yet whole; a frame of %u more would pass "
@@ -168,7 +168,6 @@ bool Conns::hold_frame(Conn& c, uint32_t length) {
   if (held == 0) frame_bytes_.erase(c.uid);
   reply_refused(c.out, 0, RESOURCE_EXHAUSTED, why);
   drop(c, "frame budget", format("closing the job socket connection of %s: %s", c.peer.c_str(), why.c_str()));
-  return false;
 }
 
 void Conns::drop_frame(Conn& c) {

@@ -59,7 +59,7 @@ class Conns : public Replies {
   void drop(Conn& c, const char* why, const std::string& text);
   void end(Conn& c, Closed kind);
   // Counts a frame not yet whole against its uid's budget; past it, refuses and closes.
-  bool hold_frame(Conn& c, uint32_t length);
+  void hold_frame(Conn& c, uint32_t length);
   void drop_frame(Conn& c);
   size_t unread(const Conn& c) const { return c.out.size() - c.out_start; }
 
