@@ -3,6 +3,7 @@
     python bench/job_rate.py [--transport cuda|shm] [--grid 1x4x4,8x4x4] [--seconds 10]
                              [--gpus 2] [--json out.json] [--label new]
     python bench/job_rate.py --plot docs/job_rate.png base.json new.json
+    python bench/job_rate.py --transport shm --grid 1x4x4,2x4x4,4x4x4 --plot rate.png
 
 Starts the real `kvdepotd`, then for each point of the grid (WORKERSxBLOCKSxDEPTH) that
 many worker processes, one per engine rank, spread over the first --gpus GPUs (CUDA
@@ -19,7 +20,9 @@ For each point it prints the node's jobs/s, the p50 and p99 of submit to done (t
 client knows the job ended) over every job of every worker, the worst worker's p99,
 the daemon's CPU seconds per job (its utime + stime over the window, from /proc), and
 the GB/s the jobs moved. --json keeps the figures; --plot draws p50 and p99 against
-jobs/s for one or more such files (the versions compared in one run).
+jobs/s for one or more such files (the versions compared in one run), or, given no file,
+for the points it has just run. The points drawn are those of one job size and depth
+(--plot-blocks, --plot-depth; by default the pair most of the points have), in order of load.
 
 --stages turns the daemon's job tracing on (KVDEPOT_TRACE_JOBS, kvdepot/jobtrace.py) and
 prints, for stores and loads of each point, the p50 and p99 of each step the daemon stamps
@@ -47,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -417,27 +421,50 @@ def _run_and_print(args, pool: Workers, daemon_pid: int, workers: int, blocks: i
     return point
 
 
+def _check_plotting() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
+
+
 def plot_main(args) -> int:
+    _check_plotting()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    runs = [json.loads(Path(path).read_text()) for path in args.files]
+    for path, run in zip(args.files, runs):
+        if not isinstance(run, dict) or "points" not in run:
+            raise SystemExit(f"{path}: not the JSON of a job_rate run (--json)")
+    shapes = Counter((p["blocks"], p["depth"]) for run in runs for p in run["points"])
+    if not shapes:
+        raise SystemExit(f"no points to draw in {', '.join(args.files)}")
+    blocks, depth = shapes.most_common(1)[0][0]
+    blocks = blocks if args.plot_blocks is None else args.plot_blocks
+    depth = depth if args.plot_depth is None else args.plot_depth
+    if (blocks, depth) not in shapes:
+        have = ", ".join(f"{b} blocks at depth {d}" for b, d in sorted(shapes))
+        raise SystemExit(f"no points of {blocks}-block jobs at depth {depth} to draw; the runs have {have} "
+                         "(--plot-blocks, --plot-depth)")
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     title = ""
-    for path in args.files:
-        run = json.loads(Path(path).read_text())
+    for run in runs:
         title = f"{run['device']}, {run['date']}"
         # In order of load (workers, then depth): the line follows the node as it gets busier.
-        points = sorted((p for p in run["points"] if p["blocks"] == args.plot_blocks and p["depth"] == args.plot_depth),
+        points = sorted((p for p in run["points"] if p["blocks"] == blocks and p["depth"] == depth),
                         key=lambda p: (p["workers"], p["depth"]))
+        if not points:
+            continue
         rates = [p["jobs_per_s"] for p in points]
         line = ax.plot(rates, [p["p50_ms"] for p in points], "o-", label=f"{run['label']}: p50")[0]
         ax.plot(rates, [p["p99_ms"] for p in points], "s--", color=line.get_color(), label=f"{run['label']}: p99")
         for p in points:
             ax.annotate(f"{p['workers']}w", (p["jobs_per_s"], p["p99_ms"]), textcoords="offset points",
                         xytext=(4, 4), fontsize=8)
-    ax.set_xlabel(f"jobs/s for the node ({args.plot_blocks}-block jobs, {args.plot_depth} in flight a worker)")
+    ax.set_xlabel(f"jobs/s for the node ({blocks}-block jobs, {depth} in flight a worker)")
     ax.set_ylabel("submit to done, ms")
     ax.set_yscale("log")
     ax.set_title(f"Latency against load, one daemon ({title})", fontsize=10)
@@ -467,22 +494,35 @@ def main() -> int:
                         help="also print where a job's time goes in the daemon (job tracing on)")
     parser.add_argument("--label", default="")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--plot", default=None, help="draw the JSON files given into this PNG, and run nothing")
-    parser.add_argument("--plot-blocks", type=int, default=4, help="the job size whose points are drawn")
-    parser.add_argument("--plot-depth", type=int, default=4, help="the depth whose points are drawn")
+    parser.add_argument("--plot", default=None,
+                        help="draw p50 and p99 against jobs/s into this PNG: of the JSON files given, and then run "
+                             "nothing; or, given none, of the points this run measures")
+    parser.add_argument("--plot-blocks", type=int, default=None,
+                        help="the job size whose points are drawn (default: the one most points have)")
+    parser.add_argument("--plot-depth", type=int, default=None,
+                        help="the depth whose points are drawn (default: the one most points have)")
     parser.add_argument("files", nargs="*")
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, default=4, help=argparse.SUPPRESS)
     parser.add_argument("--depth", type=int, default=4, help=argparse.SUPPRESS)
     args, args.daemon_args = parser.parse_known_args()
-    if args.plot:
+    if args.plot and args.files:
         return plot_main(args)
     if args.files:  # the value of a daemon option given as "--name value" lands here
         parser.error(f"{' '.join(args.files)}: files are read only with --plot; give the daemon's options "
                      "as --name=value (e.g. --slot-size=64KiB)")
     if args.role == "worker":
         return worker_main(args)
+    if args.plot:
+        _check_plotting()  # before the run, not after minutes of it
+        if not args.json:
+            fd, args.json = tempfile.mkstemp(suffix=".json")
+            os.close(fd)
+            atexit.register(os.unlink, args.json)
+        node_main(args)
+        args.files = [args.json]
+        return plot_main(args)
     return node_main(args)
 
 

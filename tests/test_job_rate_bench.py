@@ -53,6 +53,26 @@ def test_the_plot_shows_each_version_given(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_without_files_draws_the_points_it_just_ran(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "rate.png"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "job_rate.py"), "--transport", "shm", "--grid", "1x2x2,2x2x2",
+         "--seconds", "0.5", "--pool-size", "64MiB", "--shm-block-bytes", "16384", "--plot", str(plot),
+         "--json", str(tmp_path / "rate.json")],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "jobs/s" in run.stdout and f"wrote {plot}" in run.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A job size the run has no points of is named, with the ones it has.
+    again = subprocess.run([sys.executable, str(REPO / "bench" / "job_rate.py"), "--plot", str(tmp_path / "x.png"),
+                            "--plot-blocks", "64", str(tmp_path / "rate.json")],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "no points of 64-block jobs" in again.stderr
+    assert "2 blocks at depth 2" in again.stderr
+
+
 def test_stages_say_where_a_jobs_time_goes_in_the_daemon(tmp_path):
     out = tmp_path / "rate.json"
     run = subprocess.run(
