@@ -182,7 +182,7 @@ def worker_main(args) -> int:
             break
         if command == "point":
             blocks, depth = (int(v) for v in values)
-            # What the loads read: stored before the window, sized to fit one worker's share of the pool.
+            # What the loads read: stored before the window (check_node_args: within half the pool, all workers').
             stored = [new_keys(blocks) for _ in range(args.load_sets)]
             for keys in stored:
                 job_id += 1
@@ -356,10 +356,57 @@ def _block_bytes(args) -> int:
     return args.shm_block_bytes
 
 
-def node_main(args) -> int:
-    grid = [tuple(int(x) for x in point.split("x")) for point in args.grid.split(",")]
+def parse_grid(text: str) -> list[tuple[int, int, int]]:
+    """WORKERSxBLOCKSxDEPTH points, comma-separated; each number at least 1."""
+    grid = []
+    for point in text.split(","):
+        parts = point.strip().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise ValueError(f"--grid: {point!r} is not a point WORKERSxBLOCKSxDEPTH of whole numbers from 1 "
+                             "(e.g. 8x4x4)")
+        grid.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    return grid
+
+
+def check_node_args(args, grid: list[tuple[int, int, int]]) -> None:
+    """What would fail only after the daemon and the workers started, refused first."""
+    from kvdepot.settings import parse_size
+
+    if args.seconds <= 0:
+        raise SystemExit("--seconds must be more than 0")
     if args.load_sets < 1:
         raise SystemExit("--load-sets must be at least 1")
+    if args.transport == "shm" and (args.shm_block_bytes < 256 or args.shm_block_bytes % 256):
+        raise SystemExit(f"--shm-block-bytes {args.shm_block_bytes}: a block is 4 layers of K and V pages of 16 "
+                         "tokens, so a multiple of 256 bytes")
+    if args.transport == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA GPU here: use --transport shm to measure the per-job path without one")
+        if args.gpus < 1:
+            raise SystemExit("--gpus must be at least 1")
+    # The loads read what each worker stored before the window; stores of new
+    # keys pass through the rest of the pool. If the load sets took more than
+    # half of it, the stores would evict them and the loads find nothing.
+    slots = parse_size(args.pool_size) // _block_bytes(args)
+    for workers, blocks, _ in grid:
+        held = workers * args.load_sets * blocks
+        if held > slots // 2:
+            raise SystemExit(f"point {workers}x{blocks}x*: the workers' load sets take {held} blocks "
+                             f"({workers} x --load-sets {args.load_sets} x {blocks}), more than half of the pool's "
+                             f"{slots} (--pool-size {args.pool_size}); raise --pool-size or lower --load-sets")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise SystemExit(f"{option} {path}: no folder {Path(path).resolve().parent}")
+
+
+def node_main(args) -> int:
+    try:
+        grid = parse_grid(args.grid)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    check_node_args(args, grid)
     # Stores read the first half of a worker's cache, loads write the second.
     args.cache_blocks = max(args.cache_blocks, 2 * max(b for _, b, _ in grid))
     block_bytes = _block_bytes(args)
@@ -430,15 +477,22 @@ def _check_plotting() -> None:
 
 def plot_main(args) -> int:
     _check_plotting()
+    if not Path(args.plot).resolve().parent.is_dir():
+        raise SystemExit(f"--plot {args.plot}: no folder {Path(args.plot).resolve().parent}")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [json.loads(Path(path).read_text()) for path in args.files]
-    for path, run in zip(args.files, runs):
+    runs = []
+    for path in args.files:
+        try:
+            run = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"{path}: cannot read it as JSON: {e}") from None
         if not isinstance(run, dict) or "points" not in run:
             raise SystemExit(f"{path}: not the JSON of a job_rate run (--json)")
+        runs.append(run)
     shapes = Counter((p["blocks"], p["depth"]) for run in runs for p in run["points"])
     if not shapes:
         raise SystemExit(f"no points to draw in {', '.join(args.files)}")
@@ -449,6 +503,10 @@ def plot_main(args) -> int:
         have = ", ".join(f"{b} blocks at depth {d}" for b, d in sorted(shapes))
         raise SystemExit(f"no points of {blocks}-block jobs at depth {depth} to draw; the runs have {have} "
                          "(--plot-blocks, --plot-depth)")
+    left = sum(n for shape, n in shapes.items() if shape != (blocks, depth))
+    if left:
+        print(f"drawn: the points of {blocks}-block jobs at depth {depth}; {left} other point(s) left out "
+              "(--plot-blocks, --plot-depth)")
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     title = ""
     for run in runs:

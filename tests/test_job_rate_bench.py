@@ -73,6 +73,24 @@ def test_plot_without_files_draws_the_points_it_just_ran(tmp_path):
     assert "2 blocks at depth 2" in again.stderr
 
 
+@pytest.mark.parametrize("bad, says", [
+    (["--grid", "2x4"], "'2x4' is not a point WORKERSxBLOCKSxDEPTH"),
+    (["--grid", "1x0x4"], "'1x0x4' is not a point"),
+    (["--seconds", "0"], "--seconds must be more than 0"),
+    (["--grid", "1x64x2", "--pool-size", "1MiB"], "more than half of the pool's 64"),
+    (["--shm-block-bytes", "1000"], "a multiple of 256 bytes"),
+    (["--json", "/nonexistent-folder/rate.json"], "--json /nonexistent-folder/rate.json: no folder"),
+])
+def test_a_run_that_cannot_measure_is_refused_before_it_starts(bad, says):
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "job_rate.py"), "--transport", "shm", "--grid", "1x4x4",
+         "--seconds", "1", "--pool-size", "64MiB", "--shm-block-bytes", "16384", *bad],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode != 0 and says in run.stderr, run.stdout + run.stderr
+    assert "jobs/s" not in run.stdout  # refused before any daemon or worker started
+
+
 def test_stages_say_where_a_jobs_time_goes_in_the_daemon(tmp_path):
     out = tmp_path / "rate.json"
     run = subprocess.run(
