@@ -122,6 +122,9 @@ def numa_lines(stats: pb.GetStatsResponse) -> list[str]:
         share = 100 * n.used_slots / n.slots if n.slots else 0.0
         lines.append(f"numa      node {n.node}: slots {n.first_slot}-{n.first_slot + n.slots - 1}, {n.used_slots} used "
                      f"({share:.1f}%), {'placed' if n.bound else 'not placed'}{gpus}")
+    if stats.numa_carved and stats.numa_gpus_elsewhere:
+        lines.append("numa      on no node of the pool (stores take the range with the most free slots): GPUs "
+                     + ", ".join(stats.numa_gpus_elsewhere))
     return lines
 
 

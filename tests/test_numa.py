@@ -261,3 +261,33 @@ def test_auto_carves_a_two_node_machine_and_not_a_one_node_one(start_daemon, tmp
         if sysfs is one:  # what the one-node device machines show
             assert "numa      pool not carved: one memory node (0); GPUs 0000:18:00.0" in table
         daemon.stop()
+
+
+def test_gpus_on_no_node_of_the_pool_are_still_shown(start_daemon, tmp_path):
+    """A GPU whose node --numa leaves out, or that sysfs puts on no node, has
+    no range of its own: stats, metrics and the log still name it."""
+    devices = {**TWO_SOCKETS, "0000:db:00.0": (NVIDIA, GPU_CLASS, "-1")}
+    sysfs = fake_sysfs(tmp_path / "sys", devices=devices)
+    daemon = start_daemon(launcher=LAUNCHER, env={"KVDEPOT_TEST_SYSFS": str(sysfs)}, numa="0",
+                          pool_size="256KiB", metrics_listen="127.0.0.1:0")
+    stats = json.loads(cli_stats(daemon, "--json").stdout)
+    assert stats["numa_carved"] is True
+    assert [(n["node"], n["gpus"]) for n in stats["numa_nodes"]] == [(0, ["0000:18:00.0", "0000:2a:00.0"])]
+    assert stats["numa_gpus_elsewhere"] == ["0000:9a:00.0", "0000:ab:00.0", "0000:db:00.0"]
+    table = cli_stats(daemon).stdout
+    assert "on no node of the pool (stores take the range with the most free slots): GPUs 0000:9a:00.0, " \
+           "0000:ab:00.0, 0000:db:00.0" in table
+    samples = scrape(daemon)
+    assert samples["kvdepot_numa_node_gpu", frozenset({("node", "1"), ("pci", "0000:ab:00.0")})] == 1
+    assert samples["kvdepot_numa_node_gpu", frozenset({("node", "unknown"), ("pci", "0000:db:00.0")})] == 1
+    assert "NUMA: GPUs on no node of the pool" in daemon.log()
+    daemon.stop()
+
+    # Not carved: every GPU by its own node in the metrics, and a line in the log.
+    daemon = start_daemon(launcher=LAUNCHER, env={"KVDEPOT_TEST_SYSFS": str(sysfs)}, numa="off",
+                          pool_size="256KiB", metrics_listen="127.0.0.1:0")
+    samples = scrape(daemon)
+    assert samples["kvdepot_numa_node_gpu", frozenset({("node", "0"), ("pci", "0000:18:00.0")})] == 1
+    assert samples["kvdepot_numa_node_gpu", frozenset({("node", "1"), ("pci", "0000:9a:00.0")})] == 1
+    assert "NUMA: pool not carved (several memory nodes, or none known); GPUs: 0000:18:00.0" in daemon.log()
+    assert json.loads(cli_stats(daemon, "--json").stdout).get("numa_gpus_elsewhere", []) == []

@@ -87,6 +87,7 @@ def stats(report: Report, identified: bool) -> pb.GetStatsResponse:
         eviction_policy=report.eviction,
         tiers=[_tier(t) for t in report.tiers],
         numa_carved=report.numa_carved,
+        numa_gpus_elsewhere=report.numa_gpus_elsewhere[:64],
         kv_bytes=report.kv_bytes,
         free_bytes=report.free_bytes,
         fragmentation=report.fragmentation,

@@ -77,6 +77,9 @@ class Report:
     # The pool's NUMA nodes (host/carving.py): for anyone, like the pool.
     numa_nodes: list[NodeSlots] = field(default_factory=list)
     numa_carved: bool = False
+    numa_gpus_elsewhere: tuple[str, ...] = ()
+    # Every GPU sysfs shows, by its node there (-1: none known), carved or not.
+    numa_gpus: dict[int, tuple[str, ...]] = field(default_factory=dict)
     # What the DRAM holds (pool-wide, for anyone): KV bytes in used slots,
     # free bytes of slots that are up, the used slots' share holding no KV.
     kv_bytes: int = 0
@@ -171,6 +174,8 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
         ),
         numa_nodes=pool.numa_nodes(),
         numa_carved=pool.slots.carved,
+        numa_gpus_elsewhere=pool.numa_gpus_elsewhere(),
+        numa_gpus=dict(pool.placement.gpus),
         kv_bytes=held,
         free_bytes=(pool.online_slots - pool.used_slots) * pool.slot_bytes,
         fragmentation=1.0 - min(held, used_bytes) / used_bytes if used_bytes else 0.0,

@@ -259,15 +259,18 @@ def _numa_families(s: Report):
         labels=labels,
     )
     gpus = GaugeMetricFamily(
-        "kvdepot_numa_node_gpu", "1 for each GPU (PCI address) that sysfs places on the node.", labels=["node", "pci"]
+        "kvdepot_numa_node_gpu", "1 for each GPU (PCI address) that sysfs places on the node (unknown: on none).",
+        labels=["node", "pci"],
     )
     for n in s.numa_nodes:
         node = str(n.node) if n.node >= 0 else "any"
         slots.add_metric([node], n.slots)
         used.add_metric([node], n.used_slots)
         bound.add_metric([node], int(n.bound))
-        for pci in n.gpus:
-            gpus.add_metric([node, pci], 1)
+    # By sysfs's node, whether or not the pool is carved over it.
+    for node, pcis in sorted(s.numa_gpus.items()):
+        for pci in pcis:
+            gpus.add_metric([str(node) if node >= 0 else "unknown", pci], 1)
     yield from (slots, used, bound, gpus)
 
 

@@ -415,6 +415,14 @@ class HostPool:
             for i, r in enumerate(self.slots.ranges)
         ]
 
+    def numa_gpus_elsewhere(self) -> tuple[str, ...]:
+        """When carved: the GPUs on no node of the pool (left out of --numa, or
+        of no node in sysfs), which numa_nodes() does not list."""
+        if not self.slots.carved:
+            return ()
+        carved = {r.node for r in self.slots.ranges}
+        return tuple(sorted(g for node, gpus in self.placement.gpus.items() if node not in carved for g in gpus))
+
     def close(self, discard: bool = False) -> None:
         """Unmaps the pool; the file stays for the next daemon unless `discard`."""
         self._up.close()  # its thread touches the mapping
