@@ -2,7 +2,7 @@
 with a cache that holds everything (issue 27, item 4: "a hit costs what its bytes cost").
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/hit_ttft.py [--conversations 8] [--turns 4]
-        [--vllm-blocks 160] [--plain-blocks 2048] [--rounds 1] [--trace] [--json PATH]
+        [--vllm-blocks 160] [--plain-blocks 2048] [--rounds 1] [--trace] [--json PATH] [--keep-scratch]
 
 The chat workload of bench/serving_ttft.py (its full model shape), served by:
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -144,19 +145,38 @@ def main() -> int:
     ap.add_argument("--trace", action="store_true", help="per-step trace of the engines (bench/step_trace.py)")
     ap.add_argument("--apart", action="store_true",
                     help="run the engines one after the other, not both at once taking turns request by request")
-    ap.add_argument("--json", default="hit_ttft.json")
+    ap.add_argument("--json", default=None, help="also write the figures and traces to this file")
+    ap.add_argument("--keep-scratch", action="store_true", help="keep the run's folder (model, traces, logs)")
     args = ap.parse_args()
     args.concurrency = 1
-
-    from bench_daemon import Daemon
+    for name, least in (("rounds", 1), ("conversations", 1), ("turns", 2), ("vllm_blocks", 1), ("plain_blocks", 1),
+                        ("threads", 1)):
+        if getattr(args, name) < least:
+            ap.error(f"--{name.replace('_', '-')} must be at least {least}")
+    configs = args.configs.split(",")
+    if not configs or len(set(configs)) != len(configs) or not set(configs) <= {"plain", "kvdepot"}:
+        ap.error(f"--configs {args.configs}: plain, kvdepot or both, comma-separated")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        ap.error(f"--json {args.json}: no folder {Path(args.json).resolve().parent}")
 
     scratch = Path(tempfile.mkdtemp(prefix="kvdepot-hit-ttft-"))
+    try:
+        return run(args, configs, scratch)
+    finally:
+        if args.keep_scratch:
+            print(f"kept {scratch}", file=sys.stderr)
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run(args, configs: list[str], scratch: Path) -> int:
+    from bench_daemon import Daemon
+
     shape, spec, model, spec_path = st.chat_only(args.conversations, args.turns, args.seed, scratch)
     spec["vllm_blocks"] = args.vllm_blocks
     slot = 1 << (st.block_bytes(shape) - 1).bit_length()
     spec_path.write_text(json.dumps(spec))
     os.environ["KVDEPOT_METRICS_LISTEN"] = "none"
-    configs = args.configs.split(",")
     runs: dict[str, list] = {c: [] for c in configs}
     traces: dict[str, list] = {c: [] for c in configs}
     started = time.monotonic()
@@ -221,8 +241,9 @@ def main() -> int:
     for config in configs:
         for i, events in enumerate(traces[config]):
             reports[f"{config}-{i}"] = trace_report(events, f"{config} run {i}")
-    Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "runs": runs,
-                                           "trace": reports}, indent=1))  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "runs": runs,
+                                               "trace": reports}, indent=1))  # fmt: skip
     return 0
 
 
