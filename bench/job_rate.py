@@ -496,10 +496,13 @@ def plot_main(args) -> int:
     shapes = Counter((p["blocks"], p["depth"]) for run in runs for p in run["points"])
     if not shapes:
         raise SystemExit(f"no points to draw in {', '.join(args.files)}")
-    blocks, depth = shapes.most_common(1)[0][0]
-    blocks = blocks if args.plot_blocks is None else args.plot_blocks
-    depth = depth if args.plot_depth is None else args.plot_depth
+    # The pair most points have, among those that fit what was asked.
+    fitting = Counter({(b, d): n for (b, d), n in shapes.items()
+                       if args.plot_blocks in (None, b) and args.plot_depth in (None, d)})
+    blocks, depth = fitting.most_common(1)[0][0] if fitting else (args.plot_blocks, args.plot_depth)
     if (blocks, depth) not in shapes:
+        blocks = "any" if blocks is None else blocks
+        depth = "any" if depth is None else depth
         have = ", ".join(f"{b} blocks at depth {d}" for b, d in sorted(shapes))
         raise SystemExit(f"no points of {blocks}-block jobs at depth {depth} to draw; the runs have {have} "
                          "(--plot-blocks, --plot-depth)")
