@@ -199,6 +199,33 @@ def test_values_that_fail_a_check_are_misses_counted_by_cause(start_daemon, clie
     assert remote(b.stats()).promotions == 111 - 5  # blocks 0-110, the five tampered ones not
 
 
+def test_a_value_planted_too_long_is_refused_before_any_block_is_evicted(
+    start_daemon, client_factory, tmp_path, cluster
+):
+    """Anyone who can write the store can make a value any length. One that
+    claims more than the namespace's block must not take slots (and evict
+    the node's blocks to free them) before it is read and found bad."""
+    a = client_factory(node(start_daemon, tmp_path, cluster, "a"))
+    worker_a, _, tensors_a = attach_worker(a, seed=1)
+    store_prompt(a, worker_a, tensors_a, prompt=0, job_id=1)
+    published(a, NUM_BLOCKS)
+    keys = prompt_keys(NUM_BLOCKS, prompt=0)
+    [planted] = [k for k in store_keys(cluster) if keys[0].hex().encode() in k]
+    # Under an extent (a 16th of the 4 MiB pool): a run of slots of a size no block here has.
+    whole_cluster(cluster).set(planted, os.urandom(200 << 10))
+
+    b = client_factory(node(start_daemon, tmp_path, cluster, "b"))
+    worker_b, engine_b, tensors_b = attach_worker(b, seed=2)
+    own = store_prompt(b, worker_b, tensors_b, prompt=1, job_id=1)  # half of B's pool
+    assert ready_after_asking(b, engine_b, keys[:4]) == 0
+    assert remote(b.stats()).discarded.get("bad_length") == 1, remote(b.stats())
+    assert remote(b.stats()).promotions == 0
+    # Every block of B's own is still there, bit-exact.
+    mine = prompt_keys(NUM_BLOCKS, prompt=1)
+    assert b.lookup(engine_b, mine).ready_blocks == NUM_BLOCKS
+    load_and_check(b, worker_b, tensors_b, mine, own, job_id=100, lo=0, hi=NUM_BLOCKS)
+
+
 def test_a_tenant_without_a_secret_neither_publishes_nor_fetches(start_daemon, client_factory, tmp_path, cluster):
     a = client_factory(node(start_daemon, tmp_path, cluster, "a"))
     worker_a, _, tensors_a = attach_worker(a, seed=1)
