@@ -91,6 +91,8 @@ def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_held_daem
         (["--eviction", "fifo"], "invalid choice: 'fifo'"),
         (["--listen", "127.0.0.1:0"], "refusing to serve TCP"),
         (["--pool-size", "100TiB"], "fits nowhere"),
+        # Refused before anything the size of the pool is made (it used to take seconds and gigabytes first).
+        (["--pool-size", "100TiB", "--pool-dir", "DIR"], "lower --pool-size, or give a --pool-dir with room"),
         (["--auth-token-file", "/nonexistent/token"], "cannot read the auth token file /nonexistent/token"),
         (["--auth-token-file", "EMPTY"], "is empty"),
         (["--copy-chunk-bytes", "1000"], "copy_chunk_bytes must be a power of two"),
@@ -114,7 +116,7 @@ def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_held_daem
 def test_bad_configuration_is_refused_with_a_clear_message(tmp_path, args, message):
     (tmp_path / "EMPTY").write_text("\n")
     (tmp_path / "TOKEN").write_text("s3cret\n")
-    args = [str(tmp_path / a) if a in ("EMPTY", "TOKEN") else a for a in args]
+    args = [str(tmp_path / a) if a in ("EMPTY", "TOKEN") else str(tmp_path) if a == "DIR" else a for a in args]
     proc = run_daemon("--pin", "off", *(["--listen", str(tmp_path / "s.sock")] if "--listen" not in args else []),
                       *args)
     assert proc.returncode in (1, 2)

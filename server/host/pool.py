@@ -41,7 +41,14 @@ from kvdepot.server.host.bring_up import (
 )
 from kvdepot.server.host.carving import NodeSlots
 from kvdepot.server.host.free_runs import FreeRuns
-from kvdepot.server.host.pool_folder import PoolError, _free_bytes, _pin_hint, huge_page_bytes, pool_file_bytes
+from kvdepot.server.host.pool_folder import (
+    PoolError,
+    _free_bytes,
+    _pin_hint,
+    check_memory,
+    huge_page_bytes,
+    pool_file_bytes,
+)
 from kvdepot.server.host.pool_map import PoolFiles
 from kvdepot.server.host.shard_record import FORMAT_VERSION, RECORD_BYTES, newest_generation
 
@@ -110,6 +117,16 @@ class HostPool:
         self._progress = progress or log.info
         self._threads = threads or min(16, os.cpu_count() or 1)
         self.placement = placement or numa.Placement()
+        # Before anything sized by the pool is made: a size given in error is refused at once.
+        if not adopt and self._file_size > _free_bytes(directory):
+            what = "huge pages free (HugePages_Free in /proc/meminfo)" if self.huge_pages else "free"
+            raise PoolError(
+                f"the pool ({self._file_size / 2**30:.2f} GiB) does not fit in {directory} "
+                f"({_free_bytes(directory) / 2**30:.2f} GiB {what}): lower --pool-size, or give a --pool-dir "
+                "with room"
+            )
+        if not adopt:
+            check_memory(directory, self._file_size)
         try:
             self.slots = FreeRuns(self.num_slots, self.placement.nodes, self.registration_bytes // slot_bytes,
                                   max(1, extent_bytes(size) // slot_bytes))
@@ -125,12 +142,6 @@ class HostPool:
         # (hold, let_go_held).
         self.held: dict[int, int] = {}
         self._held_order: list[int] = []  # held's slots, sorted (add_online)
-        if not adopt and self._file_size > _free_bytes(directory):
-            what = "huge pages free (HugePages_Free in /proc/meminfo)" if self.huge_pages else "free"
-            raise PoolError(
-                f"the pool ({self._file_size / 2**30:.2f} GiB) does not fit in {directory} "
-                f"({_free_bytes(directory) / 2**30:.2f} GiB {what})"
-            )
         try:
             pinner = pinning(pin)
         except PinError as e:

@@ -58,6 +58,43 @@ def _free_bytes(directory: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def _cgroup_memory_max() -> int | None:
+    """This process's cgroup (v2) memory.max in bytes; None where there is none."""
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        for line in lines:
+            if line.startswith("0::"):
+                with open(f"/sys/fs/cgroup{line[3:].rstrip('/')}/memory.max", encoding="utf-8") as f:
+                    text = f.read().strip()
+                return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def check_memory(directory: str, nbytes: int) -> None:
+    """A pool in a memory filesystem (tmpfs, ramfs) is RAM the kernel cannot
+    take back once pinned: one larger than the machine's memory, or than the
+    cgroup's limit (a container's, charged for the pages it faults in), would
+    have the daemon killed part way into bringing it up, its files left behind
+    holding memory. Refused; one larger than what is available now, warned of."""
+    if filesystem_type(directory) not in ("tmpfs", "ramfs"):
+        return
+    limit, what = _meminfo("MemTotal"), "the machine's memory (MemTotal)"
+    cgroup = _cgroup_memory_max()
+    if cgroup is not None and cgroup < limit:
+        limit, what = cgroup, "this cgroup's memory limit (memory.max)"
+    if limit and nbytes > limit:
+        raise PoolError(f"the pool ({nbytes / 2**30:.2f} GiB) is larger than {what}, {limit / 2**30:.2f} GiB: "
+                        "lower --pool-size")
+    available = _meminfo("MemAvailable")
+    if available and nbytes > available:
+        log.warning("the pool (%.2f GiB) is larger than the memory available now (MemAvailable, %.2f GiB): the "
+                    "kernel may kill a process, this daemon perhaps, to bring it up", nbytes / 2**30,
+                    available / 2**30)
+
+
 def filesystem_type(path: str) -> str:
     """The type of the filesystem holding `path` (tmpfs, hugetlbfs, ext4...), from /proc/self/mounts."""
     path = os.path.realpath(path)
