@@ -226,6 +226,32 @@ def test_a_value_planted_too_long_is_refused_before_any_block_is_evicted(
     load_and_check(b, worker_b, tensors_b, mine, own, job_id=100, lo=0, hi=NUM_BLOCKS)
 
 
+def test_a_key_of_another_type_is_that_blocks_miss_not_the_stores_failure(
+    start_daemon, client_factory, tmp_path, cluster
+):
+    """A list planted under a block's key makes STRLEN answer WRONGTYPE: the
+    blocks before it are served, the store is not taken for failing, and
+    other prompts go on being found."""
+    a = client_factory(node(start_daemon, tmp_path, cluster, "a"))
+    worker_a, _, tensors_a = attach_worker(a, seed=1)
+    saved = store_prompt(a, worker_a, tensors_a, prompt=0, job_id=1)
+    published(a, NUM_BLOCKS)
+    keys = prompt_keys(NUM_BLOCKS, prompt=0)
+    [planted] = [k for k in store_keys(cluster) if keys[3].hex().encode() in k]
+    store = whole_cluster(cluster)
+    store.delete(planted)
+    store.rpush(planted, b"not a block")
+
+    b = client_factory(node(start_daemon, tmp_path, cluster, "b"))
+    worker_b, engine_b, tensors_b = attach_worker(b, seed=2)
+    for _ in range(4):  # asked again and again, as an engine would
+        assert ready_after_asking(b, engine_b, keys[:8]) == 3
+    tier = remote(b.stats())
+    assert tier.discarded.get("bad_type") == 1 and tier.circuit == "closed", tier
+    load_and_check(b, worker_b, tensors_b, keys, saved, job_id=100, lo=0, hi=3)
+    assert ready_after_asking(b, engine_b, keys[4:20]) == 16
+
+
 def test_a_tenant_without_a_secret_neither_publishes_nor_fetches(start_daemon, client_factory, tmp_path, cluster):
     a = client_factory(node(start_daemon, tmp_path, cluster, "a"))
     worker_a, _, tensors_a = attach_worker(a, seed=1)

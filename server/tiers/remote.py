@@ -208,7 +208,9 @@ class RemoteTier(Tier):
                 if 0 < payload <= self.pool.largest_shard and (not expected or payload == expected):
                     lengths.append(payload)
                     continue
-                if sizes[at] and expected and payload != expected:  # there, but not a block of this namespace
+                if sizes[at] < 0:
+                    cause = "bad_type"  # not a string value
+                elif sizes[at] and expected and payload != expected:  # there, but not a block of this namespace
                     cause = "truncated" if payload < expected else "bad_length"
                 break
             if len(lengths) == ns.tp_size:

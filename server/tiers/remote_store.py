@@ -180,9 +180,19 @@ class RemoteStore:
         await self._bounded(client.ping())
 
     async def lengths(self, keys: list[bytes]) -> list[int]:
-        """STRLEN of each key (0: absent), pipelined."""
+        """STRLEN of each key (0: absent; -1: a key of another type, which anyone
+        who can write the store can make), pipelined. One such key is that
+        block's miss, not the whole batch's failure (nor the breaker's)."""
         client = await self.client()
-        return list(await self._bounded(asyncio.gather(*(client.strlen(k) for k in keys))))
+        replies = await self._bounded(asyncio.gather(*(client.strlen(k) for k in keys), return_exceptions=True))
+        sizes = []
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                if not (self.refused(reply) and "WRONGTYPE" in str(reply)):
+                    raise reply
+                reply = -1
+            sizes.append(reply)
+        return sizes
 
     async def get(self, keys: list[bytes], sizes: list[int]) -> list[bytes | None]:
         """The first `sizes[i]` bytes of each key's value (GETRANGE: a value the
