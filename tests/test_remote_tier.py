@@ -369,6 +369,20 @@ def test_an_acl_user_of_its_prefix_shares_and_a_wrong_password_is_a_miss(
     assert tier.promotions == 0 and tier.written_shards == 0 and tier.write_errors >= 1
 
 
+def test_a_node_that_only_stores_under_a_wrong_password_says_the_store_fails(
+    start_daemon, client_factory, tmp_path, cluster, server
+):
+    """A login the server refuses is no refused write of a store that answers:
+    the breaker opens on writes alone, and the log does not say reads go on."""
+    daemon = node(start_daemon, tmp_path, cluster, "wrong", remote=server.url, password="guess", remote_user="fleet",
+                  timeout="0.5")
+    wrong = client_factory(daemon)
+    worker, _, tensors = attach_worker(wrong, seed=3)
+    store_prompt(wrong, worker, tensors, prompt=1, job_id=1)
+    wait_until(lambda: remote(wrong.stats()).circuit != "closed", timeout=30, what="the breaker open")
+    assert "refused a write" not in daemon.log()
+
+
 def test_an_idle_connection_the_server_closed_is_reopened_without_a_failed_request(
     start_daemon, client_factory, tmp_path, cluster
 ):

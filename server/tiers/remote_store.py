@@ -188,7 +188,7 @@ class RemoteStore:
         sizes = []
         for reply in replies:
             if isinstance(reply, BaseException):
-                if not (self.refused(reply) and "WRONGTYPE" in str(reply)):
+                if not self.replied(reply, "WRONGTYPE"):
                     raise reply
                 reply = -1
             sizes.append(reply)
@@ -211,16 +211,25 @@ class RemoteStore:
         return answer is not None
 
     @staticmethod
-    def refused(error: BaseException) -> bool:
-        """Whether `error` is the server's refusal of a command (an error reply),
-        not a timeout or a lost connection."""
+    def replied(error: BaseException, *codes: str) -> bool:
+        """Whether `error` is the server's error reply of one of `codes` to the
+        command, not a timeout, a lost connection or one that could not be
+        made (glide reports a failed connect or login as a RequestError too)."""
         try:
             from glide import ConnectionError as Lost
             from glide import RequestError
             from glide import TimeoutError as Late
         except ImportError:
             return False
-        return isinstance(error, RequestError) and not isinstance(error, (Lost, Late))
+        if not isinstance(error, RequestError) or isinstance(error, (Lost, Late)):
+            return False
+        return any(code in str(error) for code in codes)
+
+    @classmethod
+    def refused(cls, error: BaseException) -> bool:
+        """Whether the server refused a write while it answers (out of memory
+        under noeviction, an ACL without SET, a read-only replica)."""
+        return cls.replied(error, "OOM", "NOPERM", "READONLY")
 
     async def _bounded(self, awaitable):
         # glide times each request out itself; this bounds a gather of many
