@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from kvdepot.server.tiers import remote_format as fmt
 from kvdepot.server.tiers.remote_format import HEADER, Rejected, Secrets, decode, encode, store_key
 
 OURS = Secrets(b"s" * 32)
@@ -69,3 +70,20 @@ def test_a_rotated_secret_reads_old_and_new_values_and_writes_new_ones():
 def test_short_secrets_are_refused():
     with pytest.raises(ValueError, match="at least 16 bytes"):
         Secrets(b"short")
+
+
+def test_a_stored_length_must_be_a_block_of_the_namespace_before_any_slot_is_taken():
+    key = b"kvdepot:fleet:ns:block:0"
+    block = 16384
+    assert fmt.stored_payload(0, key, block, 1 << 20) == 0  # absent
+    assert fmt.stored_payload(fmt.sealed_size(key, block), key, block, 1 << 20) == block
+    for size, cause in ((-1, "bad_type"), (fmt.sealed_size(key, block) + 1, "bad_length"),
+                        (fmt.sealed_size(key, block) - 1, "truncated"), (5, "truncated"),
+                        (fmt.sealed_size(key, 2 << 20), "bad_length")):
+        with pytest.raises(fmt.Rejected) as refused:
+            fmt.stored_payload(size, key, block, 1 << 20)
+        assert refused.value.cause == cause, size
+    # No worker has said the block size yet: bounded by a run of slots alone.
+    assert fmt.stored_payload(fmt.sealed_size(key, 5000), key, 0, 1 << 20) == 5000
+    with pytest.raises(fmt.Rejected):
+        fmt.stored_payload(fmt.sealed_size(key, 2 << 20), key, 0, 1 << 20)

@@ -196,34 +196,23 @@ class RemoteTier(Tier):
         self.breaker.succeeded()
         until = time.monotonic() + ABSENT_TTL_S
         whole = True
-        # A value's length is anyone's who can write the store: it must be the
-        # namespace's block size where a worker has said it (slots are reserved,
-        # and blocks evicted, by it before the value is read and checked).
-        expected = ns.block_bytes
         for i, key in enumerate(keys):
-            lengths, cause = [], None
-            for rank in ranks:
-                at = i * ns.tp_size + rank
-                payload = sizes[at] - self._overhead(store_keys[at])
-                if 0 < payload <= self.pool.largest_shard and (not expected or payload == expected):
-                    lengths.append(payload)
-                    continue
-                if sizes[at] < 0:
-                    cause = "bad_type"  # not a string value
-                elif sizes[at] and expected and payload != expected:  # there, but not a block of this namespace
-                    cause = "truncated" if payload < expected else "bad_length"
-                break
-            if len(lengths) == ns.tp_size:
+            at = i * ns.tp_size
+            try:
+                lengths = [fmt.stored_payload(sizes[at + r], store_keys[at + r], ns.block_bytes,
+                                              self.pool.largest_shard) for r in ranks]
+            except fmt.Rejected as e:
+                lengths = None
+                self._rejected(e.cause)
+                self._forget((ns.digest, key), time.monotonic() + REJECTED_TTL_S)
+            if lengths and all(lengths):
                 self._remember((ns.digest, key), tuple(lengths))
                 continue
             if whole:
                 self.counts["misses"] += 1  # the block that ends the run
             whole = False
-            if cause is None:
+            if lengths is not None:
                 self._forget((ns.digest, key), until)
-            else:
-                self._rejected(cause)
-                self._forget((ns.digest, key), time.monotonic() + REJECTED_TTL_S)
         return whole
 
     def holds(self, ns, key: bytes) -> bool:

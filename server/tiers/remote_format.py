@@ -107,6 +107,24 @@ def seal_into(buffer, key: bytes, payload, secrets: Secrets) -> memoryview:
     return out
 
 
+def stored_payload(size: int, key: bytes, block_bytes: int, max_length: int) -> int:
+    """The payload length a value of `size` bytes under `key` holds (`size`:
+    its STRLEN, 0 when absent, -1 when not a string). A value's length is
+    anyone's who can write the store, and slots are taken (blocks evicted) by
+    it before the value is read: it must be a block of `block_bytes` (0: not
+    known yet) and at most `max_length`. 0 when absent; Rejected otherwise."""
+    payload = size - sealed_size(key, 0)
+    if size == 0:
+        return 0
+    if size < 0:
+        raise Rejected("bad_type", "not a string value")
+    if block_bytes and payload != block_bytes:
+        raise Rejected("truncated" if payload < block_bytes else "bad_length", f"{payload} bytes")
+    if not 0 < payload <= max_length:
+        raise Rejected("bad_length" if payload > 0 else "truncated", f"{payload} bytes")
+    return payload
+
+
 def decode(value, key: bytes, secrets: Secrets, max_length: int) -> memoryview:
     """The payload of `value` read under `key`, or Rejected with the cause."""
     if value is None:
