@@ -23,7 +23,7 @@ from kvdepot import jobtrace
 from kvdepot.client.job_socket import JobSocket, JobSocketRefused, hand_over
 from kvdepot.client.jobs import JobBook, Lead
 from kvdepot.client.rpc import typed_error
-from kvdepot.errors import FailedPrecondition, KVDepotError, Unavailable, status_code
+from kvdepot.errors import FailedPrecondition, KVDepotError, Unavailable, from_status, status_code
 from kvdepot.proto import kvdepot_pb2 as pb
 from kvdepot.proto import kvdepot_pb2_grpc as pb_grpc
 
@@ -129,6 +129,9 @@ class SocketJobChannel(JobChannel):
         try:
             return hand_over(self._path, self._session_id, fd, self._timeout, self._trusted)
         except JobSocketRefused as e:
+            # The daemon's own code where it gave one (INVALID_ARGUMENT for memory past --max-shm-worker-bytes).
+            if e.code:
+                raise from_status(status_code(e.code), str(e)) from None
             raise FailedPrecondition(str(e)) from None
         except OSError as e:
             raise Unavailable(f"kvdepotd is not available: {e}") from None

@@ -37,7 +37,12 @@ LEAD_POLL_S = 0.01
 
 
 class JobSocketRefused(OSError):
-    """The daemon did not take the hello: this session cannot use the job socket."""
+    """The daemon did not take the hello (or a staging hand-over); `code`: the
+    status number of its JobRefused, where it gave one."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class JobSocket:
@@ -237,8 +242,10 @@ def hand_over(path: str, session_id: str, fd: int, timeout: float, trusted: froz
         except ValueError as e:
             raise JobSocketRefused(str(e)) from None
     if answer is None or not answer.HasField("staging_taken"):
-        why = answer.refused.message if answer is not None and answer.HasField("refused") else "no answer"
-        raise JobSocketRefused(f"the daemon did not take the worker's staging memory: {why}")
+        refused = answer is not None and answer.HasField("refused")
+        why = answer.refused.message if refused else "no answer"
+        raise JobSocketRefused(f"the daemon did not take the worker's staging memory: {why}",
+                               answer.refused.code if refused else None)
     return answer.staging_taken.staging_id
 
 

@@ -135,3 +135,14 @@ def test_a_session_that_ends_leaves_no_staging_mapped_in_the_daemon(daemon, clie
     assert daemon_staging_maps(daemon) == 1
     client.close()
     wait_until(lambda: daemon_staging_maps(daemon) == 0, what="the worker's staging unmapped")
+
+
+def test_a_cpu_worker_past_the_memory_limit_gets_the_daemons_invalid_argument(start_daemon, client_factory):
+    """The client used to turn every refused hand-over into FailedPrecondition,
+    whatever the daemon said; the docs promise INVALID_ARGUMENT naming the option."""
+    from kvdepot.errors import InvalidArgument
+
+    client = client_factory(start_daemon(max_shm_worker_bytes="1MiB"))  # the cache is 2 MiB
+    tensors, block_dim = make_kv_cache("per_layer", seed=3)
+    with pytest.raises(InvalidArgument, match="--max-shm-worker-bytes"):
+        client.register_worker(namespace("per_layer"), rank=0, tensors=tensors, block_dim=block_dim)
