@@ -38,8 +38,8 @@ def worker_layout(request: WorkerSpec, ns: Namespace, largest_shard: int, limits
     if block_bytes > largest_shard:
         raise InvalidArgument(
             f"one block of this worker is {block_bytes} bytes, more than the pool holds in one run "
-            f"({largest_shard} bytes: an extent, a 128th of the pool, at least 64 MiB and at most 1 GiB): "
-            "give kvdepotd a larger --pool-size"
+            f"({largest_shard} bytes: an extent of the pool, within one --pin-chunk-bytes): give kvdepotd a larger "
+            "--pool-size, or a larger --pin-chunk-bytes if that is what bounds it"
         )
     layout = WorkerLayout.of(
         [

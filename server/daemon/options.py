@@ -127,7 +127,8 @@ OPTIONS = [
     ),
     Option(
         "pool_size", "pool", "1GiB",
-        "Host memory for cached blocks, e.g. 64GiB. Allocated and (with CUDA) pinned at start.",
+        "Host memory for cached blocks, e.g. 64GiB. Allocated and (with --pin) pinned at start, the daemon "
+        "serving once the first --pin-chunk-bytes of it is up.",
         size=True, field="size",
     ),
     Option(
@@ -167,7 +168,7 @@ OPTIONS = [
         "pool_files", "pool", 0,
         "Files the pool is kept in, striped (page faults into one tmpfs file queue on its locks, so a pool "
         "of several comes up several times faster); 0 means 16 for a pool of 4 GiB or more, else one. "
-        "A pool on huge pages is one file. A kept pool is adopted with the files it has.",
+        "A pool on huge pages is one file. A kept pool is adopted with the files it has. At most 64.",
         kind=int, field="files",
     ),
     Option(
