@@ -255,9 +255,10 @@ def open_pool(
     for node in pool.numa_nodes() if pool.slots.carved else ():
         log.info("NUMA node %d: slots %d-%d%s; GPUs: %s", node.node, node.first_slot, node.first_slot + node.slots - 1,
                  "" if node.bound else " (not placed)", ", ".join(node.gpus) or "none")
-    if pool.numa_gpus_elsewhere():
+    elsewhere = pool.numa_gpus_elsewhere()
+    if elsewhere:
         log.info("NUMA: GPUs on no node of the pool (their stores take the range with the most free slots): %s",
-                 ", ".join(pool.numa_gpus_elsewhere()))
+                 ", ".join(elsewhere))
     if not pool.slots.carved:
         (whole,) = pool.numa_nodes()
         log.info("NUMA: pool not carved (%s); GPUs: %s",

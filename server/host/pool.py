@@ -118,14 +118,14 @@ class HostPool:
         self._threads = threads or min(16, os.cpu_count() or 1)
         self.placement = placement or numa.Placement()
         # Before anything sized by the pool is made: a size given in error is refused at once.
-        if not adopt and self._file_size > _free_bytes(directory):
-            what = "huge pages free (HugePages_Free in /proc/meminfo)" if self.huge_pages else "free"
-            raise PoolError(
-                f"the pool ({self._file_size / 2**30:.2f} GiB) does not fit in {directory} "
-                f"({_free_bytes(directory) / 2**30:.2f} GiB {what}): lower --pool-size, or give a --pool-dir "
-                "with room"
-            )
         if not adopt:
+            if self._file_size > _free_bytes(directory):
+                what = "huge pages free (HugePages_Free in /proc/meminfo)" if self.huge_pages else "free"
+                raise PoolError(
+                    f"the pool ({self._file_size / 2**30:.2f} GiB) does not fit in {directory} "
+                    f"({_free_bytes(directory) / 2**30:.2f} GiB {what}): lower --pool-size, or give a --pool-dir "
+                    "with room"
+                )
             check_memory(directory, self._file_size)
         try:
             self.slots = FreeRuns(self.num_slots, self.placement.nodes, self.registration_bytes // slot_bytes,
