@@ -5,6 +5,7 @@ pool: 4 MiB of 16 KiB slots, extents of 256 KiB (a sixteenth of the pool)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import wait_until
 from kvcache import BLOCK_SIZE, HEAD_DIM, KV_HEADS, dram, namespace, prompt_keys
@@ -86,6 +87,49 @@ def test_two_block_sizes_share_one_pool_and_a_big_block_costs_its_bytes(start_da
     load_and_compare(client, wide, wide_tensors, wide_keys, list(range(24)), list(range(32, 56)), 31)
     store(client, small, prompt_keys(4, prompt=300), list(range(4)), 32)
     load_and_compare(client, small, small_tensors, prompt_keys(4, prompt=300), list(range(4)), list(range(40, 44)), 33)
+
+
+def lane_env(lane: str) -> dict:
+    if lane == "native":
+        binding = pytest.importorskip("kvdepot.server.native.binding")
+        try:
+            binding.load()
+        except OSError as e:
+            pytest.skip(f"the native lane is not built ({e})")
+    return {"KVDEPOT_LANE": lane}
+
+
+@pytest.mark.parametrize("lane", ["python", "native"])
+def test_a_new_block_size_clears_one_extent_a_block_not_the_pool(start_daemon, client_factory, lane):
+    """A pool full of one model's blocks, read since in an order unlike the
+    one they were stored in (a block of every extent read again), takes
+    another model's wider blocks: each extent they need costs its own 16
+    blocks, the oldest block's extent first, and the rest of the pool stays."""
+    daemon = start_daemon(env=lane_env(lane))
+    assert f"the {lane} lane" in daemon.log().lower()
+    client = client_factory(daemon)
+    small, small_engine, small_tensors = big_worker(client, layers=4, seed=2, model="narrow")  # 1 slot
+    wide, wide_engine, wide_tensors = big_worker(client, layers=10, seed=3, model="wide")  # 3 slots
+    rounds = [prompt_keys(32, prompt=100 + r) for r in range(POOL_SLOTS // 32)]
+    for r, keys in enumerate(rounds):
+        store(client, small, keys, list(range(32)), 10 + r)
+    assert client.stats().used_slots == POOL_SLOTS
+    # An extent holds 16 slots: round r fills extents 2r and 2r + 1. The last
+    # block of each extent is read again, and is now among the newest.
+    touched = [rounds[e // 2][(e % 2) * 16 + 15] for e in range(POOL_SLOTS // 16)]
+    job = client.submit_load(small, 20, touched, list(range(32, 48)))
+    assert client.wait([job], 10)[job].ok
+    # Ten runs of 3 slots: two extents of 5 each.
+    wide_keys = prompt_keys(10, prompt=200)
+    store(client, wide, wide_keys, list(range(10)), 30)
+    stats = client.stats()
+    assert stats.totals.evicted_blocks == 32
+    assert namespace_row(stats, "wide").ready_blocks == 10
+    assert namespace_row(stats, "narrow").ready_blocks == POOL_SLOTS - 32
+    assert client.lookup(small_engine, rounds[0]).ready_blocks == 0  # the oldest's extents, read block included
+    assert all(client.lookup(small_engine, keys).ready_blocks == 32 for keys in rounds[1:])
+    load_and_compare(client, wide, wide_tensors, wide_keys, list(range(10)), list(range(48, 58)), 31)
+    load_and_compare(client, small, small_tensors, rounds[1][:4], list(range(4)), list(range(58, 62)), 32)
 
 
 def test_runs_come_back_after_a_restart(start_daemon, client_factory):

@@ -99,3 +99,51 @@ def test_the_check_catches_a_count_that_drifts_from_the_blocks(pool):
     ns.used_slots += 1
     with pytest.raises(IndexInconsistent, match="used_slots"):
         index.reserve_load(ns, keys, 0, 4096)
+
+
+def fill_alternately(index, a, b, count: int) -> list[bytes]:
+    """`count` one-slot blocks of `a` and `b` in turn: every extent holds both."""
+    keys = []
+    for i in range(count):
+        ns = (a, b)[i % 2]
+        key = bytes([5, i]) * 16
+        index.finish_stores([blk for _, blk in index.reserve_store(ns, 0, [key], job_id=100 + i).writes], 0, True, 4096)
+        keys.append(key)
+    return keys
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_new_block_size_clears_the_oldest_blocks_extent_and_no_more(pool, policy):
+    """A full pool of one-slot blocks, whose oldest were read again: a block of
+    two slots evicts the four blocks of one extent (the oldest block's), not
+    every block older than the ones read."""
+    evicted = []
+    index = index_of(pool, policy, evicted.append)
+    narrow = Namespace(id=1, name="narrow", tp_size=1, scope="t")
+    wide = Namespace(id=2, name="wide", tp_size=1, scope="t")
+    keys = [bytes([6, i]) * 16 for i in range(64)]
+    index.finish_stores([blk for _, blk in index.reserve_store(narrow, 0, keys, job_id=1).writes], 0, True, 4096)
+    # The last block of each extent of 4 is read: the newest in the order.
+    index.finish_loads(index.reserve_load(narrow, keys[3::4], 0, 4096))
+    reservation = index.reserve_store(wide, 0, [b"w" * 32], job_id=2, span=2)
+    assert reservation.not_stored == 0
+    index.finish_stores([blk for _, blk in reservation.writes], 0, True, 8192)
+    assert sorted(block.key for block in evicted) == keys[:4]
+    assert narrow.ready_blocks == 60 and index.lookup(wide, [b"w" * 32]).ready == 1
+
+
+def test_a_scope_at_its_share_clears_no_extent_that_holds_another_scopes_blocks(pool):
+    """Tenants a and b each hold half of a full pool, in every extent. A block
+    of another size of a's needs an extent cleared, and each holds b's blocks:
+    it is not stored, and none of a's blocks is evicted for it."""
+    evicted = []
+    index = index_of(pool, "lru", evicted.append)
+    a = Namespace(id=1, name="a", tp_size=1, scope="a")
+    b = Namespace(id=2, name="b", tp_size=1, scope="b")
+    fill_alternately(index, a, b, 64)
+    reservation = index.reserve_store(a, 0, [b"w" * 32], job_id=2, span=2)
+    assert reservation.not_stored == 1 and evicted == []
+    assert a.ready_blocks == 32 and b.ready_blocks == 32
+    # Blocks of a's own size still take the place of a's oldest.
+    reservation = index.reserve_store(a, 0, [b"n" * 32], job_id=3)
+    assert reservation.not_stored == 0 and [blk.ns.scope for blk in evicted] == ["a"]

@@ -1,7 +1,9 @@
 """Which ready block to drop when the pool is full: LRU or ARC.
 
 A policy only orders keys; the index tells it which keys may go (a block pinned
-by an in-flight job never does) and frees their slots.
+by an in-flight job never does) and frees their slots. `oldest` names the key
+the policy would give up and `evict` lets one go, so that the index can look
+before it evicts (a block of another size may free nothing a store can use).
 """
 
 from __future__ import annotations
@@ -37,8 +39,17 @@ class LRUPolicy:
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
 
+    def oldest(self, evictable: Evictable, incoming: Key | None = None) -> Key | None:
+        return _first(self._order, evictable)
+
+    def evict(self, key: Key) -> None:
+        self._order.pop(key, None)
+
     def victim(self, evictable: Evictable, incoming: Key | None = None) -> Key | None:
-        return _take_first(self._order, evictable)
+        key = self.oldest(evictable, incoming)
+        if key is not None:
+            self.evict(key)
+        return key
 
 
 class ARCPolicy:
@@ -96,23 +107,33 @@ class ARCPolicy:
         for lst in (self.t1, self.t2, self.b1, self.b2):
             lst.pop(key, None)
 
-    def victim(self, evictable: Evictable, incoming: Key | None = None) -> Key | None:
+    def oldest(self, evictable: Evictable, incoming: Key | None = None) -> Key | None:
         from_t1_first = bool(self.t1) and (
             len(self.t1) > self.p or (incoming in self.b2 and len(self.t1) == int(self.p))
         )
-        order = [(self.t1, self.b1), (self.t2, self.b2)]
-        if not from_t1_first:
-            order.reverse()
-        for live, ghost in order:
-            key = _take_first(live, evictable)
+        order = [self.t1, self.t2] if from_t1_first else [self.t2, self.t1]
+        for live in order:
+            key = _first(live, evictable)
             if key is not None:
-                ghost[key] = None
                 return key
         return None
 
+    def evict(self, key: Key) -> None:
+        """Out of T1 or T2, remembered in the ghost list beside it."""
+        for live, ghost in ((self.t1, self.b1), (self.t2, self.b2)):
+            if key in live:
+                del live[key]
+                ghost[key] = None
 
-def _take_first(keys: OrderedDict, evictable: Evictable) -> Key | None:
-    """Removes and returns the oldest evictable key.
+    def victim(self, evictable: Evictable, incoming: Key | None = None) -> Key | None:
+        key = self.oldest(evictable, incoming)
+        if key is not None:
+            self.evict(key)
+        return key
+
+
+def _first(keys: OrderedDict, evictable: Evictable) -> Key | None:
+    """The oldest evictable key, left in place.
 
     Pinned keys passed over move to the recent end, as if used now: they are in
     use, by a job in flight. Left in place, a load of old blocks would make
@@ -128,8 +149,6 @@ def _take_first(keys: OrderedDict, evictable: Evictable) -> Key | None:
         passed.append(key)
     for key in passed:
         keys.move_to_end(key)
-    if found is not None:
-        del keys[found]
     return found
 
 

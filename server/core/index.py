@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvdepot.errors import FailedPrecondition
-from kvdepot.server.core import index_check
+from kvdepot.server.core import index_check, room
 from kvdepot.server.core.blocks import PROMOTION, Block, BlockState
 from kvdepot.server.core.namespaces import Namespace, Namespaces, gone_from_dram, kept_namespace
 from kvdepot.server.core.requests import LookupStatus
@@ -379,29 +379,37 @@ class BlockIndex:
     def _allocate_slot(self, incoming: tuple[int, bytes], scope: str, node: int | None = None,
                        span: int = 1) -> int | None:
         quota = self.evictions.quotas.get(scope)
-        at_quota = quota is not None and self._held.get(scope, 0) + span > quota
-        slot = None if at_quota else self.pool.allocate(node, span)
-        if slot is not None:
-            return slot
+
+        def at_quota() -> bool:
+            return quota is not None and self._held.get(scope, 0) + span > quota
+
+        slot = None if at_quota() else self.pool.allocate(node, span)
         # A full pool (the steady state), or a scope at its quota: each new
-        # block evicts one, of the scope that shares.py says gives up a slot.
-        evictable = self._evictable
+        # block evicts, of the scope that shares.py says gives up a slot; when
+        # the oldest block there frees no run of this span, one extent is
+        # cleared (room.py).
         while slot is None:
-            for victim_scope in self.evictions.order(scope, self._slots_by_scope):
+            order = self.evictions.order(scope, self._slots_by_scope)
+            for victim_scope in order:
                 own = victim_scope == scope
-                victim_key = self.evictions.of(victim_scope).victim(evictable, incoming if own else None)
-                if victim_key is not None:
+                oldest = self.evictions.of(victim_scope).oldest(self._evictable, incoming if own else None)
+                if oldest is not None:
                     break
             else:
                 return None
-            victim = self._blocks[victim_key]
-            self._drop(victim)
-            self._on_evict(victim)
-            lower = victim.ready and self.tiers.holds(victim.ns, victim.key)
-            self._changed(victim, BlockState.LOWER if lower else BlockState.DROPPED)
-            if quota is not None and self._held.get(scope, 0) + span > quota:
-                continue  # the scope evicts its own until its quota has room
-            slot = self.pool.allocate(node, span)
+            going = [self._blocks[oldest]]
+            if not at_quota() and not self.pool.slots.frees_run(going[0].held_slots(), span):
+                going = room.clearing(self._blocks.values(), self.pool.slots, going[0], span, {scope, *order})
+                if going is None:
+                    return None
+            for victim in going:
+                self.evictions.of(victim.ns.scope).evict(victim.index_key)
+                self._drop(victim)
+                self._on_evict(victim)
+                lower = victim.ready and self.tiers.holds(victim.ns, victim.key)
+                self._changed(victim, BlockState.LOWER if lower else BlockState.DROPPED)
+            if not at_quota():  # else the scope evicts its own until its quota has room
+                slot = self.pool.allocate(node, span)
         return slot
 
     def _storing_room(self, scope: str) -> int:

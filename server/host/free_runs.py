@@ -96,6 +96,32 @@ class FreeRuns:
         """The span of the runs of `slot`'s extent (0: a free extent)."""
         return self._span[self.extent_of(slot)]
 
+    # ------------------------------------------------------------ room for another span
+
+    @property
+    def extents(self) -> int:
+        return len(self._first)
+
+    def bounds(self, e: int) -> tuple[int, int]:
+        """Extent `e`'s slots: [first, end)."""
+        return self._first[e], self._first[e] + self._count[e]
+
+    def frees_run(self, slots: Iterable[int], span: int) -> bool:
+        """Whether releasing the runs at `slots` (one block's) frees a run of
+        `span`: one in an extent of that span, or an extent they alone use."""
+        within: dict[int, int] = {}
+        for slot in slots:
+            e = self.extent_of(slot)
+            if self._span[e] == span:
+                return True
+            within[e] = within.get(e, 0) + 1
+        return any(self._used[e] == n and self._count[e] >= span for e, n in within.items())
+
+    def can_clear(self, e: int, span: int, runs: int) -> bool:
+        """Whether extent `e` is free once `runs` runs of it go (no other run,
+        such as one held for a kept block, stays) and then fits a run of `span`."""
+        return self._online[e] and self._count[e] >= span and self._used[e] == runs
+
     # ------------------------------------------------------------ bring-up
 
     def set_online(self, ranges: Iterable[tuple[int, int]]) -> None:

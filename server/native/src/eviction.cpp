@@ -64,9 +64,9 @@ void push_front(Index& index, Order& order, uint32_t b, uint8_t list) {
 
 Order& list_of(Policy& policy, uint8_t list) { return list == 2 ? policy.t2 : policy.t1; }
 
-// Removes and returns the oldest unpinned block. Pinned blocks passed over move
-// to the recent end, as if used now (eviction.py _take_first says why).
-uint32_t take_first(Index& index, Order& order, uint8_t list) {
+// The oldest unpinned block, left in place. Pinned blocks passed over move to
+// the recent end, as if used now (eviction.py _first says why).
+uint32_t first(Index& index, Order& order, uint8_t list) {
   std::vector<uint32_t> passed;
   uint32_t found = NIL;
   for (uint32_t b = order.head; b != NIL; b = index.block(b).next) {
@@ -80,7 +80,6 @@ uint32_t take_first(Index& index, Order& order, uint8_t list) {
     unlink(index, order, b);
     push_back(index, order, b, list);
   }
-  if (found != NIL) unlink(index, order, found);
   return found;
 }
 
@@ -142,8 +141,8 @@ void Eviction::remove(Index& index, Policy& policy, uint32_t b) {
   }
 }
 
-uint32_t Eviction::victim(Index& index, Policy& policy, const IndexKey* incoming) {
-  if (!policy.arc) return take_first(index, policy.t1, 1);
+uint32_t Eviction::oldest(Index& index, Policy& policy, const IndexKey* incoming) {
+  if (!policy.arc) return first(index, policy.t1, 1);
   bool from_t1_first =
       policy.t1.size > 0 && ((double)policy.t1.size > policy.p ||
                              (incoming != nullptr && policy.b2.has(*incoming) &&
@@ -151,13 +150,24 @@ uint32_t Eviction::victim(Index& index, Policy& policy, const IndexKey* incoming
   uint8_t order[2] = {1, 2};
   if (!from_t1_first) std::swap(order[0], order[1]);
   for (uint8_t list : order) {
-    uint32_t b = take_first(index, list_of(policy, list), list);
-    if (b != NIL) {
-      (list == 1 ? policy.b1 : policy.b2).add(index.block(b).ik);
-      return b;
-    }
+    uint32_t b = first(index, list_of(policy, list), list);
+    if (b != NIL) return b;
   }
   return NIL;
+}
+
+void Eviction::evict(Index& index, Policy& policy, uint32_t b) {
+  Block& block = index.block(b);
+  uint8_t list = block.list;
+  if (!list) return;
+  unlink(index, list_of(policy, list), b);
+  if (policy.arc) (list == 1 ? policy.b1 : policy.b2).add(block.ik);
+}
+
+uint32_t Eviction::victim(Index& index, Policy& policy, const IndexKey* incoming) {
+  uint32_t b = oldest(index, policy, incoming);
+  if (b != NIL) evict(index, policy, b);
+  return b;
 }
 
 double Eviction::share(const Scope& scope, double capacity, size_t active) {

@@ -309,31 +309,82 @@ int64_t Index::allocate_slot(uint32_t incoming, uint32_t scope, int32_t node, in
   Scope& s = scopes_[scope];
   auto at_quota = [&] { return s.quota >= 0 && s.held + span > s.quota; };
   int64_t slot = at_quota() ? -1 : slots_.allocate(node, span);
-  if (slot >= 0) return slot;
   // A full pool (the steady state), or a scope at its quota: each new block
-  // evicts, of the scope that shares.py says gives up a slot, until a run of
-  // its span is free (policy order, as core/index.py).
+  // evicts, of the scope that shares.py says gives up a slot; when the oldest
+  // block there frees no run of this span, one extent is cleared (room.py).
   const IndexKey incoming_key = blocks_[incoming].ik;
   while (slot < 0) {
-    uint32_t victim = NIL;
-    for (uint32_t victim_scope :
-         Eviction::victims(scopes_, scope, held_by_scope(), (double)capacity_, (double)capacity_)) {
-      bool own = victim_scope == scope;
-      victim = Eviction::victim(*this, policy(victim_scope), own ? &incoming_key : nullptr);
-      if (victim != NIL) break;
+    std::vector<uint32_t> order =
+        Eviction::victims(scopes_, scope, held_by_scope(), (double)capacity_, (double)capacity_);
+    uint32_t oldest = NIL;
+    for (uint32_t victim_scope : order) {
+      oldest = Eviction::oldest(*this, policy(victim_scope), victim_scope == scope ? &incoming_key : nullptr);
+      if (oldest != NIL) break;
     }
-    if (victim == NIL) return -1;
-    Block& block = blocks_[victim];
-    Namespace& ns = *this->ns(block.ik.ns);
-    bool was_ready = block.ready;
-    Key key = block.ik.key;
-    drop(victim);
-    hooks_.evicted(ns);
-    hooks_.changed(ns, key, was_ready ? Change::EVICTED : Change::DROPPED);
-    if (at_quota()) continue;  // the scope evicts its own until its quota has room
-    slot = slots_.allocate(node, span);
+    if (oldest == NIL) return -1;
+    std::vector<uint32_t> going{oldest};
+    std::vector<int64_t> held;
+    for (const Shard& shard : blocks_[oldest].shards)
+      if (shard.slot >= 0) held.push_back(shard.slot);
+    if (!at_quota() && !slots_.frees_run(held, span)) {
+      order.push_back(scope);
+      going = clearing(oldest, span, order);
+      if (going.empty()) return -1;
+    }
+    for (uint32_t b : going) evict(b);
+    if (!at_quota()) slot = slots_.allocate(node, span);  // else the scope evicts its own until its quota has room
   }
   return slot;
+}
+
+std::vector<uint32_t> Index::clearing(uint32_t oldest, int64_t span, const std::vector<uint32_t>& allowed) {
+  size_t n = slots_.extents();
+  std::vector<int64_t> held(n, 0);
+  std::vector<uint8_t> barred(n, 0);
+  for (const Block& block : blocks_) {  // free entries have no shards
+    bool may_go = block.pins == 0 && std::find(allowed.begin(), allowed.end(), block.scope) != allowed.end();
+    for (const Shard& shard : block.shards) {
+      if (shard.slot < 0) continue;
+      size_t e = slots_.extent_of(shard.slot);
+      held[e]++;
+      barred[e] |= !may_go;
+    }
+  }
+  auto clearable = [&](size_t e) { return held[e] > 0 && !barred[e] && slots_.can_clear(e, span, held[e]); };
+  size_t choice = n;  // none
+  for (const Shard& shard : blocks_[oldest].shards) {
+    if (shard.slot >= 0 && clearable(slots_.extent_of(shard.slot))) {
+      choice = slots_.extent_of(shard.slot);
+      break;
+    }
+  }
+  if (choice == n)
+    for (size_t e = 0; e < n; e++)
+      if (clearable(e) && (choice == n || held[e] < held[choice])) choice = e;
+  if (choice == n) return {};
+  auto [first, end] = slots_.bounds(choice);
+  std::vector<std::pair<int64_t, uint32_t>> going;  // (its lowest slot in the extent, block)
+  for (uint32_t b = 0; b < blocks_.size(); b++) {
+    int64_t lowest = end;
+    for (const Shard& shard : blocks_[b].shards)
+      if (shard.slot >= first && shard.slot < end) lowest = std::min(lowest, shard.slot);
+    if (lowest < end) going.push_back({lowest, b});
+  }
+  std::sort(going.begin(), going.end());
+  std::vector<uint32_t> out;
+  for (auto [lowest, b] : going) out.push_back(b);
+  return out;
+}
+
+void Index::evict(uint32_t b) {
+  Block& block = blocks_[b];
+  Eviction::evict(*this, policy(block.scope), b);
+  Namespace& ns = *this->ns(block.ik.ns);
+  bool was_ready = block.ready;
+  Key key = block.ik.key;
+  drop(b);
+  hooks_.evicted(ns);
+  hooks_.changed(ns, key, was_ready ? Change::EVICTED : Change::DROPPED);
 }
 
 int64_t Index::storing_room(uint32_t scope) {

@@ -93,6 +93,10 @@ class Index {
   void pin(uint32_t b);
   void unpin(uint32_t b);
   int64_t allocate_slot(uint32_t incoming, uint32_t scope, int32_t node, int64_t span);
+  // The blocks to evict so that one extent empties for a run of `span`
+  // (core/room.py says which); empty when none can be cleared.
+  std::vector<uint32_t> clearing(uint32_t oldest, int64_t span, const std::vector<uint32_t>& allowed);
+  void evict(uint32_t b);
   // The slots of a block's runs (every count of slots counts runs' slots).
   int64_t held_span(const Block& block) const;
   int64_t storing_room(uint32_t scope);
@@ -128,7 +132,11 @@ class Eviction {
   static void insert_oldest(Index& index, Policy& policy, uint32_t b);
   static void touch(Index& index, Policy& policy, uint32_t b);
   static void remove(Index& index, Policy& policy, uint32_t b);
-  // Removes and returns the block to evict, NIL when every one is pinned.
+  // The block the policy would evict, left in place; NIL when every one is pinned.
+  static uint32_t oldest(Index& index, Policy& policy, const IndexKey* incoming);
+  // Out of the order (under ARC, remembered in the ghost list beside its list).
+  static void evict(Index& index, Policy& policy, uint32_t b);
+  // oldest(), evicted.
   static uint32_t victim(Index& index, Policy& policy, const IndexKey* incoming);
   // The scopes to take room from, in turn (shares.py ScopedEviction.victims).
   static std::vector<uint32_t> victims(const std::vector<Scope>& scopes, uint32_t incoming,

@@ -5,6 +5,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <cstdarg>
 
 namespace kvd {
@@ -76,6 +77,20 @@ size_t Slots::extent_of(int64_t slot) const {
 int64_t Slots::span_at(int64_t slot) const {
   if (slot < 0 || slot >= num_slots_ || extents_.empty()) return 0;
   return extents_[extent_of(slot)].span;
+}
+
+bool Slots::frees_run(const std::vector<int64_t>& slots, int64_t span) const {
+  std::vector<std::pair<size_t, int64_t>> within;  // (extent, runs of the block in it)
+  for (int64_t slot : slots) {
+    size_t e = extent_of(slot);
+    if (extents_[e].span == span) return true;
+    auto at = std::find_if(within.begin(), within.end(), [&](auto& w) { return w.first == e; });
+    if (at == within.end()) within.push_back({e, 1});
+    else at->second++;
+  }
+  for (auto [e, n] : within)
+    if (extents_[e].used == n && extents_[e].count >= span) return true;
+  return false;
 }
 
 bool Slots::starts_run(int64_t slot) const {

@@ -40,6 +40,18 @@ class Slots {
   // The span of `slot`'s extent's runs (0: a free extent, or out of the pool).
   int64_t span_at(int64_t slot) const;
   int64_t max_span() const { return max_span_; }
+  // For room.py's choice (index.cpp clearing): the extents, and the one of `slot`.
+  size_t extents() const { return extents_.size(); }
+  size_t extent_of(int64_t slot) const;
+  std::pair<int64_t, int64_t> bounds(size_t e) const { return {extents_[e].first, extents_[e].first + extents_[e].count}; }
+  // Whether releasing the runs at `slots` (one block's) frees a run of `span`
+  // (free_runs.py frees_run).
+  bool frees_run(const std::vector<int64_t>& slots, int64_t span) const;
+  // Whether extent `e` is free once `runs` runs of it go and then fits a run of `span`.
+  bool can_clear(size_t e, int64_t span, int64_t runs) const {
+    const Extent& x = extents_[e];
+    return x.online && x.count >= span && x.used == runs;
+  }
   // After adoption: every online extent free but the runs `used` (which
   // free_runs.py fits() accepted), the records of the other slots cleared.
   void keep_only(const Runs& used);
@@ -82,7 +94,6 @@ class Slots {
 
   // Every online extent free but the runs `used`.
   void reset(const Runs& used, bool clear);
-  size_t extent_of(int64_t slot) const;
   int64_t online_count() const;
   int64_t used_count() const;
   int64_t take(size_t range, int64_t span);

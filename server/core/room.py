@@ -1,0 +1,56 @@
+"""Room for a block of another size in a full pool: which blocks go.
+
+An extent of the pool holds runs of one span at a time (host/free_runs.py). A
+store in a full pool evicts in policy order while the oldest block frees a run
+of its span: it holds one in an extent of that span, or the last runs of an
+extent. When the oldest would not, policy order frees runs nobody asked for
+until some extent happens to empty; a store of a new block size in a pool of
+another evicted nearly all of it. So that store clears one extent instead: the
+oldest block's own where it can, else the one that costs the fewest runs (the
+first of equals). The blocks of an extent all go, each through the policy
+(ARC remembers them), in slot order.
+
+An extent can be cleared only when every block in it could go for this store:
+unpinned, and of the storing scope or of one that gives up room to it
+(shares.py), and when no run in it is held for a kept block still waiting.
+When none can, the block is not stored and nothing is evicted for it. The
+native lane does the same (server/native/src/index.cpp, clearing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvdepot.server.core.blocks import Block
+
+
+def clearing(blocks: Iterable[Block], runs, oldest: Block, span: int, allowed: set[str]) -> list[Block] | None:
+    """The blocks to evict so that an extent of `runs` (free_runs.FreeRuns)
+    empties for a run of `span`; None when no extent can be cleared."""
+    blocks = list(blocks)
+    held = [0] * runs.extents
+    barred = [False] * runs.extents
+    for block in blocks:
+        may_go = block.pins == 0 and block.ns.scope in allowed
+        for slot in block.held_slots():
+            e = runs.extent_of(slot)
+            held[e] += 1
+            barred[e] = barred[e] or not may_go
+
+    def clearable(e: int) -> bool:
+        return held[e] > 0 and not barred[e] and runs.can_clear(e, span, held[e])
+
+    choice = next((e for e in map(runs.extent_of, oldest.held_slots()) if clearable(e)), None)
+    if choice is None:
+        fits = [e for e in range(runs.extents) if clearable(e)]
+        if not fits:
+            return None
+        choice = min(fits, key=lambda e: (held[e], e))
+    first, end = runs.bounds(choice)
+    going = []
+    for block in blocks:
+        within = [slot for slot in block.held_slots() if first <= slot < end]
+        if within:
+            going.append((min(within), block))
+    going.sort(key=lambda pair: pair[0])
+    return [block for _, block in going]
