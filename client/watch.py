@@ -87,7 +87,13 @@ def _gib_of(n: int) -> str:
 
 
 def block_size(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB" if n else "unknown"
+    """Exact: two block sizes never read the same (65,536 and 65,537 bytes
+    are two layouts, and the second wastes most of a second slot)."""
+    if not n:
+        return "unknown"
+    if n % 2**20 == 0:
+        return f"{n >> 20:,} MiB"
+    return f"{n >> 10:,} KiB" if n % 2**10 == 0 else f"{n:,} B"
 
 
 def holds_lines(stats: pb.GetStatsResponse) -> list[str]:

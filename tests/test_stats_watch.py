@@ -19,7 +19,7 @@ import time
 from conftest import subprocess_env
 from kvcache import attach_worker, prompt_keys
 
-from kvdepot.client.watch import LEAVE_SCREEN, byte_rate, counter_rates, interval_seconds
+from kvdepot.client.watch import LEAVE_SCREEN, block_size, byte_rate, counter_rates, interval_seconds
 from kvdepot.proto import kvdepot_pb2 as pb
 
 BLOCK_BYTES = 16 * 1024
@@ -215,3 +215,12 @@ def test_a_reader_that_is_gone_ends_stats_quietly(daemon):
     finally:
         os.close(write_end)
     assert (done.returncode, done.stderr.decode(errors="replace")) == (0, "")
+
+
+def test_two_block_sizes_never_read_the_same():
+    """65,536 and 65,537 bytes are two layouts (the second takes two slots of
+    64 KiB): the stats name each exactly."""
+    sizes = [0, 4096, 65536, 65537, 2 << 20, (2 << 20) + 1024, (2 << 20) + 1]
+    labels = [block_size(n) for n in sizes]
+    assert labels == ["unknown", "4 KiB", "64 KiB", "65,537 B", "2 MiB", "2,049 KiB", "2,097,153 B"]
+    assert len(set(labels)) == len(labels)

@@ -212,12 +212,13 @@ def _families(s: Report, tenant_series: bool):
     yield _gauge("kvdepot_pool_capacity_bytes", "Bytes of the pool (whole slots).", num_slots * slot_bytes)
     yield _gauge("kvdepot_pool_used_bytes", "Bytes of the pool's slots in use.", s.used_slots * slot_bytes)
     yield _gauge("kvdepot_pool_slots", "Slots of the pool.", num_slots)
-    yield _gauge("kvdepot_pool_free_bytes", "Bytes of the pool's slots that are up and free.", s.free_bytes)
+    yield _gauge("kvdepot_pool_free_bytes", "Bytes of the pool's slots that are up and in no block's run (a "
+                 "free run in an extent of one block size serves that size alone).", s.free_bytes)
     if tenant_series:  # with the pool's used bytes they would tell a tenant's block size
-        yield _gauge("kvdepot_pool_kv_bytes", "Bytes of KV the pool's used slots hold (each namespace's used "
-                     "slots times its block bytes).", s.kv_bytes)
-        yield _gauge("kvdepot_pool_fragmentation_ratio", "Share of the used slots' bytes that holds no KV (blocks "
-                     "smaller than a slot).", s.fragmentation)
+        yield _gauge("kvdepot_pool_kv_bytes", "Bytes of KV the pool's used slots hold (each namespace's blocks "
+                     "times its block bytes; a block takes a run of ceil(block / slot) slots).", s.kv_bytes)
+        yield _gauge("kvdepot_pool_fragmentation_ratio", "Share of the used slots' bytes that holds no KV (the "
+                     "unused end of each block's last slot).", s.fragmentation)
     yield _gauge("kvdepot_pool_online_bytes", "Bytes of the pool that are up (faulted in and pinned); below "
                  "the capacity while the pool comes up after a start.", s.pool.online_slots * slot_bytes)
     yield _gauge("kvdepot_pinned_slots", "Slots held by jobs in flight (never evicted).", s.pinned_slots)
