@@ -15,6 +15,7 @@ itself. Its connection is lazy: the daemon starts while the store is away.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
@@ -45,16 +46,18 @@ class RemoteSpec:
 def remote_spec(tiers) -> RemoteSpec:
     """The store the daemon's configuration (its `tiers` group) names, its files read."""
     nodes, tls, cluster = parse_url(tiers.remote)
+    password = _read(tiers.remote_password_file, "remote_password_file").decode().strip() \
+        if tiers.remote_password_file else None
+    ca_pem = _read(tiers.remote_ca_file, "remote_ca_file") if tiers.remote_ca_file else None
+    if ca_pem is not None:
+        if not tls:
+            raise RemoteConfigError("remote_ca_file is for a TLS store: use valkeys:// or rediss://")
+        _check_ca(ca_pem, tiers.remote_ca_file)
     try:
         import glide  # noqa: F401 - the client, only where --remote is used
     except ImportError:
         raise RemoteConfigError("remote: the valkey-glide package is not installed (pip install 'kvdepot[remote]')"
                                 ) from None
-    password = _read(tiers.remote_password_file, "remote_password_file").decode().strip() \
-        if tiers.remote_password_file else None
-    ca_pem = _read(tiers.remote_ca_file, "remote_ca_file") if tiers.remote_ca_file else None
-    if ca_pem is not None and not tls:
-        raise RemoteConfigError("remote_ca_file is for a TLS store: use valkeys:// or rediss://")
     return RemoteSpec(nodes, tls, cluster, tiers.remote_user, password, ca_pem, tiers.remote_timeout)
 
 
@@ -64,6 +67,18 @@ def _read(path: str, option: str) -> bytes:
             return f.read()
     except OSError as e:
         raise RemoteConfigError(f"{option}: cannot read {path}: {e.strerror}") from None
+
+
+def _check_ca(pem: bytes, path: str) -> None:
+    """Read as the TLS library will: a file of no certificate would fail every
+    handshake later, each reported only as a store that does not answer."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=pem.decode("ascii"))
+    except UnicodeDecodeError:
+        raise RemoteConfigError(f"remote_ca_file: {path} holds no PEM CA certificate (it is not text)") from None
+    except ssl.SSLError as e:
+        reason = e.reason or (e.args[1] if len(e.args) > 1 else str(e))
+        raise RemoteConfigError(f"remote_ca_file: {path} holds no PEM CA certificate ({reason})") from None
 
 
 def parse_url(url: str) -> tuple[tuple[tuple[str, int], ...], bool, bool]:
