@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -444,13 +445,31 @@ def test_a_tls_store_with_an_acl_user_shares_and_an_untrusted_certificate_is_a_m
         other_pki = tmp_path / "other-pki"
         other_pki.mkdir()
         stranger_ca = CA(other_pki, name="another CA")
-        doubter = client_factory(node(start_daemon, tmp_path, cluster, "doubter", **{**secure,
-                                      "remote_ca_file": str(stranger_ca.path)}))
+        doubter_daemon = node(start_daemon, tmp_path, cluster, "doubter", **{**secure,
+                              "remote_ca_file": str(stranger_ca.path)})
+        doubter = client_factory(doubter_daemon)
+        # The log says why, not only that the store timed out.
+        wait_until(lambda: "does not answer at start" in doubter_daemon.log(), what="the failed connect logged")
+        assert f"the TLS handshake with 127.0.0.1:{tls.port} failed (CERTIFICATE_VERIFY_FAILED)" in doubter_daemon.log()
         _, engine, _ = attach_worker(doubter, seed=3)
         assert ready_after_asking(doubter, engine, keys) == 0
         assert remote(doubter.stats()).promotions == 0 and remote(doubter.stats()).write_errors >= 1
     finally:
         tls.stop()
+
+
+def test_a_store_that_refuses_connections_is_named_at_start(start_daemon, client_factory, tmp_path):
+    """glide reports every failed connect as a request that timed out: the
+    daemon's log says what an operator can act on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections to it are refused
+    daemon = node(start_daemon, tmp_path, None, "alone", remote=f"valkey://127.0.0.1:{port}", timeout="0.5")
+    wait_until(lambda: "does not answer at start" in daemon.log(), what="the failed connect logged")
+    assert f"valkey://127.0.0.1:{port}: 127.0.0.1:{port}: Connection refused" in daemon.log()
+    client = client_factory(daemon)
+    _, engine, _ = attach_worker(client, seed=1)
+    assert client.lookup(engine, prompt_keys(4, prompt=1)).ready_blocks == 0
 
 
 def test_a_store_node_killed_mid_run_leaves_every_lookup_answered(start_daemon, client_factory, tmp_path):

@@ -39,8 +39,7 @@ ABSENT_TTL_S = 1.0
 # A value that failed its checks longer: it stays in the store (SET NX keeps it).
 REJECTED_TTL_S = 60.0
 # Publishes and fetches in flight at once.
-MAX_PUBLISHING = 16
-MAX_FETCHING = 64
+MAX_PUBLISHING, MAX_FETCHING = 16, 64
 CODEC_THREADS = 4
 # Seconds the fetch latency histogram's buckets end at.
 FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -88,6 +87,7 @@ class RemoteTier(Tier):
             await self.store.ping()
         except Exception as e:  # noqa: BLE001 - a store that is away at start is retried later
             self._store_failed(e)
+            log.warning("the remote store does not answer at start: %s; lookups retry", await self.store.diagnose(e))
             return
         self.breaker.succeeded()
 

@@ -15,6 +15,7 @@ itself. Its connection is lazy: the daemon starts while the store is away.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
@@ -224,6 +225,32 @@ class RemoteStore:
         client = await self.client()
         answer = await self._bounded(client.set(key, value, conditional_set=ConditionalChange.ONLY_IF_DOES_NOT_EXIST))
         return answer is not None
+
+    async def diagnose(self, error: BaseException) -> str:
+        """What keeps the daemon from the store, in words. glide reports a
+        refused connection, a name that does not resolve and a failed TLS
+        handshake alike (a request that timed out): a plain connection to
+        the first node, TLS as configured, tells them apart."""
+        said = f"{type(error).__name__}: {error}".strip() if str(error) else type(error).__name__
+        (host, port), wait = self.spec.nodes[0], self.spec.timeout_s * 4
+        context = None
+        if self.spec.tls:
+            context = ssl.create_default_context(cadata=self.spec.ca_pem.decode()) if self.spec.ca_pem \
+                else ssl.create_default_context()
+        try:
+            connecting = asyncio.open_connection(host, port, ssl=context, server_hostname=host if context else None)
+            _, writer = await asyncio.wait_for(connecting, wait)
+        except socket.gaierror as e:
+            return f"{self.spec.describe()}: {host} does not resolve ({e.strerror})"
+        except ssl.SSLError as e:
+            return f"{self.spec.describe()}: the TLS handshake with {host}:{port} failed ({e.reason or e})"
+        except TimeoutError:
+            return f"{self.spec.describe()}: {host}:{port} did not accept a connection within {wait:g} s"
+        except OSError as e:
+            return f"{self.spec.describe()}: {host}:{port}: {e.strerror or e}"
+        writer.close()
+        # Then the store's own words (a wrong password, an ACL) are in glide's.
+        return f"{self.spec.describe()}: {host}:{port} accepts connections, but the store did not answer ({said})"
 
     @staticmethod
     def replied(error: BaseException, *codes: str) -> bool:
