@@ -437,7 +437,7 @@ class RemoteTier(Tier):
         c = self.counts
         return TierStats(
             name=self.name,
-            shards=len(self._present),
+            shards=sum(len(lengths) for lengths, _ in self._present.values()),  # a rank's each, as other tiers
             written_shards=c["written_shards"], written_bytes=c["written_bytes"],
             read_shards=c["read_shards"], read_bytes=c["read_bytes"],
             promotions=c["promotions"], failed_promotions=c["failed_promotions"],
