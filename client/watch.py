@@ -103,7 +103,7 @@ def holds_lines(stats: pb.GetStatsResponse) -> list[str]:
     lines = [
         f"holds     {_gib_of(stats.kv_bytes)} of KV in {_gib_of(stats.used_slots * slot)} of slots "
         f"({100 * stats.fragmentation:.0f}% of those slots' bytes empty: fragmentation); "
-        f"{_gib_of(stats.free_bytes)} free"
+        f"{_gib_of(stats.free_bytes)} free, {_gib_of(stats.free_any_size_bytes)} of it for blocks of any size"
     ]
     for size in stats.block_sizes:
         span = -(-size.block_bytes // slot) if slot else 0

@@ -505,7 +505,7 @@ class ClientStats(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., counters: _Optional[_Union[Counters, _Mapping]] = ..., jobs_in_flight: _Optional[int] = ..., workers: _Optional[int] = ..., session_number: _Optional[int] = ..., tenant: _Optional[str] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "open_ipc_mappings", "gpus", "namespaces_omitted", "clients_omitted", "tiers", "numa_nodes", "numa_carved", "kv_bytes", "free_bytes", "fragmentation", "block_sizes", "numa_gpus_elsewhere")
+    __slots__ = ("daemon_version", "daemon_instance", "uptime_seconds", "pool", "used_slots", "pinned_slots", "occupancy", "eviction_policy", "totals", "namespaces", "clients", "sessions_ended", "open_ipc_mappings", "gpus", "namespaces_omitted", "clients_omitted", "tiers", "numa_nodes", "numa_carved", "kv_bytes", "free_bytes", "fragmentation", "block_sizes", "numa_gpus_elsewhere", "free_any_size_bytes")
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -530,6 +530,7 @@ class GetStatsResponse(_message.Message):
     FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZES_FIELD_NUMBER: _ClassVar[int]
     NUMA_GPUS_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
+    FREE_ANY_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     daemon_version: str
     daemon_instance: str
     uptime_seconds: float
@@ -554,7 +555,8 @@ class GetStatsResponse(_message.Message):
     fragmentation: float
     block_sizes: _containers.RepeatedCompositeFieldContainer[BlockSizeStats]
     numa_gpus_elsewhere: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ..., open_ipc_mappings: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., namespaces_omitted: _Optional[int] = ..., clients_omitted: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., numa_nodes: _Optional[_Iterable[_Union[NumaNodeStats, _Mapping]]] = ..., numa_carved: _Optional[bool] = ..., kv_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., fragmentation: _Optional[float] = ..., block_sizes: _Optional[_Iterable[_Union[BlockSizeStats, _Mapping]]] = ..., numa_gpus_elsewhere: _Optional[_Iterable[str]] = ...) -> None: ...
+    free_any_size_bytes: int
+    def __init__(self, daemon_version: _Optional[str] = ..., daemon_instance: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., used_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., occupancy: _Optional[float] = ..., eviction_policy: _Optional[str] = ..., totals: _Optional[_Union[Counters, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., sessions_ended: _Optional[int] = ..., open_ipc_mappings: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., namespaces_omitted: _Optional[int] = ..., clients_omitted: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., numa_nodes: _Optional[_Iterable[_Union[NumaNodeStats, _Mapping]]] = ..., numa_carved: _Optional[bool] = ..., kv_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., fragmentation: _Optional[float] = ..., block_sizes: _Optional[_Iterable[_Union[BlockSizeStats, _Mapping]]] = ..., numa_gpus_elsewhere: _Optional[_Iterable[str]] = ..., free_any_size_bytes: _Optional[int] = ...) -> None: ...
 
 class NumaNodeStats(_message.Message):
     __slots__ = ("node", "first_slot", "slots", "used_slots", "bound", "gpus")

@@ -192,6 +192,18 @@ def client_factory():
         client.close()
 
 
+def lane_env(lane: str) -> dict:
+    """The environment of a daemon on `lane` ("python" or "native"); skips
+    the test where the native lane is not built."""
+    if lane == "native":
+        binding = pytest.importorskip("kvdepot.server.native.binding")
+        try:
+            binding.load()
+        except OSError as e:
+            pytest.skip(f"the native lane is not built ({e})")
+    return {"KVDEPOT_LANE": lane}
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

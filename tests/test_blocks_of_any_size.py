@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import wait_until
+from conftest import lane_env, wait_until
 from kvcache import BLOCK_SIZE, HEAD_DIM, KV_HEADS, dram, namespace, prompt_keys
 
 SLOT = 16 << 10
@@ -87,16 +87,6 @@ def test_two_block_sizes_share_one_pool_and_a_big_block_costs_its_bytes(start_da
     load_and_compare(client, wide, wide_tensors, wide_keys, list(range(24)), list(range(32, 56)), 31)
     store(client, small, prompt_keys(4, prompt=300), list(range(4)), 32)
     load_and_compare(client, small, small_tensors, prompt_keys(4, prompt=300), list(range(4)), list(range(40, 44)), 33)
-
-
-def lane_env(lane: str) -> dict:
-    if lane == "native":
-        binding = pytest.importorskip("kvdepot.server.native.binding")
-        try:
-            binding.load()
-        except OSError as e:
-            pytest.skip(f"the native lane is not built ({e})")
-    return {"KVDEPOT_LANE": lane}
 
 
 @pytest.mark.parametrize("lane", ["python", "native"])

@@ -7,7 +7,8 @@ import subprocess
 import sys
 import time
 
-from conftest import subprocess_env
+import pytest
+from conftest import lane_env, subprocess_env
 from kvcache import attach_worker, dram, namespace, prompt_keys
 
 BLOCK_BYTES = 16 * 1024
@@ -144,10 +145,11 @@ def test_cli_gives_up_on_a_wedged_daemon_after_its_timeout(tmp_path):
         wedged.wait(10)
 
 
-def test_stats_say_what_the_dram_holds_by_namespace_and_block_size(start_daemon, client_factory):
-    # 16 KiB slots; a per-layer block fills one, an MLA block (one latent
-    # tensor a layer) fills half of one.
-    daemon = start_daemon(pool_size="1MiB")
+@pytest.mark.parametrize("lane", ["python", "native"])
+def test_stats_say_what_the_dram_holds_by_namespace_and_block_size(start_daemon, client_factory, lane):
+    # 16 KiB slots in extents of 4; a per-layer block fills one, an MLA block
+    # (one latent tensor a layer) fills half of one.
+    daemon = start_daemon(pool_size="1MiB", env=lane_env(lane))
     client = client_factory(daemon, name="holds-test")
     full, _, _ = attach_worker(client, seed=1)
     half, _, _ = attach_worker(client, seed=2, layout="mla")
@@ -161,6 +163,8 @@ def test_stats_say_what_the_dram_holds_by_namespace_and_block_size(start_daemon,
     kv = 10 * BLOCK_BYTES + 20 * BLOCK_BYTES // 2
     assert int(stats["kv_bytes"]) == kv
     assert int(stats["free_bytes"]) == (64 - 30) * BLOCK_BYTES
+    # 30 one-slot runs fill 7 extents and half an 8th: the other 8 are free for any size.
+    assert int(stats["free_any_size_bytes"]) == 8 * 4 * BLOCK_BYTES
     assert abs(stats["fragmentation"] - (1 - kv / (30 * BLOCK_BYTES))) < 1e-9
     by_name = {ns["name"]: ns for ns in stats["namespaces"]}
     [mla] = [ns for name, ns in by_name.items() if "mla" in name]
@@ -171,6 +175,7 @@ def test_stats_say_what_the_dram_holds_by_namespace_and_block_size(start_daemon,
     text = cli(daemon, "stats").stdout
     assert "of slots (33% of those slots' bytes empty: fragmentation)" in text
     assert "blocks of 8 KiB: 20 slots" in text and "1 slot a block, 50% full" in text
+    assert " GiB free, 0.00 GiB of it for blocks of any size" in text
 
 
 def test_the_dram_tier_counts_shards_not_slots(start_daemon, client_factory):

@@ -90,6 +90,7 @@ def stats(report: Report, identified: bool) -> pb.GetStatsResponse:
         numa_gpus_elsewhere=report.numa_gpus_elsewhere[:64],
         kv_bytes=report.kv_bytes,
         free_bytes=report.free_bytes,
+        free_any_size_bytes=report.free_any_size_bytes,
         fragmentation=report.fragmentation,
     )
     for n in report.numa_nodes:

@@ -84,6 +84,7 @@ class Report:
     # free bytes of slots that are up, the used slots' share holding no KV.
     kv_bytes: int = 0
     free_bytes: int = 0
+    free_any_size_bytes: int = 0
     fragmentation: float = 0.0
     # The viewer's namespaces by block size.
     block_sizes: list[BlockSizeReport] = field(default_factory=list)
@@ -178,6 +179,7 @@ def build(depot, viewer: Identity | None, asking_session_id: str, most: int | No
         numa_gpus=dict(pool.placement.gpus),
         kv_bytes=held,
         free_bytes=(pool.online_slots - pool.used_slots) * pool.slot_bytes,
+        free_any_size_bytes=pool.slots.free_extent_slots * pool.slot_bytes,
         fragmentation=1.0 - min(held, used_bytes) / used_bytes if used_bytes else 0.0,
     )
     if viewer is None:

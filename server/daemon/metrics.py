@@ -214,6 +214,8 @@ def _families(s: Report, tenant_series: bool):
     yield _gauge("kvdepot_pool_slots", "Slots of the pool.", num_slots)
     yield _gauge("kvdepot_pool_free_bytes", "Bytes of the pool's slots that are up and in no block's run (a "
                  "free run in an extent of one block size serves that size alone).", s.free_bytes)
+    yield _gauge("kvdepot_pool_free_any_size_bytes", "Of the free bytes, those in extents no block holds: room "
+                 "for a block of any size.", s.free_any_size_bytes)
     if tenant_series:  # with the pool's used bytes they would tell a tenant's block size
         yield _gauge("kvdepot_pool_kv_bytes", "Bytes of KV the pool's used slots hold (each namespace's blocks "
                      "times its block bytes; a block takes a run of ceil(block / slot) slots).", s.kv_bytes)

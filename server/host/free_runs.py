@@ -83,6 +83,11 @@ class FreeRuns:
         """Slots online and in no run in use (extents' tails included)."""
         return self.online - sum(self._used_in)
 
+    @property
+    def free_extent_slots(self) -> int:
+        """Slots of the online extents no run holds: room for a block of any size."""
+        return sum(self._count[e] for stack in self._free_extents for e in stack)
+
     def free_in(self, index: int) -> int:
         return self._online_in[index] - self._used_in[index]
 

@@ -238,4 +238,5 @@ STAGES = ("received", "begin", "launch", "ids_up", "kernel", "transfers", "first
 
 # kvd_counts' fields, in order.
 COUNTS = ("used_slots", "pinned_slots", "eviction_size", "jobs_in_flight", "sessions_ended", "sealed",
-          "not_sealed", "unsealed", "store_busy_ns", "load_busy_ns", "connections", "free_slots")
+          "not_sealed", "unsealed", "store_busy_ns", "load_busy_ns", "connections", "free_slots",
+          "free_extent_slots")

@@ -57,6 +57,10 @@ class NativeSlots:
     def free(self) -> int:
         return self._lane.counts()["free_slots"]
 
+    @property
+    def free_extent_slots(self) -> int:
+        return self._lane.counts()["free_extent_slots"]
+
     def free_in(self, index: int) -> int:
         return self._lane.free_in(index)
 

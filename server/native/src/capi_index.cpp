@@ -181,7 +181,8 @@ KVD_API int kvd_block_info(Lane* lane, uint64_t handle, uint32_t rank, int64_t* 
 // ---------------------------------------------------------------- counts
 
 // [used slots, pinned slots, eviction order size, jobs in flight, sessions ended,
-//  sealed, not sealed, unsealed, store busy ns, load busy ns, connections, free slots]
+//  sealed, not sealed, unsealed, store busy ns, load busy ns, connections, free slots,
+//  free extents' slots]
 KVD_API void kvd_counts(Lane* lane, int64_t* out) {
   if (!lane) return;
   std::lock_guard<std::mutex> lock(lane->mutex);
@@ -198,6 +199,7 @@ KVD_API void kvd_counts(Lane* lane, int64_t* out) {
   out[9] = lane->jobs->load_clock.seconds_ns(now);
   out[10] = (int64_t)lane->conns->size();
   out[11] = lane->slots->free();
+  out[12] = lane->slots->free_extent_slots();
 }
 
 KVD_API void kvd_set_online(Lane* lane, const int64_t* firsts, const int64_t* counts, size_t n) {

@@ -79,6 +79,13 @@ int64_t Slots::span_at(int64_t slot) const {
   return extents_[extent_of(slot)].span;
 }
 
+int64_t Slots::free_extent_slots() const {
+  int64_t n = 0;
+  for (const RangeState& r : state_)
+    for (size_t e : r.free_extents) n += extents_[e].count;
+  return n;
+}
+
 bool Slots::frees_run(const std::vector<int64_t>& slots, int64_t span) const {
   std::vector<std::pair<size_t, int64_t>> within;  // (extent, runs of the block in it)
   for (int64_t slot : slots) {

@@ -64,6 +64,8 @@ class Slots {
   int64_t add_online(int64_t first, int64_t count, const Runs& held);
 
   int64_t free() const { return online_count() - used_count(); }
+  // Slots of the online extents no run holds: room for a block of any size.
+  int64_t free_extent_slots() const;
   int64_t free_in(size_t range) const { return online_in_[range] - used_in_[range]; }
   int64_t online() const { return online_count(); }
   int64_t online_in(size_t range) const { return online_in_[range]; }
