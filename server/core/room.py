@@ -21,24 +21,32 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from kvdepot.server.core.blocks import Block
 
 
 def clearing(blocks: Iterable[Block], runs, oldest: Block, span: int, allowed: set[str]) -> list[Block] | None:
     """The blocks to evict so that an extent of `runs` (free_runs.FreeRuns)
-    empties for a run of `span`; None when no extent can be cleared."""
+    empties for a run of `span`; None when no extent can be cleared. One pass
+    over the blocks, the extents found for all their slots at once (numpy):
+    it runs once an extent, and a pool holds up to millions of blocks."""
     blocks = list(blocks)
-    held = [0] * runs.extents
-    barred = [False] * runs.extents
-    for block in blocks:
-        may_go = block.pins == 0 and block.ns.scope in allowed
-        for slot in block.held_slots():
-            e = runs.extent_of(slot)
-            held[e] += 1
-            barred[e] = barred[e] or not may_go
+    owners, slots, barring = [], [], []
+    for i, block in enumerate(blocks):
+        barred = block.pins != 0 or block.ns.scope not in allowed
+        for slot in block.slots:
+            if slot is not None:
+                owners.append(i)
+                slots.append(slot)
+                barring.append(barred)
+    slots = np.asarray(slots, dtype=np.int64)
+    extents = runs.extents_of(slots)
+    held = np.bincount(extents, minlength=runs.extents)
+    barred = np.bincount(extents, weights=np.asarray(barring, dtype=np.float64), minlength=runs.extents) > 0
 
     def clearable(e: int) -> bool:
-        return held[e] > 0 and not barred[e] and runs.can_clear(e, span, held[e])
+        return held[e] > 0 and not barred[e] and runs.can_clear(e, span, int(held[e]))
 
     choice = next((e for e in map(runs.extent_of, oldest.held_slots()) if clearable(e)), None)
     if choice is None:
@@ -46,11 +54,9 @@ def clearing(blocks: Iterable[Block], runs, oldest: Block, span: int, allowed: s
         if not fits:
             return None
         choice = min(fits, key=lambda e: (held[e], e))
-    first, end = runs.bounds(choice)
-    going = []
-    for block in blocks:
-        within = [slot for slot in block.held_slots() if first <= slot < end]
-        if within:
-            going.append((min(within), block))
-    going.sort(key=lambda pair: pair[0])
-    return [block for _, block in going]
+    # Each block once, at its lowest slot in the extent, in slot order.
+    within = np.flatnonzero(extents == choice)
+    lowest: dict[int, int] = {}
+    for at in within[np.argsort(slots[within], kind="stable")].tolist():
+        lowest.setdefault(owners[at], at)
+    return [blocks[i] for i in lowest]

@@ -107,6 +107,10 @@ class FreeRuns:
     def extents(self) -> int:
         return len(self._first)
 
+    def extents_of(self, slots: np.ndarray) -> np.ndarray:
+        """extent_of for many slots at once."""
+        return np.searchsorted(np.asarray(self._first), slots, side="right") - 1
+
     def bounds(self, e: int) -> tuple[int, int]:
         """Extent `e`'s slots: [first, end)."""
         return self._first[e], self._first[e] + self._count[e]
