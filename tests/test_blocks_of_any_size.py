@@ -122,6 +122,36 @@ def test_a_new_block_size_clears_one_extent_a_block_not_the_pool(start_daemon, c
     load_and_compare(client, small, small_tensors, rounds[1][:4], list(range(4)), list(range(58, 62)), 32)
 
 
+@pytest.mark.parametrize("lane", ["python", "native"])
+def test_with_an_extent_of_each_pinned_a_wider_block_still_finds_room(start_held_daemon, client_factory, lane):
+    """Loads in flight pin a block of every extent, so none can be cleared. A
+    wide block still takes the place of the oldest wide block free to go; it
+    was refused, with nothing evicted, while such a block was there."""
+    daemon = start_held_daemon(env=lane_env(lane))
+    client = client_factory(daemon)
+    small, _, _ = big_worker(client, layers=4, seed=2, model="narrow")  # 1 slot
+    wide, wide_engine, _ = big_worker(client, layers=10, seed=3, model="wide")  # 3 slots: 5 an extent
+    narrow_keys = prompt_keys(192, prompt=100)
+    for r in range(6):  # extents 0-11
+        store(client, small, narrow_keys[32 * r: 32 * (r + 1)], list(range(32)), 10 + r)
+    wide_keys = prompt_keys(20, prompt=200)
+    store(client, wide, wide_keys, list(range(20)), 20)  # extents 12-15
+    assert client.stats().used_slots == 252
+    loads = [(small, 30, narrow_keys[::16], list(range(32, 44))), (wide, 31, wide_keys[::5], list(range(32, 36)))]
+    for worker, job, keys, ids in loads:
+        daemon.hold(job)
+        client.submit_load(worker, job, keys, ids)
+    wait_until(lambda: client.stats().pinned_slots == 12 + 4 * 3, what="the loads in flight")
+    result = store(client, wide, prompt_keys(1, prompt=300), [20], 32)
+    assert result.not_stored == 0
+    assert client.stats().totals.evicted_blocks == 1
+    assert client.lookup(wide_engine, wide_keys[1:2]).ready_blocks == 0  # the oldest wide block not pinned
+    assert client.lookup(wide_engine, wide_keys[2:]).ready_blocks == 18
+    for _, job, _, _ in loads:
+        daemon.release(job)
+        assert client.wait([job], 10)[job].ok
+
+
 def test_runs_come_back_after_a_restart(start_daemon, client_factory):
     daemon = start_daemon()
     client = client_factory(daemon, backoff_max=0.5)

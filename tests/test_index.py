@@ -147,3 +147,50 @@ def test_a_scope_at_its_share_clears_no_extent_that_holds_another_scopes_blocks(
     # Blocks of a's own size still take the place of a's oldest.
     reservation = index.reserve_store(a, 0, [b"n" * 32], job_id=3)
     assert reservation.not_stored == 0 and [blk.ns.scope for blk in evicted] == ["a"]
+
+
+def store_all(index, ns, keys, job_id: int, span: int = 1, rank: int = 0):
+    reservation = index.reserve_store(ns, rank, keys, job_id=job_id, span=span)
+    index.finish_stores([blk for _, blk in reservation.writes], rank, True, 4096 * span)
+    return reservation
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_with_no_extent_to_clear_a_newer_block_of_the_size_makes_room(pool, policy):
+    """Loads in flight pin a block of every extent, so none can be cleared; a
+    block of two slots is still stored, in the place of the oldest block of
+    that size, not refused while one could go."""
+    evicted = []
+    index = index_of(pool, policy, evicted.append)
+    narrow = Namespace(id=1, name="narrow", tp_size=1, scope="t")
+    wide = Namespace(id=2, name="wide", tp_size=1, scope="t")
+    narrow_keys = [bytes([1, i]) * 16 for i in range(48)]
+    wide_keys = [bytes([2, i]) * 16 for i in range(8)]
+    store_all(index, narrow, narrow_keys, 1)  # extents 0-11
+    store_all(index, wide, wide_keys, 2, span=2)  # extents 12-15, two blocks each
+    index.reserve_load(narrow, narrow_keys[3::4], 0, 4096)
+    index.reserve_load(wide, wide_keys[1::2], 0, 8192)
+    for attempt in range(3):
+        assert store_all(index, wide, [bytes([3, attempt]) * 16], 10 + attempt, span=2).not_stored == 0
+    assert [block.key for block in evicted] == wide_keys[0:6:2]
+
+
+def test_clearing_never_takes_a_block_whose_other_ranks_are_on_their_way(pool):
+    """Rank 0 has just stored three TP-2 blocks, in the oldest block's extent;
+    rank 1's stores follow. A block of another size cleared that extent and
+    took them, and rank 1 then wrote shards of blocks that could never be
+    ready. Now another extent is cleared, and the three become ready."""
+    evicted = []
+    index = index_of(pool, "lru", evicted.append)
+    old = Namespace(id=1, name="old", tp_size=1, scope="t")
+    tp2 = Namespace(id=2, name="tp2", tp_size=2, scope="t")
+    wide = Namespace(id=3, name="wide", tp_size=1, scope="t")
+    old_keys = [bytes([1, i]) * 16 for i in range(64)]
+    store_all(index, old, old_keys, 1)
+    index.finish_loads(index.reserve_load(old, [old_keys[0]] + old_keys[4:], 0, 4096))  # 1-3 the oldest
+    tp2_keys = [bytes([2, i]) * 16 for i in range(3)]
+    store_all(index, tp2, tp2_keys, 2)  # rank 0's shards in slots 1-3, in place of old 1-3
+    store_all(index, wide, [b"w" * 32], 3, span=2)
+    assert not any(block.ns is tp2 for block in evicted)
+    store_all(index, tp2, tp2_keys, 4, rank=1)
+    assert index.lookup(tp2, tp2_keys).ready == 3

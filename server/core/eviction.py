@@ -8,8 +8,9 @@ before it evicts (a block of another size may free nothing a store can use).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 Key = Hashable
 Evictable = Callable[[Key], bool]
@@ -41,6 +42,10 @@ class LRUPolicy:
 
     def oldest(self, evictable: Evictable, incoming: Key | None = None) -> Key | None:
         return _first(self._order, evictable)
+
+    def ordered(self, incoming: Key | None = None) -> Iterator[Key]:
+        """Every key, the one `oldest` would name first; nothing moves."""
+        return iter(self._order)
 
     def evict(self, key: Key) -> None:
         self._order.pop(key, None)
@@ -107,16 +112,22 @@ class ARCPolicy:
         for lst in (self.t1, self.t2, self.b1, self.b2):
             lst.pop(key, None)
 
-    def oldest(self, evictable: Evictable, incoming: Key | None = None) -> Key | None:
+    def _lists(self, incoming: Key | None) -> list[OrderedDict]:
         from_t1_first = bool(self.t1) and (
             len(self.t1) > self.p or (incoming in self.b2 and len(self.t1) == int(self.p))
         )
-        order = [self.t1, self.t2] if from_t1_first else [self.t2, self.t1]
-        for live in order:
+        return [self.t1, self.t2] if from_t1_first else [self.t2, self.t1]
+
+    def oldest(self, evictable: Evictable, incoming: Key | None = None) -> Key | None:
+        for live in self._lists(incoming):
             key = _first(live, evictable)
             if key is not None:
                 return key
         return None
+
+    def ordered(self, incoming: Key | None = None) -> Iterator[Key]:
+        """Every key, the one `oldest` would name first; nothing moves."""
+        return itertools.chain(*self._lists(incoming))
 
     def evict(self, key: Key) -> None:
         """Out of T1 or T2, remembered in the ghost list beside it."""

@@ -399,7 +399,8 @@ class BlockIndex:
                 return None
             going = [self._blocks[oldest]]
             if not at_quota() and not self.pool.slots.frees_run(going[0].held_slots(), span):
-                going = room.clearing(self._blocks.values(), self.pool.slots, going[0], span, {scope, *order})
+                orders = [self.evictions.of(s).ordered(incoming if s == scope else None) for s in order]
+                going = room.room_for(span, going[0], self._blocks, self.pool.slots, orders, {scope, *order})
                 if going is None:
                     return None
             for victim in going:

@@ -11,19 +11,39 @@ first of equals). The blocks of an extent all go, each through the policy
 (ARC remembers them), in slot order.
 
 An extent can be cleared only when every block in it could go for this store:
-unpinned, and of the storing scope or of one that gives up room to it
-(shares.py), and when no run in it is held for a kept block still waiting.
-When none can, the block is not stored and nothing is evicted for it. The
-native lane does the same (server/native/src/index.cpp, clearing).
+ready and unpinned (a block waiting for its other ranks' shards is as old as
+its first, and those stores follow at once), of the storing scope or of one
+that gives up room to it (shares.py), and when no run in it is held for a
+kept block still waiting. When none can, the first block in the scopes'
+policy order that is ready, unpinned and frees a run of the span goes (a
+newer block of that size); when there is none either, the block is not
+stored and nothing is evicted for it. The native lane does the same
+(server/native/src/index.cpp, room_for and clearing).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
 from kvdepot.server.core.blocks import Block
+
+
+def room_for(span: int, oldest: Block, blocks: Mapping, runs, orders: list[Iterable], allowed: set[str]
+             ) -> list[Block] | None:
+    """The blocks to evict for a run of `span` when the policy's oldest block
+    frees none; `orders`: the keys of the scopes that give up room, each in its
+    policy's order. None when nothing can make room."""
+    going = clearing(blocks.values(), runs, oldest, span, allowed)
+    if going is not None:
+        return going
+    for keys in orders:
+        for key in keys:
+            block = blocks[key]
+            if block.ready and block.pins == 0 and runs.frees_run(block.held_slots(), span):
+                return [block]
+    return None
 
 
 def clearing(blocks: Iterable[Block], runs, oldest: Block, span: int, allowed: set[str]) -> list[Block] | None:
@@ -34,7 +54,7 @@ def clearing(blocks: Iterable[Block], runs, oldest: Block, span: int, allowed: s
     blocks = list(blocks)
     owners, slots, barring = [], [], []
     for i, block in enumerate(blocks):
-        barred = block.pins != 0 or block.ns.scope not in allowed
+        barred = not block.ready or block.pins != 0 or block.ns.scope not in allowed
         for slot in block.slots:
             if slot is not None:
                 owners.append(i)

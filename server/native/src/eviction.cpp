@@ -141,15 +141,17 @@ void Eviction::remove(Index& index, Policy& policy, uint32_t b) {
   }
 }
 
-uint32_t Eviction::oldest(Index& index, Policy& policy, const IndexKey* incoming) {
-  if (!policy.arc) return first(index, policy.t1, 1);
+std::vector<uint8_t> Eviction::lists(const Policy& policy, const IndexKey* incoming) {
+  if (!policy.arc) return {1};
   bool from_t1_first =
       policy.t1.size > 0 && ((double)policy.t1.size > policy.p ||
                              (incoming != nullptr && policy.b2.has(*incoming) &&
                               (int64_t)policy.t1.size == (int64_t)policy.p));
-  uint8_t order[2] = {1, 2};
-  if (!from_t1_first) std::swap(order[0], order[1]);
-  for (uint8_t list : order) {
+  return from_t1_first ? std::vector<uint8_t>{1, 2} : std::vector<uint8_t>{2, 1};
+}
+
+uint32_t Eviction::oldest(Index& index, Policy& policy, const IndexKey* incoming) {
+  for (uint8_t list : lists(policy, incoming)) {
     uint32_t b = first(index, list_of(policy, list), list);
     if (b != NIL) return b;
   }

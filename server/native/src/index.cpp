@@ -327,8 +327,7 @@ int64_t Index::allocate_slot(uint32_t incoming, uint32_t scope, int32_t node, in
     for (const Shard& shard : blocks_[oldest].shards)
       if (shard.slot >= 0) held.push_back(shard.slot);
     if (!at_quota() && !slots_.frees_run(held, span)) {
-      order.push_back(scope);
-      going = clearing(oldest, span, order);
+      going = room_for(oldest, span, order, scope, incoming_key);
       if (going.empty()) return -1;
     }
     for (uint32_t b : going) evict(b);
@@ -337,12 +336,36 @@ int64_t Index::allocate_slot(uint32_t incoming, uint32_t scope, int32_t node, in
   return slot;
 }
 
+std::vector<uint32_t> Index::room_for(uint32_t oldest, int64_t span, const std::vector<uint32_t>& order,
+                                      uint32_t scope, const IndexKey& incoming) {
+  std::vector<uint32_t> allowed = order;
+  allowed.push_back(scope);
+  std::vector<uint32_t> going = clearing(oldest, span, allowed);
+  if (!going.empty()) return going;
+  std::vector<int64_t> held;
+  for (uint32_t s : order) {
+    Policy& p = policy(s);
+    for (uint8_t list : Eviction::lists(p, s == scope ? &incoming : nullptr)) {
+      for (uint32_t b = (list == 2 ? p.t2 : p.t1).head; b != NIL; b = blocks_[b].next) {
+        const Block& block = blocks_[b];
+        if (!block.ready || block.pins) continue;
+        held.clear();
+        for (const Shard& shard : block.shards)
+          if (shard.slot >= 0) held.push_back(shard.slot);
+        if (slots_.frees_run(held, span)) return {b};
+      }
+    }
+  }
+  return {};
+}
+
 std::vector<uint32_t> Index::clearing(uint32_t oldest, int64_t span, const std::vector<uint32_t>& allowed) {
   size_t n = slots_.extents();
   std::vector<int64_t> held(n, 0);
   std::vector<uint8_t> barred(n, 0);
   for (const Block& block : blocks_) {  // free entries have no shards
-    bool may_go = block.pins == 0 && std::find(allowed.begin(), allowed.end(), block.scope) != allowed.end();
+    bool may_go = block.ready && block.pins == 0 &&
+                  std::find(allowed.begin(), allowed.end(), block.scope) != allowed.end();
     for (const Shard& shard : block.shards) {
       if (shard.slot < 0) continue;
       size_t e = slots_.extent_of(shard.slot);

@@ -93,8 +93,10 @@ class Index {
   void pin(uint32_t b);
   void unpin(uint32_t b);
   int64_t allocate_slot(uint32_t incoming, uint32_t scope, int32_t node, int64_t span);
-  // The blocks to evict so that one extent empties for a run of `span`
-  // (core/room.py says which); empty when none can be cleared.
+  // The blocks to evict for a run of `span` when the policy's oldest frees
+  // none (core/room.py says which); empty when nothing can make room.
+  std::vector<uint32_t> room_for(uint32_t oldest, int64_t span, const std::vector<uint32_t>& order, uint32_t scope,
+                                 const IndexKey& incoming);
   std::vector<uint32_t> clearing(uint32_t oldest, int64_t span, const std::vector<uint32_t>& allowed);
   void evict(uint32_t b);
   // The slots of a block's runs (every count of slots counts runs' slots).
@@ -134,6 +136,8 @@ class Eviction {
   static void remove(Index& index, Policy& policy, uint32_t b);
   // The block the policy would evict, left in place; NIL when every one is pinned.
   static uint32_t oldest(Index& index, Policy& policy, const IndexKey* incoming);
+  // The lists (1: T1, 2: T2) in the order oldest() looks in them.
+  static std::vector<uint8_t> lists(const Policy& policy, const IndexKey* incoming);
   // Out of the order (under ARC, remembered in the ghost list beside its list).
   static void evict(Index& index, Policy& policy, uint32_t b);
   // oldest(), evicted.
