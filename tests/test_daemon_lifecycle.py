@@ -113,7 +113,9 @@ def test_sigterm_gives_up_on_a_stuck_job_after_the_drain_timeout(start_held_daem
         (["--max-unread-job-replies", "2048TiB"], "max_unread_job_replies must be at least 1MiB and at most 1TiB"),
         # It used to be taken, and every TLS handshake with the store then failed, reported as a timeout.
         (["--remote", "valkeys://127.0.0.1:6380", "--remote-ca-file", "TOKEN"],
-         "TOKEN holds no PEM CA certificate (no start line"),
+         "TOKEN holds no PEM CA certificate (NO_CERTIFICATE_OR_CRL_FOUND)"),
+        (["--remote", "valkeys://127.0.0.1:6380", "--remote-ca-file", "EMPTY"],
+         "EMPTY holds no PEM CA certificate (NO_CERTIFICATE_OR_CRL_FOUND)"),
     ],
 )
 def test_bad_configuration_is_refused_with_a_clear_message(tmp_path, args, message):

@@ -194,3 +194,23 @@ def test_clearing_never_takes_a_block_whose_other_ranks_are_on_their_way(pool):
     assert not any(block.ns is tp2 for block in evicted)
     store_all(index, tp2, tp2_keys, 4, rank=1)
     assert index.lookup(tp2, tp2_keys).ready == 3
+
+
+def test_a_search_that_found_no_room_is_not_made_again_for_a_second(pool):
+    """The search for room walks every block: after one that found none, the
+    scope's stores of that size are refused for a second without it, even
+    once room has come back; then they search again and are stored."""
+    from kvdepot.server.core import room
+
+    now = [0.0]
+    index = index_of(pool)
+    index._no_room = room.NoRoom(clock=lambda: now[0])
+    a = Namespace(id=1, name="a", tp_size=1, scope="a")
+    b = Namespace(id=2, name="b", tp_size=1, scope="b")
+    fill_alternately(index, a, b, 64)
+    assert index.reserve_store(a, 0, [b"w" * 32], job_id=2, span=2).not_stored == 1
+    index.clear(b)  # every extent now holds a's blocks alone: one could be cleared
+    now[0] += room.NO_ROOM_S / 2
+    assert index.reserve_store(a, 0, [b"x" * 32], job_id=3, span=2).not_stored == 1
+    now[0] += room.NO_ROOM_S
+    assert index.reserve_store(a, 0, [b"y" * 32], job_id=4, span=2).not_stored == 0

@@ -77,6 +77,7 @@ class BlockIndex:
         self._storing: dict[str, int] = {}
         # Slots held (ready, incomplete or being stored), by scope, for the shares.
         self._held: dict[str, int] = {}
+        self._no_room = room.NoRoom()  # (scope, span) that found no room just now
         # What sits under the DRAM blocks: told of commits, asked on misses.
         self.tiers = tiers or TierStack()
         self.tiers.attach(self)
@@ -384,10 +385,8 @@ class BlockIndex:
             return quota is not None and self._held.get(scope, 0) + span > quota
 
         slot = None if at_quota() else self.pool.allocate(node, span)
-        # A full pool (the steady state), or a scope at its quota: each new
-        # block evicts, of the scope that shares.py says gives up a slot; when
-        # the oldest block there frees no run of this span, one extent is
-        # cleared (room.py).
+        # A full pool (the steady state), or a scope at its quota: each block evicts, of the
+        # scope shares.py names; room.py when the oldest there frees no run of this span.
         while slot is None:
             order = self.evictions.order(scope, self._slots_by_scope)
             for victim_scope in order:
@@ -399,9 +398,12 @@ class BlockIndex:
                 return None
             going = [self._blocks[oldest]]
             if not at_quota() and not self.pool.slots.frees_run(going[0].held_slots(), span):
+                if self._no_room.recent(scope, span):
+                    return None
                 orders = [self.evictions.of(s).ordered(incoming if s == scope else None) for s in order]
                 going = room.room_for(span, going[0], self._blocks, self.pool.slots, orders, {scope, *order})
                 if going is None:
+                    self._no_room.note(scope, span)
                     return None
             for victim in going:
                 self.evictions.of(victim.ns.scope).evict(victim.index_key)

@@ -17,17 +17,40 @@ that gives up room to it (shares.py), and when no run in it is held for a
 kept block still waiting. When none can, the first block in the scopes'
 policy order that is ready, unpinned and frees a run of the span goes (a
 newer block of that size); when there is none either, the block is not
-stored and nothing is evicted for it. The native lane does the same
-(server/native/src/index.cpp, room_for and clearing).
+stored and nothing is evicted for it, and the scope's stores of that span are
+refused for NO_ROOM_S without searching again (NoRoom): the search walks
+every block, and a pool in that state (every extent pinned, or shared with a
+tenant that keeps its share) would otherwise pay it once a request. The
+native lane does the same (server/native/src/index.cpp, room_for and clearing).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 
 from kvdepot.server.core.blocks import Block
+
+NO_ROOM_S = 1.0
+
+
+class NoRoom:
+    """(scope, span) pairs whose search for room found none, until when."""
+
+    def __init__(self, clock=time.monotonic):
+        self._until: dict[tuple[str, int], float] = {}
+        self._clock = clock
+
+    def recent(self, scope: str, span: int) -> bool:
+        return self._clock() < self._until.get((scope, span), 0.0)
+
+    def note(self, scope: str, span: int) -> None:
+        now = self._clock()
+        if len(self._until) >= 4096:  # spans and scopes are bounded; their pairs, kept short
+            self._until = {k: t for k, t in self._until.items() if t > now}
+        self._until[(scope, span)] = now + NO_ROOM_S
 
 
 def room_for(span: int, oldest: Block, blocks: Mapping, runs, orders: list[Iterable], allowed: set[str]

@@ -53,7 +53,7 @@ def remote_spec(tiers) -> RemoteSpec:
     if ca_pem is not None:
         if not tls:
             raise RemoteConfigError("remote_ca_file is for a TLS store: use valkeys:// or rediss://")
-        _check_ca(ca_pem, tiers.remote_ca_file)
+        _check_ca(tiers.remote_ca_file)
     try:
         import glide  # noqa: F401 - the client, only where --remote is used
     except ImportError:
@@ -70,15 +70,13 @@ def _read(path: str, option: str) -> bytes:
         raise RemoteConfigError(f"{option}: cannot read {path}: {e.strerror}") from None
 
 
-def _check_ca(pem: bytes, path: str) -> None:
+def _check_ca(path: str) -> None:
     """Read as the TLS library will: a file of no certificate would fail every
     handshake later, each reported only as a store that does not answer."""
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=pem.decode("ascii"))
-    except UnicodeDecodeError:
-        raise RemoteConfigError(f"remote_ca_file: {path} holds no PEM CA certificate (it is not text)") from None
-    except ssl.SSLError as e:
-        reason = e.reason or (e.args[1] if len(e.args) > 1 else str(e))
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+    except (ssl.SSLError, ValueError) as e:
+        reason = getattr(e, "reason", None) or (e.args[-1] if e.args else type(e).__name__)
         raise RemoteConfigError(f"remote_ca_file: {path} holds no PEM CA certificate ({reason})") from None
 
 
@@ -244,7 +242,7 @@ class RemoteStore:
             return f"{self.spec.describe()}: {host} does not resolve ({e.strerror})"
         except ssl.SSLError as e:
             return f"{self.spec.describe()}: the TLS handshake with {host}:{port} failed ({e.reason or e})"
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11, two before
             return f"{self.spec.describe()}: {host}:{port} did not accept a connection within {wait:g} s"
         except OSError as e:
             return f"{self.spec.describe()}: {host}:{port}: {e.strerror or e}"

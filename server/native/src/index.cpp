@@ -5,10 +5,15 @@
 // alone; verify() recomputes them all.
 #include "index.h"
 
+#include <chrono>
+
 #define XXH_INLINE_ALL
 #include "../third_party/xxhash/xxhash.h"
 
 namespace kvd {
+
+// room.py NO_ROOM_S.
+constexpr int64_t NO_ROOM_NS = 1'000'000'000;
 
 size_t KeyHash::operator()(const IndexKey& k) const {
   return (size_t)XXH3_64bits_withSeed(k.key.b, KEY_BYTES, seed ^ ((uint64_t)k.ns * 0x9E3779B97F4A7C15ull));
@@ -327,8 +332,19 @@ int64_t Index::allocate_slot(uint32_t incoming, uint32_t scope, int32_t node, in
     for (const Shard& shard : blocks_[oldest].shards)
       if (shard.slot >= 0) held.push_back(shard.slot);
     if (!at_quota() && !slots_.frees_run(held, span)) {
+      uint64_t pair = ((uint64_t)scope << 32) | (uint64_t)(uint32_t)span;
+      int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now().time_since_epoch()).count();
+      auto recent = no_room_until_.find(pair);
+      if (recent != no_room_until_.end() && now < recent->second) return -1;
       going = room_for(oldest, span, order, scope, incoming_key);
-      if (going.empty()) return -1;
+      if (going.empty()) {
+        if (no_room_until_.size() >= 4096)
+          for (auto at = no_room_until_.begin(); at != no_room_until_.end();)
+            at = at->second <= now ? no_room_until_.erase(at) : std::next(at);
+        no_room_until_[pair] = now + NO_ROOM_NS;
+        return -1;
+      }
     }
     for (uint32_t b : going) evict(b);
     if (!at_quota()) slot = slots_.allocate(node, span);  // else the scope evicts its own until its quota has room

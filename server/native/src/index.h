@@ -122,6 +122,8 @@ class Index {
   std::vector<Scope> scopes_;
   std::unordered_map<std::string, uint32_t> scope_ids_;
   std::vector<uint32_t> held_order_;  // scopes in the order they first held slots
+  // (scope << 32 | span) whose search for room found none, until when (steady ns): room.py NoRoom.
+  std::unordered_map<uint64_t, int64_t> no_room_until_;
   std::unordered_map<uint32_t, Namespace> namespaces_;
 };
 
