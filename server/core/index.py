@@ -397,7 +397,7 @@ class BlockIndex:
             else:
                 return None
             going = [self._blocks[oldest]]
-            if not at_quota() and not self.pool.slots.frees_run(going[0].held_slots(), span):
+            if not at_quota() and not self.pool.slots.frees_run(going[0].slots, span):
                 if self._no_room.recent(scope, span):
                     return None
                 orders = [self.evictions.of(s).ordered(incoming if s == scope else None) for s in order]

@@ -64,7 +64,7 @@ def room_for(span: int, oldest: Block, blocks: Mapping, runs, orders: list[Itera
     for keys in orders:
         for key in keys:
             block = blocks[key]
-            if block.ready and block.pins == 0 and runs.frees_run(block.held_slots(), span):
+            if block.ready and block.pins == 0 and runs.frees_run(block.slots, span):
                 return [block]
     return None
 

@@ -115,11 +115,14 @@ class FreeRuns:
         """Extent `e`'s slots: [first, end)."""
         return self._first[e], self._first[e] + self._count[e]
 
-    def frees_run(self, slots: Iterable[int], span: int) -> bool:
-        """Whether releasing the runs at `slots` (one block's) frees a run of
-        `span`: one in an extent of that span, or an extent they alone use."""
+    def frees_run(self, slots: Iterable[int | None], span: int) -> bool:
+        """Whether releasing the runs at `slots` (one block's, None: a rank
+        without one) frees a run of `span`: one in an extent of that span, or
+        an extent they alone use."""
         within: dict[int, int] = {}
         for slot in slots:
+            if slot is None:
+                continue
             e = self.extent_of(slot)
             if self._span[e] == span:
                 return True

@@ -328,10 +328,7 @@ int64_t Index::allocate_slot(uint32_t incoming, uint32_t scope, int32_t node, in
     }
     if (oldest == NIL) return -1;
     std::vector<uint32_t> going{oldest};
-    std::vector<int64_t> held;
-    for (const Shard& shard : blocks_[oldest].shards)
-      if (shard.slot >= 0) held.push_back(shard.slot);
-    if (!at_quota() && !slots_.frees_run(held, span)) {
+    if (!at_quota() && !slots_.frees_run(blocks_[oldest].shards, span)) {
       uint64_t pair = ((uint64_t)scope << 32) | (uint64_t)(uint32_t)span;
       int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                         std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -358,17 +355,12 @@ std::vector<uint32_t> Index::room_for(uint32_t oldest, int64_t span, const std::
   allowed.push_back(scope);
   std::vector<uint32_t> going = clearing(oldest, span, allowed);
   if (!going.empty()) return going;
-  std::vector<int64_t> held;
   for (uint32_t s : order) {
     Policy& p = policy(s);
     for (uint8_t list : Eviction::lists(p, s == scope ? &incoming : nullptr)) {
       for (uint32_t b = (list == 2 ? p.t2 : p.t1).head; b != NIL; b = blocks_[b].next) {
         const Block& block = blocks_[b];
-        if (!block.ready || block.pins) continue;
-        held.clear();
-        for (const Shard& shard : block.shards)
-          if (shard.slot >= 0) held.push_back(shard.slot);
-        if (slots_.frees_run(held, span)) return {b};
+        if (block.ready && !block.pins && slots_.frees_run(block.shards, span)) return {b};
       }
     }
   }

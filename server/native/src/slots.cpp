@@ -86,10 +86,11 @@ int64_t Slots::free_extent_slots() const {
   return n;
 }
 
-bool Slots::frees_run(const std::vector<int64_t>& slots, int64_t span) const {
+bool Slots::frees_run(const std::vector<Shard>& shards, int64_t span) const {
   std::vector<std::pair<size_t, int64_t>> within;  // (extent, runs of the block in it)
-  for (int64_t slot : slots) {
-    size_t e = extent_of(slot);
+  for (const Shard& shard : shards) {
+    if (shard.slot < 0) continue;
+    size_t e = extent_of(shard.slot);
     if (extents_[e].span == span) return true;
     auto at = std::find_if(within.begin(), within.end(), [&](auto& w) { return w.first == e; });
     if (at == within.end()) within.push_back({e, 1});

@@ -44,9 +44,9 @@ class Slots {
   size_t extents() const { return extents_.size(); }
   size_t extent_of(int64_t slot) const;
   std::pair<int64_t, int64_t> bounds(size_t e) const { return {extents_[e].first, extents_[e].first + extents_[e].count}; }
-  // Whether releasing the runs at `slots` (one block's) frees a run of `span`
-  // (free_runs.py frees_run).
-  bool frees_run(const std::vector<int64_t>& slots, int64_t span) const;
+  // Whether releasing a block's runs (its shards' slots, -1: none) frees a run
+  // of `span` (free_runs.py frees_run).
+  bool frees_run(const std::vector<Shard>& shards, int64_t span) const;
   // Whether extent `e` is free once `runs` runs of it go and then fits a run of `span`.
   bool can_clear(size_t e, int64_t span, int64_t runs) const {
     const Extent& x = extents_[e];
